@@ -1,0 +1,40 @@
+"""Model definitions (Flax NNX), annotated with logical axis names only.
+
+``config(name, **overrides)`` returns a preset's config; ``build(cfg, rngs)`` the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from flax import nnx
+
+from models import llama
+
+_FAMILIES = {"llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama)}
+
+
+def presets() -> dict:
+    return {name: cfg for presets, _, _ in _FAMILIES.values() for name, cfg in presets.items()}
+
+
+def config(name: str, **overrides):
+    """A preset's config with fields overridden (values as given, already typed)."""
+    table = presets()
+    if name not in table:
+        raise ValueError(f"unknown model {name!r}. Presets: {', '.join(table)}.")
+    cfg = table[name]
+    known = {f.name for f in fields(cfg)}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ValueError(
+            f"model {name!r} has no field {bad[0]!r}. Fields: {', '.join(sorted(known))}."
+        )
+    return replace(cfg, **overrides)
+
+
+def build(cfg, rngs: nnx.Rngs) -> nnx.Module:
+    for _, config_type, module in _FAMILIES.values():
+        if isinstance(cfg, config_type):
+            return module(cfg, rngs)
+    raise TypeError(f"no model family for config {type(cfg).__name__}")

@@ -1,0 +1,38 @@
+"""shardlib: GSPMD-style sharding for JAX/Flax training.
+
+Name a mesh, annotate tensors with logical axis names, pick strategies (rules from logical
+names to mesh axes), and let XLA's sharding propagation complete the layout.
+"""
+
+from shardlib.errors import ShardingError
+from shardlib.layout import constrain, param_layout, shard_model, use_layout
+from shardlib.mesh import Axis, MeshSpec, load_mesh, mesh_spec, simulate_cpu_devices
+from shardlib.plan import rules_for_mesh
+from shardlib.rules import Rules, base_rules, compose, resolve_spec
+
+
+def explain(fn, *args, **kwargs):
+    """Compile ``fn(*args)`` without running it and report its layout (see shardlib.explain)."""
+    from shardlib.explain import explain as _explain
+
+    return _explain(fn, *args, **kwargs)
+
+
+__all__ = [
+    "Axis",
+    "MeshSpec",
+    "Rules",
+    "ShardingError",
+    "base_rules",
+    "compose",
+    "constrain",
+    "explain",
+    "load_mesh",
+    "mesh_spec",
+    "param_layout",
+    "resolve_spec",
+    "rules_for_mesh",
+    "shard_model",
+    "simulate_cpu_devices",
+    "use_layout",
+]

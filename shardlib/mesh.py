@@ -1,0 +1,188 @@
+"""Device meshes: named axes with sizes, read from small TOML presets.
+
+A mesh is the one place where mesh axis names meet physical devices. Everything else in
+shardlib talks about logical names (``embed``, ``heads``) and the rules table maps them onto
+the axes defined here. Axis types are always ``Auto`` so that XLA's sharding propagation
+(GSPMD) completes every layout we do not pin down; jax >= 0.7 would otherwise default to
+``Explicit`` axes, where each op must be told its output sharding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardlib.errors import ShardingError
+
+
+class Axis(StrEnum):
+    """The mesh axis names shardlib's strategies know. Name them here once."""
+
+    DATA = "data"  # pure data parallel: batch split, everything else replicated
+    FSDP = "fsdp"  # ZeRO-3: batch split, parameters/grads/optimizer state sharded
+    TENSOR = "tensor"  # Megatron tensor parallel
+    TENSOR2 = "tensor2"  # second axis of 2D/3D tensor parallel
+    TENSOR3 = "tensor3"  # third axis of 3D tensor parallel
+    CONTEXT = "context"  # context (sequence) parallel attention
+    EXPERT = "expert"  # expert parallel (mixture of experts)
+    STAGE = "stage"  # pipeline stages
+
+
+KNOWN_AXES = tuple(a.value for a in Axis)
+MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A mesh as named axes, before it is bound to devices.
+
+    ``axes`` keeps the order of the preset: the last axis varies fastest over device ids, so
+    fast (intra-host) axes go last. A size of ``-1`` means "the devices that are left".
+    """
+
+    axes: tuple[tuple[str, int], ...]
+    """(axis name, size) pairs, outermost first; at most one size may be -1."""
+    source: str = "<inline>"
+    """Where the spec came from (a preset path), for error messages."""
+    train: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Optional ``[train]`` overrides carried by the preset (e.g. written by the planner)."""
+    platform: str | None = None
+    """``"cpu"``: a preset for simulated CPU devices (the CLI creates as many as it needs)."""
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.axes]
+        if not names:
+            raise ShardingError(f"mesh {self.source}: no axes. Fix: add e.g. `[mesh] data = -1`.")
+        if len(set(names)) != len(names):
+            raise ShardingError(f"mesh {self.source}: axis names repeat: {names}.")
+        unknown = [n for n in names if n not in KNOWN_AXES]
+        if unknown:
+            raise ShardingError(
+                f"mesh {self.source}: unknown mesh axis {unknown[0]!r}. "
+                f"Fix: use one of {', '.join(KNOWN_AXES)}."
+            )
+        wild = [n for n, s in self.axes if s == -1]
+        if len(wild) > 1:
+            raise ShardingError(
+                f"mesh {self.source}: axes {wild} are both -1; only one axis may take "
+                "'the devices that are left'. Fix: give all but one a size."
+            )
+        for n, s in self.axes:
+            if not isinstance(s, int) or (s < 1 and s != -1):
+                raise ShardingError(
+                    f"mesh {self.source}: axis {n!r} has size {s!r}; sizes are positive "
+                    "integers or -1."
+                )
+
+    @property
+    def fixed_size(self) -> int | None:
+        """Devices the spec needs, or None when one axis is -1."""
+        sizes = [s for _, s in self.axes]
+        return None if -1 in sizes else math.prod(sizes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    def sizes(self, num_devices: int) -> dict[str, int]:
+        """Resolve ``-1`` against ``num_devices`` and check the product."""
+        fixed = math.prod(s for _, s in self.axes if s != -1)
+        wild = [n for n, s in self.axes if s == -1]
+        if wild:
+            if num_devices % fixed:
+                raise ShardingError(
+                    f"mesh {self.source}: the fixed axes multiply to {fixed}, which does not "
+                    f"divide the {num_devices} devices, so {wild[0]!r} = -1 has no size. "
+                    "Fix: choose sizes whose product divides the device count."
+                )
+            return {n: (num_devices // fixed if s == -1 else s) for n, s in self.axes}
+        if fixed != num_devices:
+            shape = " x ".join(f"{n}={s}" for n, s in self.axes)
+            raise ShardingError(
+                f"mesh {self.source}: {shape} needs {fixed} devices but {num_devices} are "
+                f"available. Fix: make the sizes multiply to {num_devices}, set one axis to "
+                f"-1, or simulate more CPU devices (shardlib.simulate_cpu_devices({fixed}))."
+            )
+        return dict(self.axes)
+
+    def build(self, devices: list | None = None):
+        """Bind to devices (default: all of ``jax.devices()``) as a mesh with Auto axes."""
+        import jax
+        from jax.sharding import AxisType, Mesh
+
+        devices = list(jax.devices()) if devices is None else list(devices)
+        sizes = self.sizes(len(devices))
+        shape = tuple(sizes[n] for n in self.names)
+        if len(devices) == len(jax.devices()):
+            # make_mesh orders devices to follow the physical topology where it knows it.
+            return jax.make_mesh(shape, self.names, axis_types=(AxisType.Auto,) * len(shape))
+        grid = np.array(devices, dtype=object).reshape(shape)
+        return Mesh(grid, self.names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def mesh_spec(**axes: int) -> MeshSpec:
+    """``mesh_spec(data=2, fsdp=-1)``: a spec from keyword sizes, in the order given."""
+    return MeshSpec(tuple(axes.items()))
+
+
+def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
+    """Read a preset: a path to a TOML file, or a preset name from ``meshes/``."""
+    path = Path(path_or_name)
+    if not path.exists() and not path.suffix:
+        path = MESHES_DIR / f"{path_or_name}.toml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.toml")))
+        raise ShardingError(f"mesh preset {str(path_or_name)!r} not found. Presets: {known}.")
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    if "mesh" not in doc:
+        raise ShardingError(f"mesh {path}: no [mesh] table. Fix: add `[mesh]` with axis sizes.")
+    return MeshSpec(
+        tuple(doc["mesh"].items()),
+        source=str(path),
+        train=doc.get("train", {}),
+        platform=doc.get("platform"),
+    )
+
+
+def single_device_mesh(names: tuple[str, ...] = (Axis.DATA,)):
+    """A mesh over the first device with every axis of size 1: the parity reference."""
+    import jax
+
+    return MeshSpec(tuple((n, 1) for n in names)).build(jax.devices()[:1])
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Make the CPU backend expose ``n`` fake devices.
+
+    XLA reads the flag once, when JAX first initialises its backend; afterwards the device
+    count is fixed. Call this before any JAX computation (ideally before importing models).
+    """
+    import jax
+
+    try:
+        from jax._src import xla_bridge
+
+        started = bool(xla_bridge._backends)  # noqa: SLF001 - no public "is initialised" probe
+    except Exception:  # pragma: no cover - private layout changed: assume not started
+        started = False
+    if started:
+        have = jax.device_count()
+        if have == n:
+            return
+        raise ShardingError(
+            f"simulate_cpu_devices({n}) was called after JAX initialised its backend with "
+            f"{have} device(s). Fix: call it first thing, before any jax operation, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment."
+        )
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS", "cpu") or "cpu")

@@ -1,0 +1,223 @@
+"""Logical-axis rules: a table from logical dim names to mesh axes.
+
+Models name their dims (``("embed", "mlp")``); strategies decide which mesh axes each name is
+split over. Parameters and activations have separate tables because the same name often
+wants different layouts: FSDP shards the *parameter* ``embed`` dim over ``fsdp`` but keeps
+the *activation* ``embed`` dim whole, while the batch is split over ``fsdp`` instead.
+
+Every known logical name has exactly one entry (``()`` = replicated): no fallbacks, no
+first-match. Resolution validates before anything is compiled, and every error names the
+tensor, the dim, its size, the mesh axis, its size, and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Literal
+
+from jax.sharding import PartitionSpec as P
+
+from shardlib.errors import ShardingError
+
+Kind = Literal["params", "activations"]
+
+LOGICAL_NAMES = (
+    "batch",  # examples in a (micro-)batch
+    "seq",  # token positions (activations)
+    "embed",  # model width d_model
+    "mlp",  # feed-forward hidden width
+    "heads",  # query heads
+    "kv_heads",  # key/value heads (grouped-query attention)
+    "head_dim",  # width of one head
+    "vocab",  # vocabulary
+    "layers",  # stacked (scanned) layers
+    "stage",  # pipeline stages (leading dim of staged weights)
+    "expert",  # experts of a mixture-of-experts layer
+)
+
+
+def _freeze(table: Mapping[str, tuple[str, ...] | str | None]) -> Mapping[str, tuple[str, ...]]:
+    out = {}
+    for name, axes in table.items():
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        out[name] = tuple(str(a) for a in axes)  # plain str, also for Axis members
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Two tables, logical name -> tuple of mesh axes, for parameters and activations."""
+
+    params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """How parameter (and gradient, optimizer-state) dims are split over mesh axes."""
+    activations: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """How activation dims (inputs, residual stream, logits) are split over mesh axes."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", _freeze(self.params))
+        object.__setattr__(self, "activations", _freeze(self.activations))
+
+    def table(self, kind: Kind) -> Mapping[str, tuple[str, ...]]:
+        return self.params if kind == "params" else self.activations
+
+    def mesh_axes(self) -> set[str]:
+        return {a for t in (self.params, self.activations) for axes in t.values() for a in axes}
+
+    def replace(self, *, params=None, activations=None) -> Rules:
+        """A copy with some entries overridden (whole entries, never merged)."""
+        return Rules(
+            params={**self.params, **(params or {})},
+            activations={**self.activations, **(activations or {})},
+        )
+
+    def spec(self, names: tuple[str | None, ...], kind: Kind = "activations") -> P:
+        """PartitionSpec for a tuple of logical names, without shape checks."""
+        table = self.table(kind)
+        parts = []
+        for name in names:
+            axes = () if name is None else table[name]
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return _spec(parts)
+
+    def check_mesh(self, mesh_axes: Mapping[str, int], where: str = "rules") -> None:
+        """Every mesh axis a rule names must exist in the mesh."""
+        for kind in ("params", "activations"):
+            for name, axes in self.table(kind).items():
+                for ax in axes:
+                    if ax not in mesh_axes:
+                        raise ShardingError(
+                            f"{where}: {kind} rule {name!r} -> {axes} names mesh axis {ax!r}, "
+                            f"which the mesh ({_fmt_mesh(mesh_axes)}) does not have. Fix: add "
+                            f"{ax!r} to the mesh or drop it from the rule."
+                        )
+
+
+def base_rules() -> Rules:
+    """Every known logical name, replicated. Strategies fill entries in."""
+    empty = {n: () for n in LOGICAL_NAMES}
+    return Rules(params=empty, activations=empty)
+
+
+def compose(*parts: Rules) -> Rules:
+    """Merge strategy rule sets: a name's mesh axes are concatenated in argument order.
+
+    ``compose(data_parallel(), fsdp())`` maps activation ``batch`` to ``("data", "fsdp")``.
+    A mesh axis claimed twice for the same name is a conflict, not something to dedupe.
+    """
+    tables: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
+    for part in parts:
+        for kind, table in tables.items():
+            for name, axes in part.table(kind).items():
+                have = table.get(name, ())
+                dup = set(have) & set(axes)
+                if dup:
+                    raise ShardingError(
+                        f"compose: {kind} rule {name!r} gets mesh axis {sorted(dup)[0]!r} from "
+                        "two strategies. Fix: give each strategy its own mesh axis."
+                    )
+                table[name] = have + tuple(axes)
+    return Rules(params=tables["params"], activations=tables["activations"])
+
+
+def _fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
+    return " x ".join(f"{n}={s}" for n, s in mesh_axes.items()) or "no axes"
+
+
+def _presets_that_fit(axes: tuple[str, ...], dim: int, devices: int) -> list[str]:
+    """Mesh presets of the same device count whose ``axes`` divide ``dim``."""
+    import tomllib
+
+    from shardlib.mesh import MESHES_DIR
+
+    fits = []
+    for path in sorted(Path(MESHES_DIR).glob("*.toml")):
+        try:
+            sizes = tomllib.loads(path.read_text()).get("mesh", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if -1 in sizes.values() or math.prod(sizes.values()) != devices:
+            continue
+        if dim % math.prod(sizes.get(a, 1) for a in axes) == 0:
+            fits.append(path.stem)
+    return fits
+
+
+def resolve_spec(
+    path: str,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...] | None,
+    rules: Rules,
+    mesh_axes: Mapping[str, int],
+    kind: Kind = "params",
+) -> P:
+    """The validated PartitionSpec of one tensor.
+
+    ``names`` is the tensor's logical annotation (``None`` for an unannotated tensor, which
+    is replicated on purpose). Raises ShardingError for an unknown logical name, a rank
+    mismatch, a mesh axis used twice, a missing mesh axis, or a dim that does not divide.
+    """
+    if names is None:
+        return P()
+    names = tuple(names)
+    if len(names) != len(shape):
+        raise ShardingError(
+            f"tensor {path!r} has shape {tuple(shape)} (rank {len(shape)}) but its logical "
+            f"annotation {names} has {len(names)} names. Fix: give one logical name (or None) "
+            "per dim."
+        )
+    table = rules.table(kind)
+    used: dict[str, int] = {}
+    parts = []
+    for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
+        if name is None:
+            parts.append(None)
+            continue
+        if name not in table:
+            raise ShardingError(
+                f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
+                f"know (known: {', '.join(sorted(table))}). Fix: add an entry, e.g. "
+                f"rules.replace({kind}={{{name!r}: ()}}), or correct the annotation."
+            )
+        axes = table[name]
+        for ax in axes:
+            if ax not in mesh_axes:
+                raise ShardingError(
+                    f"tensor {path!r} dim {dim} ({name!r}, size {size}): the {kind} rule maps it "
+                    f"to mesh axis {ax!r}, which the mesh ({_fmt_mesh(mesh_axes)}) lacks. Fix: "
+                    f"add {ax!r} to the mesh or remove it from the rule for {name!r}."
+                )
+            if ax in used:
+                raise ShardingError(
+                    f"tensor {path!r}: mesh axis {ax!r} is used by dim {used[ax]} "
+                    f"({names[used[ax]]!r}) and again by dim {dim} ({name!r}) of {names}; a mesh "
+                    f"axis can split only one dim. Fix: map {name!r} or {names[used[ax]]!r} to "
+                    "another axis in the rules."
+                )
+            used[ax] = dim
+        ways = math.prod(mesh_axes[a] for a in axes)
+        if size % ways:
+            over = " x ".join(f"{a}={mesh_axes[a]}" for a in axes)
+            fits = _presets_that_fit(axes, size, math.prod(mesh_axes.values()))
+            hint = f" Presets that fit: {', '.join(fits)}." if fits else ""
+            raise ShardingError(
+                f"tensor {path!r} dim {dim} ({name!r}, size {size}) is split over mesh axis "
+                f"{over} ({ways} ways), and {size} is not divisible by {ways}. Fix: change the "
+                f"model so {name!r} is a multiple of {ways}, shrink that mesh axis, or map "
+                f"{name!r} to () in the {kind} rules.{hint}"
+            )
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return _spec(parts)
+
+
+def _spec(parts: list) -> P:
+    """P(None, "x", None) and P(None, "x") are one layout: keep the short form."""
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)

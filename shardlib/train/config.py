@@ -1,0 +1,123 @@
+"""The training configuration and its ``key=value`` command-line overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from shardlib.errors import ShardingError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs besides the mesh. Every field can be set as ``NAME=VALUE``."""
+
+    model: str = "llama-tiny"
+    """Model preset name (see ``models.presets()``)."""
+    model_overrides: tuple[tuple[str, Any], ...] = ()
+    """Model fields set on the command line as ``model.NAME=VALUE`` (pairs: hashable)."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    batch: int = 32
+    """Global batch, in sequences, per optimizer step (all micro-batches together)."""
+    seq: int = 128
+    """Tokens per sequence fed to the model (each example reads seq + 1 tokens)."""
+    microbatches: int = 1
+    """Gradient accumulation: the batch is split into this many sequential micro-batches."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup: int = 10
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW); norms and biases are exempt."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.95
+    """Adam beta2."""
+    clip_norm: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables it)."""
+    precision: str = "fp32"
+    """Compute precision: fp32, or bf16 with fp32 master weights."""
+    seed: int = 0
+    """Seeds parameter initialisation and the data order."""
+    data: str | None = None
+    """Flat binary file of uint16 token ids; None = the embedded stdlib-source corpus."""
+    metrics: str | None = None
+    """Path of a JSON-lines file with one record per step."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16"):
+            raise ShardingError(f"config: precision={self.precision!r}; use fp32 or bf16.")
+        if self.steps < 1 or self.batch < 1 or self.seq < 2 or self.microbatches < 1:
+            raise ShardingError("config: steps, batch, microbatches must be >= 1 and seq >= 2.")
+        if self.batch % self.microbatches:
+            raise ShardingError(
+                f"config: batch={self.batch} is not divisible by microbatches="
+                f"{self.microbatches}. Fix: choose a batch that is a multiple of microbatches."
+            )
+
+    @property
+    def microbatch(self) -> int:
+        return self.batch // self.microbatches
+
+
+def _convert(name: str, raw: str, annotation: Any) -> Any:
+    """Turn a command-line string into the field's type (int, float, bool, str, optional)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing) | {"Any": Any})  # noqa: S307 - our own hints
+    origin = typing.get_origin(annotation)
+    if origin in (types.UnionType, typing.Union):
+        if raw.lower() in ("none", "null", ""):
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    try:
+        if annotation is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1", "yes")
+        if annotation in (int, float, str):
+            return annotation(raw)
+    except ValueError:
+        raise ShardingError(
+            f"override {name}={raw!r}: expected {annotation.__name__}. Fix: e.g. {name}=1."
+        ) from None
+    return raw
+
+
+def field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def apply_overrides(obj, pairs: dict[str, str], what: str):
+    """``dataclasses.replace`` with string values converted to each field's type."""
+    types_ = field_types(type(obj))
+    typed = {}
+    for key, raw in pairs.items():
+        if key not in types_:
+            raise ShardingError(
+                f"{what} has no setting {key!r}. Settings: {', '.join(sorted(types_))}."
+            )
+        typed[key] = _convert(key, raw, types_[key]) if isinstance(raw, str) else raw
+    return dataclasses.replace(obj, **typed)
+
+
+def parse_overrides(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
+    """``["steps=50", "model.layers=4"]`` -> TrainConfig (model fields are checked later)."""
+    top: dict[str, str] = {}
+    model: dict[str, str] = dict(base.model_overrides) if base else {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ShardingError(f"override {arg!r} is not NAME=VALUE (e.g. steps=50).")
+        if key.startswith("model."):
+            model[key.removeprefix("model.")] = value
+        else:
+            top[key] = value
+    cfg = apply_overrides(base or TrainConfig(), top, "train config")
+    return dataclasses.replace(cfg, model_overrides=tuple(model.items()))

@@ -1,0 +1,108 @@
+"""The training loop: data in, steps run, progress shown, metrics written."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from shardlib.train.data import check_vocab, global_batch, load_tokens
+from shardlib.train.setup import TrainSetup
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports: the per-step records and the final state."""
+
+    records: list[dict] = field(default_factory=list)
+    state: dict | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+
+def batches(setup: TrainSetup, start: int = 0) -> Iterator[tuple[int, jax.Array]]:
+    cfg = setup.cfg
+    tokens = load_tokens(cfg.data)
+    check_vocab(tokens, setup.model_cfg.vocab, cfg.data)
+    for step in range(start, cfg.steps):
+        yield step, global_batch(tokens, step, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:>9,.0f} tok/s"),
+        TextColumn("{task.fields[dt]:.3f} s/step"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def run(
+    setup: TrainSetup,
+    *,
+    state: dict | None = None,
+    show: bool = True,
+    console: Console | None = None,
+) -> RunResult:
+    """Train for ``setup.cfg.steps`` steps from ``state`` (fresh initialisation if None).
+
+    Step times exclude nothing: the first step includes compilation and is marked so.
+    Only process 0 prints and writes metrics.
+    """
+    cfg = setup.cfg
+    leader = jax.process_index() == 0
+    console = console or Console(stderr=True)
+    state = setup.init_state() if state is None else state
+    start = int(jax.device_get(state["step"]))
+    tokens_per_step = cfg.batch * cfg.seq
+    result = RunResult()
+    with ExitStack() as stack:
+        sink = None
+        if cfg.metrics and leader:
+            Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
+            sink = stack.enter_context(open(cfg.metrics, "w"))
+        progress = None
+        if show and leader:
+            progress = stack.enter_context(_progress(console))
+            task = progress.add_task(
+                "train", total=cfg.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0
+            )
+        for step, tokens in batches(setup, start):
+            t0 = time.perf_counter()
+            state, metrics = setup.train_step(state, tokens)
+            metrics = jax.device_get(metrics)  # waits for the step: honest step times
+            dt = time.perf_counter() - t0
+            record = {
+                "step": step + 1,
+                "loss": float(metrics["loss"]),
+                "grad_norm": float(metrics["grad_norm"]),
+                "lr": float(metrics["lr"]),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "compiled": step == start,
+            }
+            record.update({k: float(v) for k, v in metrics.items() if k not in record})
+            result.records.append(record)
+            if sink:
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+            if progress is not None:
+                progress.update(
+                    task, advance=1, loss=record["loss"], tps=record["tokens_per_s"], dt=dt
+                )
+    result.state = state
+    return result

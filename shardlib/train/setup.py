@@ -1,0 +1,160 @@
+"""Bind a TrainConfig to a mesh: validated layouts, sharded initialisation, the train step.
+
+Order of work, so that mistakes surface before anything is compiled or allocated:
+1. trace the model abstractly (``nnx.eval_shape``) to get shapes and logical names;
+2. resolve every parameter, optimizer-state and batch layout through the rules (this is
+   where bad meshes, rules and configs raise ShardingError);
+3. only then build ``jit(init, out_shardings=...)`` so that no device ever holds a full copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from shardlib.layout import abstract_state, mesh_axes, named_shardings, resolve_specs
+from shardlib.plan import rules_for_mesh
+from shardlib.rules import Rules, resolve_spec
+from shardlib.train.config import TrainConfig, apply_overrides
+from shardlib.train.optim import build_optimizer, schedule
+
+BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never split on input
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Everything derived from (config, mesh, rules); built by ``make_setup``."""
+
+    cfg: TrainConfig
+    model_cfg: Any
+    mesh: Mesh
+    rules: Rules
+    graphdef: nnx.GraphDef
+    param_shapes: dict
+    param_specs: dict
+    tx: optax.GradientTransformation
+
+    @property
+    def compute_dtype(self):
+        return jnp.bfloat16 if self.cfg.precision == "bf16" else jnp.float32
+
+    @cached_property
+    def param_shardings(self) -> dict:
+        return named_shardings(self.param_specs, self.mesh)
+
+    @cached_property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(BATCH_NAMES))
+
+    @cached_property
+    def _abstract_opt_state(self):
+        return jax.eval_shape(self.tx.init, self.param_shapes)
+
+    @cached_property
+    def state_shardings(self) -> dict:
+        """Optimizer state mirrors its parameter's layout; scalars (counts) are replicated."""
+        replicated = NamedSharding(self.mesh, P())
+        opt = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            self._abstract_opt_state,
+            self.param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        return {"params": self.param_shardings, "opt_state": opt, "step": replicated}
+
+    def abstract_state(self) -> dict:
+        """ShapeDtypeStructs with shardings: compile (``explain``) without allocating."""
+        shapes = {
+            "params": self.param_shapes,
+            "opt_state": self._abstract_opt_state,
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+        }
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            (self.cfg.batch, self.cfg.seq + 1), jnp.int32, sharding=self.batch_sharding
+        )
+
+    @cached_property
+    def _init(self):
+        model_cfg, tx = self.model_cfg, self.tx
+
+        def init(key):
+            with nnx.use_eager_sharding(False):
+                model = models.build(model_cfg, nnx.Rngs(params=key))
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return {
+                "params": params,
+                "opt_state": tx.init(params),
+                "step": jnp.zeros((), jnp.int32),
+            }
+
+        return jax.jit(init, out_shardings=self.state_shardings)
+
+    def init_state(self) -> dict:
+        """Parameters initialised straight into their shards (jit with out_shardings)."""
+        with jax.set_mesh(self.mesh):
+            return self._init(jax.random.key(self.cfg.seed))
+
+    @cached_property
+    def schedule(self) -> optax.Schedule:
+        return schedule(self.cfg)
+
+    @cached_property
+    def train_step(self):
+        from shardlib.train.step import build_train_step
+
+        return build_train_step(self)
+
+
+def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> TrainSetup:
+    """Validate the config against the mesh and derive every layout (nothing is compiled)."""
+    model_cfg = apply_overrides(
+        models.config(cfg.model), dict(cfg.model_overrides), f"model {cfg.model}"
+    )
+    axes = mesh_axes(mesh)
+    rules = rules_for_mesh(axes) if rules is None else rules
+    rules.check_mesh(axes)
+    graphdef, shapes, names = abstract_state(lambda: models.build(model_cfg, nnx.Rngs(0)))
+    specs = resolve_specs(shapes, names, mesh, rules, "params")
+    resolve_spec(
+        f"batch (one micro-batch of {cfg.microbatch} sequences)",
+        (cfg.microbatch, cfg.seq + 1),
+        BATCH_NAMES,
+        rules,
+        axes,
+        "activations",
+    )
+    resolve_spec(
+        "activations [batch, seq, embed]",
+        (cfg.microbatch, cfg.seq, 1),
+        ("batch", "seq", None),
+        rules,
+        axes,
+        "activations",
+    )
+    return TrainSetup(
+        cfg=cfg,
+        model_cfg=model_cfg,
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        param_shapes=shapes,
+        param_specs=specs,
+        tx=build_optimizer(cfg),
+    )

@@ -1,0 +1,83 @@
+"""The jitted, donated train step: loss, gradient accumulation, optax update.
+
+The step is written once for every layout. Which collectives it runs is decided by the
+shardings of its inputs and outputs and by the ``constrain`` calls in the model: XLA's
+propagation fills in the rest.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from shardlib.layout import constrain, use_layout
+from shardlib.train.setup import BATCH_NAMES, TrainSetup
+
+
+def global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_loss_fn(setup: TrainSetup):
+    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
+    graphdef, dtype = setup.graphdef, setup.compute_dtype
+
+    def loss_fn(params, tokens_BL1):
+        # fp32 master weights are cast once here; the model computes in ``dtype``.
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
+        model = nnx.merge(graphdef, params)
+        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype)
+        targets_BL = tokens_BL1[:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+
+    return loss_fn
+
+
+def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardings):
+    """Mean loss and gradient over ``microbatches`` sequential slices of the batch.
+
+    Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
+    device's contiguous block of rows inside each micro-batch, so no data moves. Each
+    micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    """
+    grad_fn = jax.value_and_grad(loss_fn)
+    if microbatches == 1:
+        return grad_fn(params, tokens_BL1)
+    b, l1 = tokens_BL1.shape
+    micro_MBL1 = tokens_BL1.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
+
+    def body(carry, tokens_mb):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, constrain(tokens_mb, BATCH_NAMES))
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+        return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro_MBL1)
+    return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
+
+
+def build_train_step(setup: TrainSetup):
+    """``step(state, tokens) -> (state, metrics)``, jitted with the state donated."""
+    loss_fn = make_loss_fn(setup)
+    tx, sched, m = setup.tx, setup.schedule, setup.cfg.microbatches
+
+    def train_step(state, tokens_BL1):
+        with use_layout(setup.mesh, setup.rules):
+            params = state["params"]
+            tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
+            loss, grads = accumulate_grads(loss_fn, params, tokens_BL1, m, setup.param_shardings)
+            grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return jax.jit(
+        train_step,
+        in_shardings=(setup.state_shardings, setup.batch_sharding),
+        out_shardings=(setup.state_shardings, None),
+        donate_argnums=0,
+    )

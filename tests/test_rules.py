@@ -1,0 +1,177 @@
+"""Logical-axis rules: resolved PartitionSpecs per strategy, and errors before compilation."""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardlib import Rules, ShardingError, base_rules, compose, mesh_spec, resolve_spec
+from shardlib.plan import rules_for_mesh
+from shardlib.strategies import data_parallel, fsdp, tensor_parallel
+from shardlib.train.config import TrainConfig, parse_overrides
+from shardlib.train.setup import make_setup
+
+TINY = TrainConfig(steps=1, batch=8, seq=16)
+
+
+def specs_on(**axes):
+    setup = make_setup(TINY, mesh_spec(**axes).build())
+    return setup.param_specs, setup.rules
+
+
+def test_data_parallel_replicates_params_and_splits_batch():
+    specs, rules = specs_on(data=8)
+    assert specs["blocks"]["attn"]["wq"] == P()
+    assert rules.spec(("batch", "seq", "embed")) == P("data")
+
+
+def test_fsdp_shards_every_param_along_embed():
+    specs, rules = specs_on(fsdp=8)
+    assert specs["embedding"] == P(None, "fsdp")
+    assert specs["blocks"]["attn"]["wq"] == P(None, "fsdp")  # [layers, embed, heads, hd]
+    assert specs["blocks"]["attn"]["wo"] == P(None, None, None, "fsdp")  # [layers, h, hd, e]
+    assert specs["blocks"]["mlp"]["w_down"] == P(None, None, "fsdp")
+    assert specs["final_norm"]["scale"] == P("fsdp")
+    assert rules.spec(("batch",)) == P("fsdp")
+
+
+def test_tensor_parallel_is_column_then_row():
+    specs, rules = specs_on(tensor=8)
+    assert specs["blocks"]["attn"]["wq"] == P(None, None, "tensor")  # column: heads
+    assert specs["blocks"]["attn"]["wk"] == P(None, None, "tensor")  # column: kv heads
+    assert specs["blocks"]["attn"]["wo"] == P(None, "tensor")  # row: heads in
+    assert specs["blocks"]["mlp"]["w_up"] == P(None, None, "tensor")  # column: mlp
+    assert specs["blocks"]["mlp"]["w_down"] == P(None, "tensor")  # row: mlp in
+    assert specs["embedding"] == P("tensor")  # vocab-parallel
+    assert specs["lm_head"] == P(None, "tensor")
+    assert rules.spec(("batch",)) == P()
+
+
+def test_three_d_composes_all_three():
+    specs, rules = specs_on(data=2, fsdp=2, tensor=2)
+    assert specs["blocks"]["mlp"]["w_gate"] == P(None, "fsdp", "tensor")
+    assert rules.spec(("batch", "seq", "embed")) == P(("data", "fsdp"))
+
+
+def test_compose_refuses_an_axis_claimed_twice():
+    with pytest.raises(ShardingError, match="'batch' gets mesh axis 'data'"):
+        compose(data_parallel(), fsdp(axis="data"))
+
+
+def test_composition_order_is_argument_order():
+    rules = compose(base_rules(), fsdp(), data_parallel())
+    assert rules.activations["batch"] == ("fsdp", "data")
+    assert rules.params["embed"] == ("fsdp",)
+    assert tensor_parallel().params["vocab"] == ("tensor",)
+
+
+AXES = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize(
+    "shape, names, rules, axes, needles",
+    [
+        # unknown logical name
+        (
+            (8, 8),
+            ("embed", "hidden"),
+            rules_for_mesh(AXES),
+            AXES,
+            ["blocks.w", "dim 1", "'hidden'", "Fix"],
+        ),
+        # rank mismatch
+        (
+            (8, 8, 8),
+            ("embed", "mlp"),
+            rules_for_mesh(AXES),
+            AXES,
+            ["blocks.w", "rank 3", "2 names"],
+        ),
+        # mesh axis used twice in one spec
+        (
+            (8, 8),
+            ("embed", "mlp"),
+            base_rules().replace(params={"embed": "fsdp", "mlp": "fsdp"}),
+            AXES,
+            ["blocks.w", "'fsdp'", "dim 0", "dim 1", "Fix"],
+        ),
+        # not divisible (the fix names presets that fit)
+        (
+            (6, 8),
+            ("heads", "embed"),
+            rules_for_mesh({"tensor": 8}),
+            {"tensor": 8},
+            ["blocks.w", "dim 0", "size 6", "tensor=8", "Fix"],
+        ),
+        # rule names an axis the mesh lacks
+        (
+            (8, 8),
+            ("mlp", "embed"),
+            base_rules().replace(params={"mlp": "tensor"}),
+            {"data": 2, "fsdp": 4},
+            ["blocks.w", "dim 0", "'tensor'", "lacks"],
+        ),
+        # two axes whose product does not divide
+        (
+            (4, 8),
+            ("embed", "mlp"),
+            base_rules().replace(params={"embed": ("data", "fsdp", "tensor")}),
+            AXES,
+            ["dim 0", "size 4", "data=2 x fsdp=2 x tensor=2", "8 ways"],
+        ),
+    ],
+)
+def test_bad_annotations_name_tensor_dim_and_axis(shape, names, rules, axes, needles):
+    with pytest.raises(ShardingError) as err:
+        resolve_spec("blocks.w", shape, names, rules, axes, "params")
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_not_divisible_suggests_presets_that_fit():
+    with pytest.raises(ShardingError, match="Presets that fit: .*cpu-8-dp"):
+        resolve_spec("w", (6,), ("heads",), rules_for_mesh({"tensor": 8}), {"tensor": 8})
+
+
+def test_rules_check_mesh_names_rule_and_axis():
+    with pytest.raises(ShardingError, match="'heads' -> \\('tensor',\\) names mesh axis 'tensor'"):
+        Rules(params={"heads": "tensor"}).check_mesh({"data": 8})
+
+
+@pytest.mark.parametrize(
+    "overrides, axes, needles",
+    [
+        (["model.heads=12", "model.kv_heads=4"], {"tensor": 8}, ["wk", "size 4", "tensor=8"]),
+        (["model.mlp=102"], {"fsdp": 2, "tensor": 4}, ["params.blocks.mlp", "'mlp'", "size 102"]),
+        (["batch=6"], {"data": 4, "fsdp": 2}, ["micro-batch of 6", "data=4 x fsdp=2"]),
+        (["batch=8", "microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),
+        (["model.embed=60"], {"fsdp": 8}, ["params.blocks", "'embed'", "size 60", "fsdp=8"]),
+        (["model.vocab=250"], {"tensor": 8}, ["embedding", "'vocab'", "size 250"]),
+    ],
+)
+def test_configs_that_do_not_fit_the_mesh(overrides, axes, needles):
+    cfg = parse_overrides(overrides, TINY)
+    with pytest.raises(ShardingError) as err:
+        make_setup(cfg, mesh_spec(**axes).build())
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["steps=many"], "expected int"),
+        (["nonsense=1"], "no setting 'nonsense'"),
+        (["precision=fp8"], "precision='fp8'"),
+        (["batch=10", "microbatches=4"], "not divisible by microbatches"),
+        (["steps"], "not NAME=VALUE"),
+    ],
+)
+def test_bad_overrides(overrides, needle):
+    with pytest.raises(ShardingError, match=needle):
+        parse_overrides(overrides)
+
+
+def test_bad_model_fields():
+    with pytest.raises(ValueError, match="kv_heads"):
+        make_setup(parse_overrides(["model.kv_heads=5"], TINY), mesh_spec(data=8).build())
+    with pytest.raises(ShardingError, match="no setting 'depth'"):
+        make_setup(parse_overrides(["model.depth=5"], TINY), mesh_spec(data=8).build())
