@@ -69,9 +69,9 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     # tests and the default training run: a few hundred thousand parameters
     "llama-tiny": LlamaConfig(),
-    # ~11M parameters: memory and communication measurements
+    # ~12M parameters: memory and communication measurements
     "llama-small": LlamaConfig(
-        vocab=4096, embed=256, layers=8, heads=8, kv_heads=4, head_dim=32, mlp=1024
+        vocab=8192, embed=256, layers=8, heads=8, kv_heads=4, head_dim=32, mlp=1024
     ),
     # the published shapes, for `explain` with abstract inputs (nothing is allocated)
     "llama-1b": LlamaConfig(
@@ -151,9 +151,22 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
-        q = jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt))
-        k = jnp.einsum("bld,dgk->blgk", x_BLD, self.wk[...].astype(dt))
-        v = jnp.einsum("bld,dgk->blgk", x_BLD, self.wv[...].astype(dt))
+        e, h, d = self.wq.shape
+        g = self.wk.shape[1]
+        # One projection for Q, K and V, grouped per kv head ([embed, kv_heads, r + 2, hd]):
+        # the stacking is along an unsplit dim, so it is local under tensor parallelism, and
+        # the backward pass then sums the three input gradients before its one all-reduce.
+        w_qkv = jnp.concatenate(
+            [
+                self.wq[...].reshape(e, g, h // g, d),
+                self.wk[...][:, :, None],
+                self.wv[...][:, :, None],
+            ],
+            axis=2,
+        ).astype(dt)
+        qkv_BLGCK = jnp.einsum("bld,dgck->blgck", x_BLD, w_qkv)
+        q = qkv_BLGCK[:, :, :, :-2].reshape(*x_BLD.shape[:2], h, d)
+        k, v = qkv_BLGCK[:, :, :, -2], qkv_BLGCK[:, :, :, -1]
         q = constrain(rotary(q, self.theta), ("batch", "seq", "heads", "head_dim"))
         k = constrain(rotary(k, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -170,8 +183,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
-        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dt))
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dt))
+        # Gate and up in one product (stacked along an unsplit dim): one all-reduce in backward.
+        w_gu = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
+        gu_BLCF = jnp.einsum("bld,dcf->blcf", x_BLD, w_gu)
+        gate_BLF, up_BLF = gu_BLCF[:, :, 0], gu_BLCF[:, :, 1]
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
 

@@ -51,6 +51,11 @@ def _abstract(shape, mesh, spec, dtype=jnp.float32):
         ("replica_groups=@mesh<x=8> {x:(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
         ("replica_groups=@mesh<x=8> {x:(2)4}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
         ("replica_groups=@mesh<x=4>(devices=[4]3,2,1,0) {}", [[3], [2], [1], [0]]),
+        # jax 0.10 prints a device order as a bare transposed iota (seen on a 2x2x2 mesh)
+        (
+            "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}",
+            [[0, 2], [4, 6], [1, 3], [5, 7]],
+        ),
     ],
 )
 def test_replica_group_forms(attrs, groups):
