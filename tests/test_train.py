@@ -65,3 +65,45 @@ def test_token_file_data(tmp_path):
     )
     assert code == 0
     assert main(["train", "--mesh", "cpu-8-dp", "steps=1", f"data={path}"]) == 2  # vocab 256
+
+
+def test_cli_explain_writes_the_layout_json(tmp_path):
+    path = tmp_path / "layout.json"
+    code = main(
+        [
+            "explain",
+            "--mesh",
+            "cpu-8-3d",
+            "--json",
+            str(path),
+            "model.layers=1",
+            "batch=8",
+            "seq=16",
+        ]
+    )
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["mesh"]["axes"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert doc["params"]["count"] > 0 and doc["params"]["bytes"] == 4 * doc["params"]["count"]
+    memory = doc["memory_per_device"]
+    assert memory["total_bytes"] == (
+        memory["argument_bytes"]
+        + memory["output_bytes"]
+        - memory["alias_bytes"]
+        + memory["temp_bytes"]
+    )
+    assert doc["flops_per_device"] > 0
+    for kind in ("all-reduce", "all-gather"):
+        assert set(doc["collective_totals"][kind]) >= {"count", "buffer_bytes", "wire_bytes"}
+    specs = {t["path"]: t["spec"] for t in doc["tensors"]}
+    assert any("wq" in p and "fsdp" in s and "tensor" in s for p, s in specs.items()), specs
+
+
+def test_cli_parity_exits_zero_when_layouts_agree(capsys):
+    assert (
+        main(
+            ["parity", "--mesh", "cpu-8-3d", "--steps", "2", "batch=8", "seq=16", "model.layers=1"]
+        )
+        == 0
+    )
+    assert "PARITY OK" in capsys.readouterr().err
