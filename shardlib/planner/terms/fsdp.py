@@ -39,11 +39,24 @@ def fsdp(ctx: Context) -> Contribution:
         else:
             gathers = outside[param.name]
             gathered_outer += full * weight_bytes
+        # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
+        repeat = m if param.per_layer else 1
         comms.append(
-            Comm("fsdp", "weights", "all-gather", axes, n, full * weight_bytes, gathers * m, True)
+            Comm(
+                "fsdp",
+                "weights",
+                "all-gather",
+                axes,
+                n,
+                full * weight_bytes,
+                gathers * repeat,
+                True,
+            )
         )
         grad = full * ctx.param_copies(param) * MASTER_BYTES
         comms.append(Comm("fsdp", "grads", grad_kind, axes, n, grad, m, True))
     c = ctx.calib
     transient = c["fsdp_layers_live"] * gathered_layer + c["fsdp_outer_live"] * gathered_outer
+    if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live
+        transient += gathered_outer / weight_bytes * MASTER_BYTES
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
