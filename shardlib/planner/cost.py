@@ -108,7 +108,7 @@ def collective_seconds(comm: Comm, cluster: Cluster, plan: Plan) -> float:
     steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
         comm.kind, comm.group - 1
     )
-    return comm.wire_bytes / bw + steps * latency * comm.count
+    return comm.wire_bytes / bw + steps * latency * comm.count * comm.ops
 
 
 @functools.lru_cache(maxsize=65536)

@@ -86,7 +86,7 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
             lines.append(
                 f"Runner-up {second.plan.mesh_text()} ({second.plan.knobs_text()}) is "
                 f"{second.step_s / best.step_s - 1:.1%} slower, mostly {why} "
-                f"(+{deltas[why]:.3f} s)."
+                f"(+{deltas[why]:.3g} s)."
             )
         else:
             lines.append(

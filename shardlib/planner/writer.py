@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardlib.explain.report import format_bytes
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate
 from shardlib.planner.workload import Workload
@@ -82,7 +83,7 @@ def plan_toml(workload: Workload, est: Estimate, cluster: Cluster) -> str:
         f"# Use this when: training {workload.model} (global batch {workload.global_batch}, seq "
         f"{workload.seq}) on {cluster.name}.",
         "# Written by `shardlib plan`; predicted per device: "
-        f"{est.memory_bytes / 2**30:.2f} GiB, step {est.step_s:.3f} s, MFU {est.mfu:.1%}.",
+        f"{format_bytes(est.memory_bytes)}, step {est.step_s:.4g} s, MFU {est.mfu:.1%}.",
         f"# Run: shardlib train --mesh <this file>{' ' + extra if extra else ''}",
     ]
     if unsupported:

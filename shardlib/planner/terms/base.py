@@ -52,6 +52,8 @@ class Comm:
     """Executions per step."""
     overlap: bool
     """Whether it can hide behind compute (weight prefetch, gradient reduction)."""
+    ops: int = 1
+    """Collectives per execution when several tensors are listed as one (latency counts)."""
 
     @property
     def wire_bytes(self) -> float:
@@ -103,6 +105,12 @@ class Context:
         """Ways ``param`` is split on one device, ignoring the axes in ``without``."""
         return _shard(self.splits[param.name], without)
 
+    @cached_property
+    def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
+        """(param, ways split, ways split by axes other than fsdp) per parameter."""
+        p = self.p
+        return param_table(self.w, p.data, p.fsdp, p.tensor, p.expert)
+
     def param_copies(self, param: ParamInfo) -> int:
         """How many copies of a per-layer parameter one device's program holds (its layers)."""
         return self.layers_per_device if param.per_layer else 1
@@ -128,6 +136,15 @@ class Context:
     @property
     def local_seq(self) -> int:
         return self.w.seq // self.p.context
+
+
+@functools.lru_cache(maxsize=4096)
+def param_table(w: Workload, data: int, fsdp: int, tensor: int, expert: int) -> tuple:
+    splits = param_splits(w, data, fsdp, tensor, expert)
+    return tuple(
+        (param, _shard(splits[param.name], ()), _shard(splits[param.name], (str(Axis.FSDP),)))
+        for param in w.params
+    )
 
 
 def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:

@@ -28,16 +28,15 @@ def gradient_reduction(ctx: Context) -> Contribution:
     p = ctx.p
     group = math.prod(s for _, s in axes)
     names = tuple(a for a, _ in axes)
-    # gradients as sharded after any FSDP reduction: the parameters' own layout
-    buffer = 0.0
-    for param in ctx.w.params:
-        buffer += param.numel * ctx.param_copies(param) / ctx.shard(param) * MASTER_BYTES
-    count = p.microbatches if p.stage == 1 else 1
-    if p.zero:
-        comms = (
-            Comm("dp", "grads", "reduce-scatter", names, group, buffer, count, True),
-            Comm("dp", "params", "all-gather", names, group, buffer, 1, True),
-        )
-    else:
-        comms = (Comm("dp", "grads", "all-reduce", names, group, buffer, count, True),)
+    # gradients as sharded after any FSDP reduction (the parameters' own layout); a layer's
+    # leave together inside the layer loop, the rest after it
+    layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+    outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
+    m = p.microbatches if p.stage == 1 else 1
+    parts = ((layer * MASTER_BYTES, ctx.layers_per_device * m), (outer * MASTER_BYTES, m))
+    kind = "reduce-scatter" if p.zero else "all-reduce"
+    comms = tuple(Comm("dp", "grads", kind, names, group, b, c, True) for b, c in parts)
+    if p.zero:  # the updated parameters come back
+        total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
+        comms += (Comm("dp", "params", "all-gather", names, group, total, 1, True),)
     return Contribution(comms=comms)

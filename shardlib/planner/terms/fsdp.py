@@ -28,19 +28,42 @@ def fsdp(ctx: Context) -> Contribution:
     axes, n = (str(Axis.FSDP),), p.fsdp
     m = p.microbatches if p.stage == 1 else 1
     grad_kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
-    comms, gathered_layer, gathered_outer = [], 0.0, 0.0
     weight_bytes = w.compute_bytes
     outside = _GATHERS_OUTSIDE if p.tensor > 1 else _GATHERS_OUTSIDE_NO_TENSOR
-    for param in w.params:
-        full = param.numel / ctx.shard(param, without=(str(Axis.FSDP),))  # after the gather
+    # the per-layer tensors travel as separate collectives: listed once, ``ops`` of them
+    layer = [param.numel / ways for param, _, ways in ctx.table if param.per_layer]
+    gathered_layer = sum(layer) * weight_bytes
+    comms = [
+        Comm(
+            "fsdp",
+            "weights",
+            "all-gather",
+            axes,
+            n,
+            gathered_layer,
+            2 * ctx.layers_per_device * m,
+            True,
+            len(layer),
+        ),
+        # a layer's gradients leave together, once per layer and micro-batch
+        Comm(
+            "fsdp",
+            "grads",
+            grad_kind,
+            axes,
+            n,
+            sum(layer) * MASTER_BYTES,
+            ctx.layers_per_device * m,
+            True,
+        ),
+    ]
+    gathered_outer = 0.0
+    for param, _, ways in ctx.table:
         if param.per_layer:
-            gathers = 2 * ctx.layers_per_device
-            gathered_layer += full * weight_bytes
-        else:
-            gathers = outside[param.name]
-            gathered_outer += full * weight_bytes
+            continue
+        full = param.numel / ways  # after the gather
+        gathered_outer += full * weight_bytes
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
-        repeat = m if param.per_layer else 1
         comms.append(
             Comm(
                 "fsdp",
@@ -49,12 +72,11 @@ def fsdp(ctx: Context) -> Contribution:
                 axes,
                 n,
                 full * weight_bytes,
-                gathers * repeat,
+                outside[param.name],
                 True,
             )
         )
-        grad = full * ctx.param_copies(param) * MASTER_BYTES
-        comms.append(Comm("fsdp", "grads", grad_kind, axes, n, grad, m, True))
+        comms.append(Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, m, True))
     c = ctx.calib
     transient = c["fsdp_layers_live"] * gathered_layer + c["fsdp_outer_live"] * gathered_outer
     if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live

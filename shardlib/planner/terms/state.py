@@ -17,8 +17,8 @@ from shardlib.planner.terms.base import ADAM_BYTES, MASTER_BYTES, Context, Contr
 def held_elements(ctx: Context) -> float:
     """Parameter elements on one device (the heaviest pipeline stage)."""
     total, outer = 0.0, []
-    for param in ctx.w.params:
-        n = param.numel / ctx.shard(param)
+    for param, ways, _ in ctx.table:
+        n = param.numel / ways
         if param.per_layer:
             total += n * ctx.layers_per_device
         else:
