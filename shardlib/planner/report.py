@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.console import Console
 from rich.table import Table
 
@@ -49,10 +51,17 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
 
 
 def _baseline(workload: Workload, cluster: Cluster, plan: Plan) -> Estimate | None:
-    try:
-        return estimate(workload, plan, cluster)
-    except ShardingError:
-        return None
+    """The fastest fitting micro-batch count for ``plan``'s mesh, else its smallest memory."""
+    options = []
+    for m in (1, 2, 4, 8, 16, 32, 64, 128):
+        try:
+            options.append(estimate(workload, replace(plan, microbatches=m), cluster))
+        except ShardingError:
+            continue
+    fitting = [e for e in options if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: e.step_s)
+    return min(options, key=lambda e: e.memory_bytes, default=None)
 
 
 def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list[str]:
@@ -100,10 +109,14 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
             lines.append(f"{name} over {n} devices does not divide the batch or the model.")
         elif not est.fits:
             lines.append(
-                f"{name} needs {format_bytes(est.memory_bytes)} per device: it does not fit."
+                f"{name} needs {format_bytes(est.memory_bytes)} per device even with "
+                f"{est.plan.microbatches} micro-batches: it does not fit."
             )
         else:
-            lines.append(f"{name} fits but takes {est.step_s:.3f} s per step (MFU {est.mfu:.1%}).")
+            lines.append(
+                f"{name} fits with {est.plan.microbatches} micro-batch(es) but takes "
+                f"{est.step_s:.3f} s per step (MFU {est.mfu:.1%})."
+            )
     notes = best.plan.formula_only()
     if notes:
         lines.append("Not yet checked against a compiled program: " + "; ".join(notes) + ".")
