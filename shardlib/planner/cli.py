@@ -86,6 +86,7 @@ def cmd_plan(args, console: Console) -> int:
 
 def _validate(result, workload: Workload, k: int, console: Console) -> None:
     """Compile the top ``k`` plans (fp32) on as many simulated CPU devices as they need."""
+    from shardlib.explain.report import format_bytes
     from shardlib.mesh import simulate_cpu_devices
     from shardlib.planner.validate import compilable, validate
 
@@ -101,11 +102,11 @@ def _validate(result, workload: Workload, k: int, console: Console) -> None:
         check = validate(workload, est.plan)
         table.add_row(
             est.plan.mesh_text(),
-            f"{check.predicted_memory / 2**30:.2f} GiB",
-            f"{check.compiled_memory / 2**30:.2f} GiB",
+            format_bytes(check.predicted_memory),
+            format_bytes(check.compiled_memory),
             f"{check.memory_ratio:.3f}",
-            f"{check.predicted_wire / 2**30:.2f} GiB",
-            f"{check.compiled_wire / 2**30:.2f} GiB",
+            format_bytes(check.predicted_wire),
+            format_bytes(check.compiled_wire),
             f"{check.wire_ratio:.3f}",
         )
-    console.print(table)
+    Console(file=console.file, width=max(console.width, 150)).print(table)
