@@ -35,11 +35,7 @@ def state(ctx: Context) -> Contribution:
     grads = n * MASTER_BYTES / (p.data if p.zero >= 2 else 1)
     accumulator = grads if p.microbatches > 1 and p.stage == 1 else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
-    in_flight = sum(
-        param.numel / ctx.shard(param, without=("fsdp",))
-        for param in ctx.w.params
-        if param.per_layer
-    )
+    in_flight = sum(param.numel / ways for param, _, ways in ctx.table if param.per_layer)
     in_flight *= ctx.calib["grad_layers_live"] * MASTER_BYTES
     return Contribution(
         memory={"params": params, "optimizer": opt, "grads": grads + accumulator + in_flight}
