@@ -1,4 +1,4 @@
-"""``shardlib`` command line: train, explain, parity.
+"""``shardlib`` command line: train, explain, parity, plan.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     par = command("parity", "compare losses and gradients with a one-device run")
     par.add_argument("--steps", type=int, default=5)
     par.add_argument("--tol", type=float, default=1e-5)
+    # --- issue 9: the auto-parallel planner ---
+    from shardlib.planner.cli import add_plan_command
+
+    add_plan_command(sub)
     return p
 
 
@@ -127,7 +131,11 @@ def cmd_parity(args, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
-    handler = {"train": cmd_train, "explain": cmd_explain, "parity": cmd_parity}[args.command]
+    from shardlib.planner.cli import cmd_plan  # issue 9
+
+    handler = {"train": cmd_train, "explain": cmd_explain, "parity": cmd_parity, "plan": cmd_plan}[
+        args.command
+    ]
     try:
         return handler(args, console)
     except ShardingError as err:

@@ -142,6 +142,11 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         raise ShardingError(f"mesh preset {str(path_or_name)!r} not found. Presets: {known}.")
     with path.open("rb") as f:
         doc = tomllib.load(f)
+    if "mesh" not in doc and "cluster" in doc:  # issue 9: hardware, not a layout
+        raise ShardingError(
+            f"mesh {path}: a cluster description ([cluster]), not a mesh. Fix: "
+            f"`shardlib plan --cluster {path}` writes a mesh for it."
+        )
     if "mesh" not in doc:
         raise ShardingError(f"mesh {path}: no [mesh] table. Fix: add `[mesh]` with axis sizes.")
     return MeshSpec(

@@ -1,0 +1,147 @@
+"""Planner cost model vs compiled executables: memory and collective bytes per device.
+
+    python benchmarks/planner_validation.py            # 8 and 64 simulated CPU devices
+    python benchmarks/planner_validation.py --devices 8
+
+Every plan is compiled from abstract shapes (nothing allocated) by ``planner.validate`` and
+compared with ``cost.estimate(..., backend="cpu")``. None of these plans is one of the
+calibration probes (``planner.calibration.PROBES``): this checks the fitted model on other
+meshes, widths, micro-batch counts and device counts. Strategies covered: data parallel,
+FSDP, Megatron tensor parallel and their combinations (what this version can compile).
+Targets (issue 9): memory within 10%, collective bytes within 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# (model, global batch, seq, model overrides, plan kwargs)
+CASES = {
+    8: [
+        ("llama-small", 16, 128, {}, dict(data=2, fsdp=4)),
+        ("llama-small", 16, 128, {}, dict(data=2, fsdp=2, tensor=2)),
+        ("llama-small", 16, 128, {}, dict(fsdp=8, microbatches=2)),
+        ("llama-tiny", 16, 64, {}, dict(data=4, tensor=2, microbatches=2)),
+        ("llama-small", 16, 128, {"layers": 6, "kv_heads": 8}, dict(fsdp=2, tensor=4)),
+        ("llama-small", 16, 128, {"layers": 4, "kv_heads": 8}, dict(data=2, tensor=4)),
+        ("llama-small", 32, 64, {"layers": 3, "mlp": 768}, dict(data=4, fsdp=2)),
+    ],
+    64: [
+        ("llama-small", 64, 128, {"layers": 4}, dict(data=64)),
+        ("llama-small", 64, 128, {"layers": 4}, dict(fsdp=64)),
+        ("llama-small", 64, 128, {"layers": 4}, dict(data=8, fsdp=8)),
+        ("llama-small", 64, 128, {"layers": 4, "kv_heads": 8}, dict(data=8, tensor=8)),
+        ("llama-small", 64, 128, {"layers": 4, "kv_heads": 8}, dict(fsdp=8, tensor=8)),
+        ("llama-small", 64, 128, {"layers": 4}, dict(data=4, fsdp=4, tensor=4)),
+        ("llama-small", 128, 64, {"layers": 4}, dict(data=16, tensor=4, microbatches=2)),
+    ],
+}
+
+
+def worker(devices: int) -> None:
+    import shardlib
+
+    shardlib.simulate_cpu_devices(devices)
+    from shardlib.planner import Plan, Workload
+    from shardlib.planner.validate import validate
+
+    for model, batch, seq, overrides, plan_kwargs in CASES[devices]:
+        start = time.perf_counter()
+        workload = Workload.from_preset(model, batch, seq, "fp32", **overrides)
+        check = validate(workload, Plan(**plan_kwargs))
+        row = {
+            "devices": devices,
+            "model": model + "".join(f" {k}={v}" for k, v in overrides.items()),
+            "batch": batch,
+            "seq": seq,
+            "plan": check.plan.mesh_text()
+            + (f" m={check.plan.microbatches}" if check.plan.microbatches > 1 else ""),
+            "predicted_memory": check.predicted_memory,
+            "compiled_memory": check.compiled_memory,
+            "predicted_wire": check.predicted_wire,
+            "compiled_wire": check.compiled_wire,
+            "predicted_flops": check.predicted_flops,
+            "compiled_flops": check.compiled_flops,
+            "seconds": time.perf_counter() - start,
+        }
+        print(json.dumps(row), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, nargs="*", default=[8, 64])
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return 0
+    rows = []
+    for n in args.devices:  # one process per device count: it is fixed when JAX starts
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", str(n)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return out.returncode
+        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardlib.explain.report import format_bytes
+
+    table = Table(title="planner prediction (cpu backend, fp32) vs compiled, per device and step")
+    for col in (
+        "devices",
+        "model",
+        "batch x seq",
+        "plan",
+        "memory pred",
+        "compiled",
+        "ratio",
+        "wire pred",
+        "compiled",
+        "ratio",
+        "FLOPs ratio",
+    ):
+        table.add_column(col, justify="left" if col in ("model", "plan") else "right")
+    worst_mem = worst_wire = 0.0
+    for r in rows:
+        mem = r["predicted_memory"] / r["compiled_memory"]
+        wire = r["predicted_wire"] / r["compiled_wire"] if r["compiled_wire"] else 1.0
+        worst_mem, worst_wire = max(worst_mem, abs(mem - 1)), max(worst_wire, abs(wire - 1))
+        table.add_row(
+            str(r["devices"]),
+            r["model"],
+            f"{r['batch']} x {r['seq']}",
+            r["plan"],
+            format_bytes(r["predicted_memory"]),
+            format_bytes(r["compiled_memory"]),
+            f"{mem:.3f}",
+            format_bytes(r["predicted_wire"]),
+            format_bytes(r["compiled_wire"]),
+            f"{wire:.3f}",
+            f"{r['predicted_flops'] / r['compiled_flops']:.3f}",
+        )
+    console = Console(width=200)
+    console.print(table)
+    ok = worst_mem <= 0.10 and worst_wire <= 0.05
+    console.print(
+        f"{len(rows)} plans; worst memory error {worst_mem:.1%} (target 10%), worst collective "
+        f"bytes error {worst_wire:.1%} (target 5%): {'OK' if ok else 'MISSED'}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The cost model: per-device memory and step time of a plan, as a sum of strategy terms.
+
+``estimate(workload, plan, cluster)`` asks each term in ``terms/`` for its share and adds
+them up. Time is compute (FLOPs at the cluster's achievable rate) plus the collectives that
+cannot hide behind compute plus the pipeline bubble plus host transfers; a collective over
+mesh axes costs ``wire bytes / bandwidth + ring steps x latency`` on the slowest link its
+axes use (``Cluster.link``). Gradient reductions and weight prefetches overlap with
+compute up to ``OVERLAP`` of it (an assumption, not a measurement); tensor-parallel and
+expert all-reduces sit on the critical path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from shardlib.errors import ShardingError
+from shardlib.planner.calibration import COEFFICIENTS
+from shardlib.planner.candidate import Plan
+from shardlib.planner.cluster import Cluster
+from shardlib.planner.terms import (
+    context,
+    dp,
+    expert,
+    fsdp,
+    model,
+    offload,
+    pipeline,
+    state,
+    tensor,
+)
+from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.workload import Workload
+
+OVERLAP = 0.8
+"""Fraction of compute time that overlappable collectives can hide behind."""
+MEMORY_HEADROOM = 0.92
+"""Usable fraction of device memory (allocator fragmentation, NCCL and runtime buffers)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted per-device figures for one plan on one cluster."""
+
+    plan: Plan
+    memory: dict[str, float]
+    """Bytes per device by part."""
+    comms: tuple[Comm, ...]
+    flops: float
+    """FLOPs per device per step (recompute included)."""
+    compute_s: float
+    comm_s: float
+    """Collective time, all of it (exposed or not)."""
+    exposed_comm_s: float
+    bubble_s: float
+    host_s: float
+    step_s: float
+    mfu: float
+    """Model FLOPs (6Ψ + attention, no recompute) / (devices x peak x step time)."""
+    tokens_per_s: float
+    fits: bool
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(v for k, v in self.memory.items() if not k.startswith("host"))
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(c.wire_bytes for c in self.comms)
+
+    def wire_by_axes(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for c in self.comms:
+            out[",".join(c.axes)] += c.wire_bytes
+        return dict(out)
+
+    def wire_by_strategy(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for c in self.comms:
+            out[c.strategy] += c.wire_bytes
+        return dict(out)
+
+
+def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
+    """Shape constraints before costing; ShardingError names what does not divide."""
+    w, p = workload, plan
+    if cluster is not None and p.size != cluster.num_devices:
+        raise ShardingError(f"plan {p.mesh_text()} uses {p.size} of {cluster.num_devices} devices")
+    if w.global_batch % (p.batch_ways * p.microbatches):
+        raise ShardingError(
+            f"plan {p.mesh_text()}: batch {w.global_batch} does not split into "
+            f"{p.microbatches} micro-batches over {p.batch_ways} replicas"
+        )
+    if w.seq % p.context or (p.context > 1 and (w.seq // p.context) % 2):
+        raise ShardingError(f"plan {p.mesh_text()}: seq {w.seq} does not split {p.context} ways")
+    if p.stage > w.layers or (p.virtual > 1 and w.layers % (p.stage * p.virtual)):
+        raise ShardingError(f"plan {p.mesh_text()}: {w.layers} layers, {p.stage}x{p.virtual}")
+    if p.expert > 1 and (not w.experts or w.experts % p.expert):
+        raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
+
+
+def collective_seconds(comm: Comm, cluster: Cluster, plan: Plan) -> float:
+    if comm.group <= 1 or comm.count == 0:
+        return 0.0
+    bw, latency = _link(cluster, plan.axes, comm.axes)
+    steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
+        comm.kind, comm.group - 1
+    )
+    return comm.wire_bytes / bw + steps * latency * comm.count * comm.ops
+
+
+@functools.lru_cache(maxsize=65536)
+def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
+    return cluster.link(axes, names)
+
+
+def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
+    """Every term's share, in one visible place (the order does not matter: they add)."""
+    p = ctx.p
+    held = state.state(ctx)
+    host_bw = cluster.host_link_bw if cluster else 25e9
+    return [
+        held,
+        model.flops(ctx),
+        model.activations(ctx, pipeline.in_flight(p.schedule, p.stage, p.microbatches)),
+        dp.gradient_reduction(ctx),
+        fsdp.fsdp(ctx),
+        tensor.tensor(ctx),
+        context.context(ctx),
+        expert.expert(ctx),
+        pipeline.pipeline(ctx),
+        offload.offload(ctx, held.memory["optimizer"], host_bw),
+    ]
+
+
+def estimate(
+    workload: Workload,
+    plan: Plan,
+    cluster: Cluster | None = None,
+    *,
+    backend: str = "gpu",
+    calib: dict | None = None,
+) -> Estimate:
+    """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time)."""
+    check(workload, plan, cluster)
+    ctx = Context(workload, plan, backend, COEFFICIENTS if calib is None else calib)
+    parts = contributions(ctx, cluster)
+    memory: dict[str, float] = defaultdict(float)
+    comms: list[Comm] = []
+    flops = host_s = 0.0
+    notes: list[str] = []
+    for part in parts:
+        for k, v in part.memory.items():
+            memory[k] += v
+        comms.extend(part.comms)
+        flops += part.flops
+        host_s += part.seconds
+        notes.extend(part.notes)
+    memory["runtime"] = ctx.calib["fixed_bytes"]
+    if cluster is None:
+        return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
+    compute_s = flops / (cluster.peak_flops * cluster.compute_efficiency)
+    hidden = sum(collective_seconds(c, cluster, plan) for c in comms if c.overlap)
+    exposed = sum(collective_seconds(c, cluster, plan) for c in comms if not c.overlap)
+    exposed_s = exposed + max(0.0, hidden - OVERLAP * compute_s)
+    bubble_s = pipeline.bubble_fraction(
+        plan.schedule, plan.stage, plan.microbatches, plan.virtual
+    ) * (compute_s + exposed)
+    step_s = compute_s + exposed_s + bubble_s + host_s
+    mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
+    total = sum(v for k, v in memory.items() if not k.startswith("host"))
+    return Estimate(
+        plan=plan,
+        memory=dict(memory),
+        comms=tuple(comms),
+        flops=flops,
+        compute_s=compute_s,
+        comm_s=hidden + exposed,
+        exposed_comm_s=exposed_s,
+        bubble_s=bubble_s,
+        host_s=host_s,
+        step_s=step_s,
+        mfu=mfu,
+        tokens_per_s=workload.tokens / step_s,
+        fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
+        notes=tuple(dict.fromkeys(notes + plan.formula_only())),
+    )

@@ -1,0 +1,185 @@
+"""What every strategy term returns, and the layout of each parameter under a plan.
+
+A term is one small function per strategy, ``term(ctx) -> Contribution``: the bytes it adds
+to each device's memory, the collectives it runs (kind, mesh axes, the unsharded buffer M
+of REFERENCE.md, executions per step), and the FLOPs or seconds it adds. ``cost.estimate``
+sums them; nothing else knows a strategy's formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from shardlib.errors import ShardingError
+from shardlib.mesh import Axis
+from shardlib.planner.candidate import VALIDATED_AXES, Plan
+from shardlib.planner.workload import ParamInfo, Workload
+
+MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
+ADAM_BYTES = 8  # Adam m and v, fp32
+
+
+def ring_wire(kind: str, buffer_bytes: float, group: int) -> float:
+    """Bytes each device sends for one execution (REFERENCE.md, bandwidth-optimal ring)."""
+    if group <= 1:
+        return 0.0
+    if kind == "collective-permute":
+        return float(buffer_bytes)
+    factor = (group - 1) / group
+    return (2 * factor if kind == "all-reduce" else factor) * buffer_bytes
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective of the step as a strategy predicts it."""
+
+    strategy: str
+    """Which term emitted it (``fsdp``, ``tensor``, ...)."""
+    what: str
+    """What is moved, for the explanation (``weights``, ``grads``, ``activations``)."""
+    kind: str
+    """all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute."""
+    axes: tuple[str, ...]
+    """Mesh axes its groups span."""
+    group: int
+    """Devices per group."""
+    buffer_bytes: float
+    """The full (unsharded) M per execution."""
+    count: float
+    """Executions per step."""
+    overlap: bool
+    """Whether it can hide behind compute (weight prefetch, gradient reduction)."""
+    ops: int = 1
+    """Collectives per execution when several tensors are listed as one (latency counts)."""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Per device, per step."""
+        return ring_wire(self.kind, self.buffer_bytes, self.group) * self.count
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A term's share of the step."""
+
+    memory: dict[str, float] = field(default_factory=dict)
+    """Bytes per device by part (``params``, ``grads``, ``activations``, ...)."""
+    comms: tuple[Comm, ...] = ()
+    flops: float = 0.0
+    """FLOPs per device per step."""
+    seconds: float = 0.0
+    """Time not covered by FLOPs or collectives (e.g. host transfers), per step."""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a term may read: the workload, the plan, and derived layout facts."""
+
+    workload: Workload
+    plan: Plan
+    backend: str
+    """``gpu`` (reduce-scatter for sharded gradients, as the GPU/TPU pipelines do) or
+    ``cpu`` (the CPU backend's all-reduce + slice: what compiled validation measures)."""
+    calib: dict = field(default_factory=dict)
+    """Fitted coefficients (``planner.calibration.COEFFICIENTS``)."""
+
+    @property
+    def w(self) -> Workload:
+        return self.workload
+
+    @property
+    def p(self) -> Plan:
+        return self.plan
+
+    @cached_property
+    def splits(self) -> dict[str, dict[str, int]]:
+        """Per parameter: mesh axis -> ways it splits that parameter."""
+        p = self.p
+        return param_splits(self.w, p.data, p.fsdp, p.tensor, p.expert)
+
+    def shard(self, param: ParamInfo, *, without: tuple[str, ...] = ()) -> int:
+        """Ways ``param`` is split on one device, ignoring the axes in ``without``."""
+        return _shard(self.splits[param.name], without)
+
+    @cached_property
+    def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
+        """(param, ways split, ways split by axes other than fsdp) per parameter."""
+        p = self.p
+        return param_table(self.w, p.data, p.fsdp, p.tensor, p.expert)
+
+    def param_copies(self, param: ParamInfo) -> int:
+        """How many copies of a per-layer parameter one device's program holds (its layers)."""
+        return self.layers_per_device if param.per_layer else 1
+
+    @cached_property
+    def layers_per_device(self) -> int:
+        """Blocks on the busiest device: all of them, or the largest pipeline stage's."""
+        w, p = self.w, self.p
+        if p.stage == 1:
+            return w.layers
+        if p.virtual > 1:  # interleaved: v chunks of L/(p·v) blocks per device
+            return math.ceil(w.layers / (p.stage * p.virtual)) * p.virtual
+        from shardlib.planner.terms.pipeline import stage_layers
+
+        layer = w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)
+        return max(stage_layers(w.layers, layer, w.head_flops_per_token, p.stage))
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences of one micro-batch on one device."""
+        return self.w.global_batch // (self.p.microbatches * self.p.batch_ways)
+
+    @property
+    def local_seq(self) -> int:
+        return self.w.seq // self.p.context
+
+
+@functools.lru_cache(maxsize=4096)
+def param_table(w: Workload, data: int, fsdp: int, tensor: int, expert: int) -> tuple:
+    splits = param_splits(w, data, fsdp, tensor, expert)
+    return tuple(
+        (param, _shard(splits[param.name], ()), _shard(splits[param.name], (str(Axis.FSDP),)))
+        for param in w.params
+    )
+
+
+def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:
+    return math.prod(n for a, n in split.items() if a not in without)
+
+
+@functools.lru_cache(maxsize=4096)
+def param_splits(
+    w: Workload, data: int, fsdp: int, tensor: int, expert: int
+) -> dict[str, dict[str, int]]:
+    """How the real rules (``shardlib.plan.rules_for_mesh``) split each parameter.
+
+    Axes that exist on this branch go through the rules, so the planner and the trainer
+    agree by construction; pipeline stages split the ``layers`` dim and the expert axis the
+    ``expert`` dim (formula-only). Raises ShardingError when a dim does not divide.
+    """
+    from shardlib.plan import rules_for_mesh
+
+    p = Plan(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
+    sizes = {str(a): getattr(p, a.value) for a in VALIDATED_AXES if getattr(p, a.value) > 1}
+    rules = rules_for_mesh(sizes or {"data": 1}).params
+    out: dict[str, dict[str, int]] = {}
+    for param in w.params:
+        split: dict[str, int] = {}
+        for name, size in param.dims:
+            axes = [a for a in rules.get(name, ()) if a in sizes]
+            if name == "expert" and p.expert > 1:
+                axes.append(str(Axis.EXPERT))
+            ways = math.prod(sizes.get(a, p.expert if a == Axis.EXPERT else 1) for a in axes)
+            if size % ways:
+                raise ShardingError(
+                    f"plan {p.mesh_text()}: {param.name} dim {name!r} ({size}) is not "
+                    f"divisible by {ways}."
+                )
+            for a in axes:
+                split[a] = sizes.get(a, p.expert if a == Axis.EXPERT else 1)
+        out[param.name] = split
+    return out

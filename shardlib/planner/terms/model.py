@@ -1,0 +1,64 @@
+"""The model's own share: FLOPs and the activations the backward pass needs.
+
+FLOPs per device are 3x the forward matmuls (forward, two backward matmuls), split over
+every axis that splits tokens (data, FSDP, expert, context) or weights (tensor), plus the
+forward that rematerialisation repeats. Saved activations follow Korthikanti et al. 2022:
+per layer, per token, some elements of width h (norm inputs, residual: not split by tensor
+parallelism), some of the q/k/v and MLP widths (split by tensor), and the attention scores
+(a·s per token, split by tensor). The element counts are fitted to compiled programs
+(``planner.calibration``) instead of assumed, because XLA's fusion decides what is saved.
+"""
+
+from __future__ import annotations
+
+from shardlib.planner.terms import remat
+from shardlib.planner.terms.base import Context, Contribution
+
+
+def flops(ctx: Context) -> Contribution:
+    w, p = ctx.w, ctx.p
+    tokens = w.tokens / (p.batch_ways * p.context)
+    layer = w.layer_matmul_flops_per_token / p.tensor
+    attn = w.attention_flops_per_token(w.seq) / p.tensor
+    forward = tokens * (ctx.layers_per_device * (layer + attn) + w.head_flops_per_token / p.tensor)
+    extra = remat.recompute_flops(ctx, tokens, layer, attn)
+    return Contribution(flops=3 * forward + extra)
+
+
+def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = None) -> float:
+    """Bytes one layer saves for backward on one device, for one micro-batch."""
+    w, p, c = ctx.w, ctx.p, ctx.calib
+    cfg = w.cfg
+    tokens = micro_batch * ctx.local_seq
+    k = remat.saved_coefficients(p.remat if policy is None else policy, c)
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    keys = ctx.local_seq  # with context parallelism a ring step holds one block of keys
+    elems = (
+        k["h"] * w.embed
+        + k["qkv"] * qkv / p.tensor
+        + k["mlp"] * cfg.mlp * (w.top_k if w.experts else 1) / p.tensor
+        + k["scores"] * cfg.heads * keys / p.tensor
+    )
+    return tokens * elems * w.compute_bytes
+
+
+def head_activation_bytes(ctx: Context, micro_batch: int) -> float:
+    """Logits (fp32: the model casts them up), their softmax and gradient, and the embedding."""
+    w, p, c = ctx.w, ctx.p, ctx.calib
+    tokens = micro_batch * ctx.local_seq
+    return tokens * (c["head_vocab"] * w.cfg.vocab / p.tensor * 4 + c["head_h"] * w.embed * 4)
+
+
+def activations(ctx: Context, in_flight: int = 1) -> Contribution:
+    """Saved activations of ``in_flight`` micro-batches (1, or a pipeline's), per device."""
+    b = ctx.micro_batch
+    per_layer = layer_activation_bytes(ctx, b)
+    saved = per_layer * ctx.layers_per_device * in_flight
+    # rematerialised layers are recomputed one at a time: one layer's full set is live
+    working = 0.0 if ctx.p.remat == "none" else layer_activation_bytes(ctx, b, "none")
+    return Contribution(
+        memory={
+            "activations": saved + working,
+            "logits": head_activation_bytes(ctx, b),
+        }
+    )

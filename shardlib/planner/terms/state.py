@@ -1,0 +1,42 @@
+"""Parameters, gradients and optimizer state: what each device holds between steps.
+
+Every parameter is split by the axes the rules give it (FSDP on ``embed``, tensor on heads,
+kv-heads, MLP and vocab, expert on ``expert``); a pipeline stage holds only its layers.
+fp32 master weights (4 bytes), fp32 gradients (4) and Adam's m and v (8), as shardlib
+trains (REFERENCE.md's 16 bytes per parameter, Megatron's "fp32 params and grads"). ZeRO-1
+divides the optimizer state by the data-parallel degree, ZeRO-2 the gradients too
+(formula-only until issue 3 lands); with micro-batches a gradient accumulator sits next to
+each micro-batch's gradients.
+"""
+
+from __future__ import annotations
+
+from shardlib.planner.terms.base import ADAM_BYTES, MASTER_BYTES, Context, Contribution
+
+
+def held_elements(ctx: Context) -> float:
+    """Parameter elements on one device (the heaviest pipeline stage)."""
+    total, outer = 0.0, []
+    for param, ways, _ in ctx.table:
+        n = param.numel / ways
+        if param.per_layer:
+            total += n * ctx.layers_per_device
+        else:
+            outer.append(n)
+    # with stages the embedding sits on the first, the head on the last: the larger counts
+    return total + (sum(outer) if ctx.p.stage == 1 else max(outer))
+
+
+def state(ctx: Context) -> Contribution:
+    p = ctx.p
+    n = held_elements(ctx)
+    params = n * MASTER_BYTES
+    opt = n * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
+    grads = n * MASTER_BYTES / (p.data if p.zero >= 2 else 1)
+    accumulator = grads if p.microbatches > 1 and p.stage == 1 else 0.0
+    # one layer's gradient as computed, before FSDP reduces it to its shard
+    in_flight = sum(param.numel / ways for param, _, ways in ctx.table if param.per_layer)
+    in_flight *= ctx.calib["grad_layers_live"] * MASTER_BYTES
+    return Contribution(
+        memory={"params": params, "optimizer": opt, "grads": grads + accumulator + in_flight}
+    )

@@ -1,0 +1,38 @@
+"""Megatron tensor parallelism: per-layer all-reduces of the residual stream.
+
+Forward: one all-reduce of b·s·h after the attention output projection and one after the
+MLP down projection (Shoeybi et al. 2019). Backward, Megatron sums the input gradients of
+q, k, v (and of gate, up) locally and all-reduces once per block; GSPMD instead reduces
+each column-parallel matmul's input gradient separately, so the compiled program has 5
+all-reduces of b·s·h per layer in backward (q, k, v, gate, up), not 2: 7 in all. Outside
+the loop: the vocab-parallel embedding lookup (one b·s·h all-reduce), the softmax's max,
+sum and target pick over the split vocab (three of b·s fp32 values) and the head's input
+gradient (b·s·h). These sit on the critical path: nothing overlaps them.
+"""
+
+from __future__ import annotations
+
+from shardlib.mesh import Axis
+from shardlib.planner.terms.base import Comm, Context, Contribution
+
+FORWARD_PER_LAYER = 2
+BACKWARD_PER_LAYER = 5
+
+
+def tensor(ctx: Context) -> Contribution:
+    p, w = ctx.p, ctx.w
+    if p.tensor <= 1:
+        return Contribution()
+    axes, t = (str(Axis.TENSOR),), p.tensor
+    tokens = ctx.micro_batch * ctx.local_seq
+    bsh = tokens * w.embed * w.compute_bytes
+    m = p.microbatches
+    forward = FORWARD_PER_LAYER * (2 if p.remat == "full" else 1)  # recompute repeats it
+    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
+    return Contribution(
+        comms=(
+            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer * m, False),
+            Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
+            Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
+        )
+    )

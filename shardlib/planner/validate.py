@@ -1,0 +1,104 @@
+"""Compile a plan on simulated devices and compare the cost model with the executable.
+
+The train step is lowered from abstract shapes (``TrainSetup.abstract_state()``), so even a
+70B model on hundreds of simulated CPU devices costs seconds and no memory. The prediction
+it is compared with uses ``backend="cpu"``: the CPU backend reduces FSDP gradients with an
+all-reduce, not a reduce-scatter (REFERENCE.md). Compile in fp32: the CPU backend upcasts
+bf16 matmuls, so its bf16 memory is not what a GPU would use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardlib.errors import ShardingError
+from shardlib.planner.candidate import Plan
+from shardlib.planner.cost import estimate
+from shardlib.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class Check:
+    """Predicted against compiled, per device and step."""
+
+    plan: Plan
+    predicted_memory: float
+    compiled_memory: float
+    predicted_wire: float
+    compiled_wire: float
+    predicted_flops: float
+    compiled_flops: float
+    predicted_wire_by_axes: dict
+    compiled_wire_by_axes: dict
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.predicted_memory / self.compiled_memory
+
+    @property
+    def wire_ratio(self) -> float:
+        if self.compiled_wire == 0:
+            return 1.0 if self.predicted_wire == 0 else float("inf")
+        return self.predicted_wire / self.compiled_wire
+
+    def ok(self, memory_tol: float = 0.10, wire_tol: float = 0.05) -> bool:
+        return abs(self.memory_ratio - 1) <= memory_tol and abs(self.wire_ratio - 1) <= wire_tol
+
+
+def compilable(plan: Plan) -> str | None:
+    """Why this branch cannot compile ``plan`` (None if it can)."""
+    notes = plan.formula_only()
+    return "; ".join(notes) if notes else None
+
+
+def train_config(workload: Workload, plan: Plan, precision: str = "fp32"):
+    from shardlib.planner.writer import model_overrides
+    from shardlib.train.config import parse_overrides
+
+    words = [
+        f"model={workload.model}",
+        f"batch={workload.global_batch}",
+        f"seq={workload.seq}",
+        f"microbatches={plan.microbatches}",
+        f"precision={precision}",
+        *model_overrides(workload),
+    ]
+    return parse_overrides(words)
+
+
+def validate(workload: Workload, plan: Plan) -> Check:
+    """Compile ``plan`` (fp32) on the simulated devices present and compare."""
+    import jax
+
+    from shardlib.explain import explain
+    from shardlib.mesh import MeshSpec
+    from shardlib.train.setup import make_setup
+
+    why = compilable(plan)
+    if why:
+        raise ShardingError(f"plan {plan.mesh_text()} cannot be compiled here: {why}")
+    if jax.device_count() < plan.size:
+        raise ShardingError(
+            f"plan {plan.mesh_text()} needs {plan.size} devices, {jax.device_count()} present. "
+            f"Fix: shardlib.simulate_cpu_devices({plan.size}) before JAX starts."
+        )
+    fp32 = dataclasses.replace(workload, precision="fp32")
+    cfg = train_config(fp32, plan)
+    mesh = MeshSpec(plan.axes).build(jax.devices()[: plan.size])
+    setup = make_setup(cfg, mesh)
+    report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
+    pred = estimate(fp32, plan, backend="cpu")
+    return Check(
+        plan=plan,
+        predicted_memory=pred.memory_bytes,
+        compiled_memory=report.memory.total_bytes,
+        predicted_wire=pred.wire_bytes,
+        compiled_wire=sum(t["wire_bytes"] for t in report.collective_totals.values()),
+        predicted_flops=pred.flops,
+        compiled_flops=report.flops_per_device,
+        predicted_wire_by_axes=pred.wire_by_axes(),
+        compiled_wire_by_axes={
+            k: v["wire_bytes"] for k, v in report.collective_totals_by_axis.items()
+        },
+    )

@@ -1,0 +1,174 @@
+"""The auto-parallel planner: cluster presets, cost terms, search vs exhaustive, compiled checks.
+
+Most tests are pure Python (the cost model needs no devices). Two compile train steps on the
+8 simulated devices of tests/conftest.py from abstract shapes, and one trains two steps of
+the plan the planner wrote. The 64-device checks live in benchmarks/planner_validation.py
+(the device count is fixed per process).
+"""
+
+import itertools
+import random
+
+import pytest
+
+from shardlib import ShardingError, load_mesh
+from shardlib.cli import main
+from shardlib.planner import Plan, Workload, estimate, load_cluster
+from shardlib.planner.cluster import Cluster, cluster_presets
+from shardlib.planner.search import Space, exhaustive, rank_key, search
+from shardlib.planner.terms.pipeline import partition
+
+# --- cluster presets --------------------------------------------------------------------------
+
+
+def test_cluster_presets_load_and_say_when_to_use_them():
+    paths = cluster_presets()
+    assert {"h100-8", "h100-512", "a100-8", "tpu-v5p-128"} <= {p.stem for p in paths}
+    for path in paths:
+        assert path.read_text().lower().startswith("# use this when"), path
+        cluster = load_cluster(path)
+        assert cluster.num_devices >= 8 and cluster.peak_flops > 0
+    big = load_cluster("h100-512")
+    assert big.num_devices == 512 and big.inter_host_bw < big.intra_host_bw
+    with pytest.raises(ShardingError, match="cluster description"):
+        load_mesh(paths[0])  # a cluster is not a mesh, and the error says what to do
+    with pytest.raises(ShardingError, match=r"no \[cluster\] table"):
+        load_cluster(load_mesh("cpu-8-dp").source)
+
+
+def test_fast_axes_stay_inside_a_host():
+    h100 = load_cluster("h100-512")
+    axes = (("data", 8), ("fsdp", 8), ("tensor", 8))
+    assert h100.axis_is_intra_host(axes, "tensor")
+    assert not h100.axis_is_intra_host(axes, "fsdp")  # 8 x 8 devices span 8 hosts
+    assert h100.link(axes, ("tensor",))[0] == h100.intra_host_bw
+    assert h100.link(axes, ("data", "tensor"))[0] == h100.inter_host_bw
+
+
+# --- cost terms: formulas ---------------------------------------------------------------------
+
+
+def _w(model="llama-7b", batch=64, seq=2048, **overrides):
+    return Workload.from_preset(model, batch, seq, **overrides)
+
+
+def test_state_memory_follows_zero_table():
+    """REFERENCE.md (ZeRO, fp32 params and grads): 16 bytes/param -> 4 + 4 + 8/N -> 4 + 12/N."""
+    w, n = _w(), 8
+    state = {}
+    for zero in (0, 1, 2):
+        mem = estimate(w, Plan(data=n, zero=zero)).memory
+        state[zero] = mem["params"] + mem["optimizer"]
+    psi = w.param_count
+    assert state[0] == pytest.approx(12 * psi)
+    assert state[1] == pytest.approx(4 * psi + 8 * psi / n)
+    fsdp = estimate(w, Plan(fsdp=n)).memory
+    assert fsdp["params"] + fsdp["optimizer"] == pytest.approx(12 * psi / n, rel=1e-3)
+
+
+def test_dp_and_fsdp_wire_bytes_follow_the_ring_formulas():
+    w, n = _w(), 8
+    grads = 4 * w.param_count
+    dp = estimate(w, Plan(data=n)).wire_bytes
+    assert dp == pytest.approx(2 * (n - 1) / n * grads)
+    fsdp = estimate(w, Plan(fsdp=n)).wire_by_strategy()["fsdp"]  # bf16 gathers, fp32 grads
+    gathers = 2 * (n - 1) / n * 2 * w.param_count
+    assert fsdp == pytest.approx(gathers + (n - 1) / n * grads, rel=0.02)
+
+
+def test_formula_only_terms_move_the_right_way():
+    w = _w(batch=64, seq=4096)
+    base = estimate(w, Plan(fsdp=8))
+    full = estimate(w, Plan(fsdp=8, remat="full"))
+    assert full.memory["activations"] < base.memory["activations"] / 5
+    assert full.flops / base.flops == pytest.approx(4 / 3, rel=0.05)  # one extra forward
+    sel = estimate(w, Plan(fsdp=8, remat="selective"))
+    assert full.memory["activations"] < sel.memory["activations"] < base.memory["activations"]
+    off = estimate(w, Plan(fsdp=8, offload="optimizer"))
+    assert off.memory_bytes == pytest.approx(base.memory_bytes - base.memory["optimizer"])
+    cp = estimate(w, Plan(fsdp=4, context=2))
+    assert cp.memory["activations"] < estimate(w, Plan(fsdp=4, data=2)).memory["activations"]
+    cluster = load_cluster("h100-8")
+    for sched, m, v, bubble in (("1f1b", 8, 1, 3 / 8), ("interleaved", 8, 2, 3 / 16)):
+        est = estimate(w, Plan(fsdp=2, stage=4, microbatches=m, schedule=sched, virtual=v), cluster)
+        assert est.bubble_s == pytest.approx(bubble * est.compute_s)  # no critical-path comm
+        assert "formula-only until pipeline" in " ".join(est.notes)
+
+
+def test_stage_partition_is_optimal():
+    rng = random.Random(0)
+    for _ in range(30):
+        costs = [rng.choice((1.0, 2.0, 3.5)) for _ in range(rng.randint(2, 9))]
+        stages = rng.randint(1, len(costs))
+        cuts = partition(costs, stages)
+        got = max(sum(costs[a:b]) for a, b in cuts)
+        assert [a for a, _ in cuts][0] == 0 and cuts[-1][1] == len(costs)
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *c), (*c, len(costs)), strict=True))
+            for c in itertools.combinations(range(1, len(costs)), stages - 1)
+        )
+        assert got == pytest.approx(best)
+
+
+# --- search -----------------------------------------------------------------------------------
+
+PAIRS = [
+    ("llama-7b", 256, 2048, "h100-8", Space(microbatches=(1, 4, 16, 64))),
+    ("llama-1b", 512, 4096, "a100-8", Space(microbatches=(1, 8, 64), zero=(0, 1))),
+    ("llama-70b", 256, 4096, "h100-512", Space(microbatches=(1, 16), zero=(0, 2), virtual=(2,))),
+    ("llama-7b", 512, 4096, "tpu-v5p-128", Space(microbatches=(1, 32), zero=(0, 1), virtual=(2,))),
+]
+
+
+@pytest.mark.parametrize("model, batch, seq, cluster_name, space", PAIRS)
+def test_search_returns_the_exhaustive_optimum(model, batch, seq, cluster_name, space):
+    cluster = load_cluster(cluster_name)
+    if cluster_name == "h100-512":
+        cluster = cluster.with_hosts(8)  # 64 devices: exhaustive stays fast
+    w = _w(model, batch, seq)
+    fast = search(w, cluster, space, top=3)
+    full = exhaustive(w, cluster, space)
+    assert full.best and fast.best
+    assert rank_key(fast.best[0]) == rank_key(full.best[0])
+    assert fast.best[0].plan == full.best[0].plan
+    assert fast.evaluated < full.evaluated
+
+
+# --- compiled checks (8 simulated devices) ----------------------------------------------------
+
+
+def test_prediction_matches_the_compiled_step():
+    """All three compiled strategies at once; benchmarks/planner_validation.py checks 14."""
+    from shardlib.planner.validate import validate
+
+    w = Workload.from_preset("llama-tiny", 16, 32, "fp32", layers=3)
+    check = validate(w, Plan(data=2, fsdp=2, tensor=2, microbatches=2))
+    assert abs(check.memory_ratio - 1) <= 0.10, check
+    assert abs(check.wire_ratio - 1) <= 0.05, check
+
+
+def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_path, capsys):
+    """A 6 MB device: llama-tiny needs ~10 MB with plain DP; the written plan must fit (per
+    the compiled memory) and `shardlib train --mesh plan.toml` must run it."""
+    from shardlib.planner.validate import validate
+
+    cluster_file = tmp_path / "tiny.toml"
+    cluster_file.write_text(
+        '# Use this when: testing.\nplatform = "cpu"\n[cluster]\ndevices_per_host = 8\n'
+        "hosts = 1\nmemory_gb = 0.006\npeak_tflops = 0.1\nintra_host_gbps = 10\n"
+        "inter_host_gbps = 10\n"
+    )
+    out = tmp_path / "plan.toml"
+    args = ["--model", "llama-tiny", "--cluster", str(cluster_file), "--global-batch", "16"]
+    args += ["--seq", "64", "--precision", "fp32", "--compiled-only", "--out", str(out)]
+    assert main(["plan", *args]) == 0
+    assert "Plain data parallelism needs" in capsys.readouterr().err
+    spec = load_mesh(out)
+    cluster: Cluster = load_cluster(cluster_file)
+    w = Workload.from_preset("llama-tiny", 16, 64, "fp32")
+    assert not estimate(w, Plan(data=8), cluster).fits
+    plan = Plan(**dict(spec.axes), microbatches=spec.train["microbatches"])
+    check = validate(w, plan)
+    assert check.compiled_memory <= cluster.memory_bytes
+    assert abs(check.memory_ratio - 1) <= 0.10 and abs(check.wire_ratio - 1) <= 0.05, check
+    assert main(["train", "--mesh", str(out), "steps=2"]) == 0
