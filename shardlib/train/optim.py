@@ -32,7 +32,9 @@ def check_names(cfg: TrainConfig) -> None:
     if cfg.zero not in (0, 1, 2, 3):
         raise ShardingError(f"config: zero={cfg.zero}. Fix: use a ZeRO stage 0, 1, 2 or 3.")
     if cfg.initial_scale_power < 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
-        raise ShardingError(f"config: loss-scaling settings out of range; need {LOSS_SCALE_LIMITS}.")
+        raise ShardingError(
+            f"config: loss-scaling settings out of range; need {LOSS_SCALE_LIMITS}."
+        )
     if cfg.min_loss_scale <= 0 or cfg.min_loss_scale > 2.0**cfg.initial_scale_power:
         raise ShardingError(
             f"config: min_loss_scale={cfg.min_loss_scale} must be > 0 and <= the initial scale "

@@ -74,7 +74,9 @@ class TrainSetup:
     @cached_property
     def grad_shardings(self) -> dict:
         """The gradient buffer's layout (ZeRO-2/3: sharded, else the parameters')."""
-        specs = layouts.grad_specs(self.param_shapes, self.param_names, self.mesh, self._roles.grads)
+        specs = layouts.grad_specs(
+            self.param_shapes, self.param_names, self.mesh, self._roles.grads
+        )
         return named_shardings(specs, self.mesh)
 
     @cached_property
