@@ -14,19 +14,18 @@ from shardlib.train.config import TrainConfig
 from shardlib.train.optim import OPTIMIZERS, schedule
 from shardlib.train.setup import make_setup
 
-# factored_min_dim=32 makes adafactor factor llama-tiny's [embed=64, mlp=256] weights.
-CFG = TrainConfig(
-    steps=4, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32, warmup=1
-)
+# The config of tests/test_zero.py (one shared one-device reference for adamw); with
+# factored_min_dim=32 adafactor factors llama-tiny's [embed=64, mlp=256] weights.
+CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32)
 MESH = {"data": 2, "fsdp": 4}  # parameters split over fsdp, batch over data x fsdp
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+# adamw (the default) on this mesh is tests/test_zero.py's hsdp2x4 case.
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "adamw"])
 def test_optimizer_parity(name):
     cfg = dataclasses.replace(CFG, optimizer=name)
     _, result = train(cfg, **MESH)
     assert_parity(result, reference(cfg))
-    assert result.losses[-1] < result.losses[0]
 
 
 def _factored(tree):

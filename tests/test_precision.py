@@ -107,8 +107,10 @@ def test_overflow_at_the_minimum_scale_is_an_error(fp16):
 
 
 def test_bf16_trains_close_to_fp32():
-    cfg = TrainConfig(steps=4, batch=16, seq=16, model_overrides=(("layers", 1),))
-    _, result = train(dataclasses.replace(cfg, precision="bf16"))
+    cfg = TrainConfig(
+        steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32
+    )
+    _, result = train(dataclasses.replace(cfg, precision="bf16"))  # fp32 reference: test_zero's
     losses = reference(cfg)[0]
     assert np.allclose(result.losses, losses, rtol=2e-2), (result.losses, losses)
     assert max(abs(a - b) / b for a, b in zip(result.losses, losses, strict=True)) > 1e-5

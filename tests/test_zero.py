@@ -20,7 +20,9 @@ from shardlib.train.config import TrainConfig
 from shardlib.train.layouts import HOST_MEMORY
 from shardlib.train.setup import make_setup
 
-CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),))
+# factored_min_dim only matters to adafactor: it is set here so that the optimizer tests
+# share this config's one-device reference.
+CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32)
 
 
 def check_parity(cfg, axes, ref_cfg):
@@ -29,7 +31,8 @@ def check_parity(cfg, axes, ref_cfg):
     return setup, result
 
 
-# zero=0 on data=8 without accumulation is the core's dp8 parity test.
+# Without accumulation, zero=0 and zero=3 on data=8 are the core's dp8 and fsdp8 parity tests
+# (the FSDP rules on another axis name); the default optimizer is adamw.
 CASES = {
     "zero0": ({"data": 8}, 0),
     "zero1": ({"data": 8}, 1),
@@ -39,7 +42,7 @@ CASES = {
 }
 
 
-PARITY = [(n, m) for n in CASES for m in (1, 2) if (n, m) != ("zero0", 1)]
+PARITY = [(n, m) for n in CASES for m in (1, 2) if (n, m) not in (("zero0", 1), ("zero3", 1))]
 
 
 @pytest.mark.parametrize("name,microbatches", PARITY)

@@ -67,7 +67,7 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
         w = max(warmup, 1)
 
         def after(count):
-            return cfg.lr * jnp.sqrt(w / (count + w))
+            return cfg.lr * jnp.sqrt(w / jnp.maximum(count + w, w))  # join_schedules shifts count
 
     if not warmup:
         return after
