@@ -42,17 +42,39 @@ class TrainConfig:
     clip_norm: float = 1.0
     """Global gradient-norm clipping threshold (0 disables it)."""
     precision: str = "fp32"
-    """Compute precision: fp32, or bf16 with fp32 master weights."""
+    """Compute precision: fp32, or bf16/fp16 with fp32 master weights (fp16: loss scaling)."""
     seed: int = 0
     """Seeds parameter initialisation and the data order."""
     data: str | None = None
     """Flat binary file of uint16 token ids; None = the embedded stdlib-source corpus."""
     metrics: str | None = None
     """Path of a JSON-lines file with one record per step."""
+    # --- issue 3: ZeRO stages, optimizer offload, optimizers by name, fp16 loss scaling ---
+    zero: int = 0
+    """ZeRO stage over the ``data`` axis: 0 replicated, 1 + optimizer state sharded,
+    2 + gradients sharded, 3 + parameters sharded (FSDP). An ``fsdp`` axis is always ZeRO-3."""
+    offload_optimizer: bool = False
+    """Keep optimizer state in pinned host memory between steps (ZeRO-Offload)."""
+    optimizer: str = "adamw"
+    """adamw, adam, sgd (momentum), lamb, lars or adafactor (all from optax)."""
+    schedule: str = "warmup_cosine"
+    """Learning-rate schedule: constant, warmup_cosine, warmup_linear or inverse_sqrt."""
+    momentum: float = 0.9
+    """Momentum of sgd and lars."""
+    factored_min_dim: int = 128
+    """Adafactor factors a weight's second moment when its two largest dims are >= this."""
+    initial_scale_power: int = 16
+    """fp16: the loss scale starts at 2**initial_scale_power (DeepSpeed's default 16)."""
+    loss_scale_window: int = 1000
+    """fp16: the scale doubles after this many consecutive steps without overflow."""
+    hysteresis: int = 2
+    """fp16: overflowing steps tolerated before the scale is halved (DeepSpeed's delayed shift)."""
+    min_loss_scale: float = 1.0
+    """fp16: an overflow at this scale (hysteresis spent) stops training with an error."""
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp32", "bf16"):
-            raise ShardingError(f"config: precision={self.precision!r}; use fp32 or bf16.")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ShardingError(f"config: precision={self.precision!r}; use fp32, bf16 or fp16.")
         if self.steps < 1 or self.batch < 1 or self.seq < 2 or self.microbatches < 1:
             raise ShardingError("config: steps, batch, microbatches must be >= 1 and seq >= 2.")
         if self.batch % self.microbatches:
@@ -60,6 +82,9 @@ class TrainConfig:
                 f"config: batch={self.batch} is not divisible by microbatches="
                 f"{self.microbatches}. Fix: choose a batch that is a multiple of microbatches."
             )
+        from shardlib.train.optim import check_names  # issue 3
+
+        check_names(self)
 
     @property
     def microbatch(self) -> int:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardlib.train.data import check_vocab, global_batch, load_tokens
+from shardlib.train.precision import check_record
 from shardlib.train.setup import TrainSetup
 
 
@@ -96,6 +97,7 @@ def run(
                 "compiled": step == start,
             }
             record.update({k: float(v) for k, v in metrics.items() if k not in record})
+            check_record(record, cfg)  # issue 3: fp16 overflow at the minimum loss scale
             result.records.append(record)
             if sink:
                 sink.write(json.dumps(record) + "\n")

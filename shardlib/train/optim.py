@@ -1,23 +1,77 @@
-"""The optimizer, from optax: AdamW with warm-up + cosine decay and global-norm clipping."""
+"""Optimizers and learning-rate schedules by name, all from optax, plus gradient clipping.
+
+Every optimizer here keeps its state as trees shaped like the parameters (adafactor's
+factored statistics drop one dim of their parameter), so ``shardlib.train.layouts`` can lay
+each state tensor out like its parameter. Weight decay skips norms and biases everywhere.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from shardlib.errors import ShardingError
 from shardlib.train.config import TrainConfig
+
+SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor")
+LOSS_SCALE_LIMITS = "initial_scale_power >= 0, loss_scale_window >= 1, hysteresis >= 1"
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Unknown optimizer, schedule or ZeRO settings fail when the config is made."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ShardingError(
+            f"config: optimizer={cfg.optimizer!r}. Fix: use one of {', '.join(OPTIMIZERS)}."
+        )
+    if cfg.schedule not in SCHEDULES:
+        raise ShardingError(
+            f"config: schedule={cfg.schedule!r}. Fix: use one of {', '.join(SCHEDULES)}."
+        )
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ShardingError(f"config: zero={cfg.zero}. Fix: use a ZeRO stage 0, 1, 2 or 3.")
+    if cfg.initial_scale_power < 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
+        raise ShardingError(
+            f"config: loss-scaling settings out of range; need {LOSS_SCALE_LIMITS}."
+        )
+    if cfg.min_loss_scale <= 0 or cfg.min_loss_scale > 2.0**cfg.initial_scale_power:
+        raise ShardingError(
+            f"config: min_loss_scale={cfg.min_loss_scale} must be > 0 and <= the initial scale "
+            f"2**{cfg.initial_scale_power}."
+        )
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warm-up to ``lr``, cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """The learning rate at each step; warm-up (where there is one) is linear from 0.
+
+    warmup_cosine / warmup_linear decay to ``lr * min_lr_ratio`` at the last step;
+    inverse_sqrt decays as ``lr * sqrt(warmup / step)`` after the warm-up (Vaswani et al.).
+    """
     warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else cfg.lr,
-        peak_value=cfg.lr,
-        warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else cfg.lr,
+            peak_value=cfg.lr,
+            warmup_steps=warmup,
+            decay_steps=max(cfg.steps, warmup + 1),
+            end_value=end,
+        )
+    decay_steps = max(cfg.steps - warmup, 1)
+    if cfg.schedule == "warmup_linear":
+        after = optax.linear_schedule(cfg.lr, end, decay_steps)
+    else:  # inverse_sqrt
+        w = max(warmup, 1)
+
+        def after(count):
+            return cfg.lr * jnp.sqrt(w / jnp.maximum(count + w, w))  # join_schedules shifts count
+
+    if not warmup:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
 def decay_mask(params):
@@ -34,13 +88,35 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def _optimizer(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+    wd, mask = cfg.weight_decay, decay_mask
+    if cfg.optimizer == "adamw":
+        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
+    if cfg.optimizer == "adam":  # no decay at all: that is what distinguishes it from adamw
+        return optax.adam(lr, b1=cfg.b1, b2=cfg.b2)
+    if cfg.optimizer == "sgd":
+        sgd = optax.sgd(lr, momentum=cfg.momentum)
+        return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
+    if cfg.optimizer == "lamb":
+        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
+    if cfg.optimizer == "lars":
+        # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
+        return optax.lars(
+            lr, weight_decay=wd, weight_decay_mask=mask, trust_ratio_mask=mask,
+            momentum=cfg.momentum,
+        )  # fmt: skip
+    return optax.adafactor(
+        lr,
+        min_dim_size_to_factor=cfg.factored_min_dim,
+        weight_decay_rate=wd or None,
+        weight_decay_mask=mask,
+    )
+
+
 def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping (if set), then the named optimizer with the named schedule."""
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(
-        optax.adamw(
-            schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
-        )
-    )
+    parts.append(_optimizer(cfg, schedule(cfg)))
     return optax.chain(*parts)

@@ -24,6 +24,8 @@ import models
 from shardlib.layout import abstract_state, mesh_axes, named_shardings, resolve_specs
 from shardlib.plan import rules_for_mesh
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.zero import StateRules, zero
+from shardlib.train import layouts, precision
 from shardlib.train.config import TrainConfig, apply_overrides
 from shardlib.train.optim import build_optimizer, schedule
 
@@ -42,10 +44,15 @@ class TrainSetup:
     param_shapes: dict
     param_specs: dict
     tx: optax.GradientTransformation
+    # --- issue 3: per-role layouts (ZeRO), offload, loss scaling ---
+    param_names: dict | None = None
+    """Logical names of every parameter (for gradient and optimizer-state layouts)."""
+    state_rules: StateRules | None = None
+    """Rules per state role (ZeRO stage); None: everything follows ``rules``."""
 
     @property
     def compute_dtype(self):
-        return jnp.bfloat16 if self.cfg.precision == "bf16" else jnp.float32
+        return precision.compute_dtype(self.cfg)
 
     @cached_property
     def param_shardings(self) -> dict:
@@ -60,17 +67,55 @@ class TrainSetup:
         return jax.eval_shape(self.tx.init, self.param_shapes)
 
     @cached_property
-    def state_shardings(self) -> dict:
-        """Optimizer state mirrors its parameter's layout; scalars (counts) are replicated."""
-        replicated = NamedSharding(self.mesh, P())
-        opt = optax.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            self._abstract_opt_state,
-            self.param_shardings,
-            transform_non_params=lambda _: replicated,
+    def _roles(self) -> StateRules:
+        rules = self.rules
+        return self.state_rules or StateRules(params=rules, grads=rules, opt_state=rules)
+
+    @cached_property
+    def grad_shardings(self) -> dict:
+        """The gradient buffer's layout (ZeRO-2/3: sharded, else the parameters')."""
+        specs = layouts.grad_specs(
+            self.param_shapes, self.param_names, self.mesh, self._roles.grads
         )
-        return {"params": self.param_shardings, "opt_state": opt, "step": replicated}
+        return named_shardings(specs, self.mesh)
+
+    @cached_property
+    def update_shardings(self) -> dict:
+        """The layout in which gradients enter the optimizer: the optimizer state's."""
+        specs = layouts.grad_specs(
+            self.param_shapes, self.param_names, self.mesh, self._roles.opt_state
+        )
+        return named_shardings(specs, self.mesh)
+
+    @cached_property
+    def opt_state_shardings(self):
+        """Each state tensor laid out like its parameter under the optimizer-state rules
+        (factored statistics keep their remaining dims' splits); counters replicated; in
+        pinned host memory with ``offload_optimizer``."""
+        specs = layouts.opt_state_specs(
+            self.tx,
+            self._abstract_opt_state,
+            self.param_shapes,
+            self.param_names,
+            self.mesh,
+            self._roles.opt_state,
+        )
+        kind = layouts.HOST_MEMORY if self.cfg.offload_optimizer else None
+        return layouts.shardings(specs, self.mesh, kind)
+
+    @cached_property
+    def state_shardings(self) -> dict:
+        replicated = NamedSharding(self.mesh, P())
+        out = {
+            "params": self.param_shardings,
+            "opt_state": self.opt_state_shardings,
+            "step": replicated,
+        }
+        if precision.uses_loss_scale(self.cfg):
+            out["loss_scale"] = jax.tree.map(
+                lambda _: replicated, precision.abstract_loss_scale(self.cfg)
+            )
+        return out
 
     def abstract_state(self) -> dict:
         """ShapeDtypeStructs with shardings: compile (``explain``) without allocating."""
@@ -79,6 +124,8 @@ class TrainSetup:
             "opt_state": self._abstract_opt_state,
             "step": jax.ShapeDtypeStruct((), jnp.int32),
         }
+        if precision.uses_loss_scale(self.cfg):
+            shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
@@ -92,17 +139,20 @@ class TrainSetup:
 
     @cached_property
     def _init(self):
-        model_cfg, tx = self.model_cfg, self.tx
+        model_cfg, tx, cfg = self.model_cfg, self.tx, self.cfg
 
         def init(key):
             with nnx.use_eager_sharding(False):
                 model = models.build(model_cfg, nnx.Rngs(params=key))
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            return {
+            state = {
                 "params": params,
                 "opt_state": tx.init(params),
                 "step": jnp.zeros((), jnp.int32),
             }
+            if precision.uses_loss_scale(cfg):
+                state["loss_scale"] = precision.init_loss_scale(cfg)
+            return state
 
         return jax.jit(init, out_shardings=self.state_shardings)
 
@@ -130,6 +180,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
     axes = mesh_axes(mesh)
     rules = rules_for_mesh(axes) if rules is None else rules
     rules.check_mesh(axes)
+    roles = zero(rules, stage=cfg.zero, mesh_axes=axes)  # issue 3: ZeRO stage per state role
+    rules = roles.params
     graphdef, shapes, names = abstract_state(lambda: models.build(model_cfg, nnx.Rngs(0)))
     specs = resolve_specs(shapes, names, mesh, rules, "params")
     resolve_spec(
@@ -157,4 +209,6 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         param_shapes=shapes,
         param_specs=specs,
         tx=build_optimizer(cfg),
+        param_names=names,
+        state_rules=roles,
     )

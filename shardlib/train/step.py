@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
+from shardlib.train import layouts, precision
 from shardlib.train.setup import BATCH_NAMES, TrainSetup
 
 
@@ -60,20 +61,47 @@ def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardi
 
 
 def build_train_step(setup: TrainSetup):
-    """``step(state, tokens) -> (state, metrics)``, jitted with the state donated."""
+    """``step(state, tokens) -> (state, metrics)``, jitted with the state donated.
+
+    Gradients accumulate in ``setup.grad_shardings`` and enter the optimizer in
+    ``setup.update_shardings`` (the ZeRO stage decides both). With ``offload_optimizer`` the
+    optimizer state arrives in host memory, is moved to the device for the update and leaves
+    to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
+    step with non-finite gradients changes neither parameters nor optimizer state.
+    """
     loss_fn = make_loss_fn(setup)
-    tx, sched, m = setup.tx, setup.schedule, setup.cfg.microbatches
+    tx, sched, cfg = setup.tx, setup.schedule, setup.cfg
+    scaled = precision.uses_loss_scale(cfg)
 
     def train_step(state, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
             params = state["params"]
             tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
-            loss, grads = accumulate_grads(loss_fn, params, tokens_BL1, m, setup.param_shardings)
-            grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            params = optax.apply_updates(params, updates)
+            scale = state["loss_scale"]["scale"] if scaled else None
+            fn = (lambda p, t: loss_fn(p, t) * scale) if scaled else loss_fn
+            loss, grads = accumulate_grads(
+                fn, params, tokens_BL1, cfg.microbatches, setup.grad_shardings
+            )
+            if scaled:
+                loss = loss / scale
+                grads = jax.tree.map(lambda g: g / scale, grads)
+            grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
+            opt_state = state["opt_state"]
+            if cfg.offload_optimizer:
+                opt_state = layouts.to_memory(
+                    opt_state, setup.opt_state_shardings, layouts.DEVICE_MEMORY
+                )
+            updates, new_opt_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
+        if scaled:
+            finite = precision.all_finite(grads)
+            new_state["params"] = precision.keep_if(finite, new_params, params)
+            new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
+            new_state["loss_scale"] = precision.update_loss_scale(cfg, state["loss_scale"], finite)
+            metrics.update(precision.metrics(new_state["loss_scale"], finite))
+        return new_state, metrics
 
     return jax.jit(
         train_step,

@@ -1,0 +1,108 @@
+"""Mixed precision: compute dtypes and fp16 dynamic loss scaling with DeepSpeed's semantics.
+
+bf16 and fp16 compute with fp32 master weights (the loss function casts a copy of the
+parameters each step). fp16's narrow exponent underflows small gradients, so the loss is
+multiplied by a scale before the backward pass and the gradients divided by it after
+(Micikevicius et al. 2018). DeepSpeed's dynamic scaler, reproduced here:
+
+* start at ``2**initial_scale_power``;
+* a step whose gradients are not finite is skipped: parameters, optimizer state and the
+  optimizer's step counter stay exactly as they were;
+* each overflow spends one unit of ``hysteresis``; an overflow with none left halves the
+  scale (not below ``min_loss_scale``); an overflow at the minimum scale is an error
+  (``LossScaleError``, raised by the training loop on the host);
+* after ``loss_scale_window`` consecutive clean steps the scale doubles and the hysteresis
+  is restored.
+
+The scaler's state is part of the train state, so checkpoints keep it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from shardlib.errors import ShardingError
+from shardlib.train.config import TrainConfig
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class LossScaleError(ShardingError):
+    """fp16 training overflowed at the minimum loss scale: it cannot make progress."""
+
+
+def compute_dtype(cfg: TrainConfig):
+    return DTYPES[cfg.precision]
+
+
+def uses_loss_scale(cfg: TrainConfig) -> bool:
+    return cfg.precision == "fp16"
+
+
+def init_loss_scale(cfg: TrainConfig) -> dict:
+    """The scaler's state: scalars, replicated on every device."""
+    return {
+        "scale": jnp.asarray(2.0**cfg.initial_scale_power, jnp.float32),
+        "good_steps": jnp.zeros((), jnp.int32),  # clean steps since the last change/overflow
+        "hysteresis": jnp.asarray(cfg.hysteresis, jnp.int32),  # overflows left before halving
+        "skipped": jnp.zeros((), jnp.int32),  # skipped steps so far (a metric)
+        "exhausted": jnp.zeros((), jnp.bool_),  # overflowed at the minimum scale
+    }
+
+
+def abstract_loss_scale(cfg: TrainConfig) -> dict:
+    return jax.eval_shape(lambda: init_loss_scale(cfg))
+
+
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def update_loss_scale(cfg: TrainConfig, ls: dict, finite: jax.Array) -> dict:
+    """The scaler after one step whose gradients were (not) finite."""
+    scale, good, hyst = ls["scale"], ls["good_steps"], ls["hysteresis"]
+    min_scale = jnp.float32(cfg.min_loss_scale)
+    # overflow: spend hysteresis, or halve once none is left
+    halve = jnp.logical_and(~finite, hyst <= 1)
+    exhausted = jnp.logical_and(halve, scale <= min_scale)
+    over_scale = jnp.where(halve, jnp.maximum(scale / 2, min_scale), scale)
+    over_hyst = jnp.where(halve, hyst, hyst - 1)
+    # clean: count, and double after a full window (restoring the hysteresis)
+    good_next = good + 1
+    double = good_next >= cfg.loss_scale_window
+    clean_scale = jnp.where(double, scale * 2, scale)
+    clean_hyst = jnp.where(double, jnp.int32(cfg.hysteresis), hyst)
+    return {
+        "scale": jnp.where(finite, clean_scale, over_scale),
+        "good_steps": jnp.where(finite, jnp.where(double, 0, good_next), 0),
+        "hysteresis": jnp.where(finite, clean_hyst, over_hyst),
+        "skipped": ls["skipped"] + jnp.where(finite, 0, 1),
+        "exhausted": jnp.logical_or(ls["exhausted"], exhausted),
+    }
+
+
+def keep_if(finite: jax.Array, new, old):
+    """``new`` where the step was finite, else ``old``, leaf by leaf (a skipped step)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def metrics(ls: dict, finite: jax.Array) -> dict:
+    """What the loop records per step: the scale after the step, the skip counts."""
+    return {
+        "loss_scale": ls["scale"],
+        "skipped_steps": ls["skipped"],
+        "overflow": jnp.logical_not(finite).astype(jnp.int32),
+        "loss_scale_exhausted": ls["exhausted"].astype(jnp.int32),
+    }
+
+
+def check_record(record: dict, cfg: TrainConfig) -> None:
+    """Raise on the host when the step overflowed at the minimum scale (called by the loop)."""
+    if record.get("loss_scale_exhausted"):
+        raise LossScaleError(
+            f"fp16 loss scaling: step {record['step']} overflowed at the minimum loss scale "
+            f"{cfg.min_loss_scale:g} with the hysteresis spent; training cannot progress. "
+            "Fix: train in bf16 (no scaling needed), lower the learning rate, or lower "
+            "min_loss_scale."
+        )

@@ -1,0 +1,67 @@
+"""Optimizers and schedules by name: each trains like its one-device run with its state laid
+out like its parameters (adafactor's factored statistics keep their parameter's splits)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from _state_parity import assert_parity, reference, train
+from jax.sharding import PartitionSpec as P
+
+from shardlib import ShardingError, mesh_spec
+from shardlib.train.config import TrainConfig
+from shardlib.train.optim import OPTIMIZERS, schedule
+from shardlib.train.setup import make_setup
+
+# The config of tests/test_zero.py (one shared one-device reference for adamw); with
+# factored_min_dim=32 adafactor factors llama-tiny's [embed=64, mlp=256] weights.
+CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32)
+MESH = {"data": 2, "fsdp": 4}  # parameters split over fsdp, batch over data x fsdp
+
+
+# adamw (the default) on this mesh is tests/test_zero.py's hsdp2x4 case.
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "adamw"])
+def test_optimizer_parity(name):
+    cfg = dataclasses.replace(CFG, optimizer=name)
+    _, result = train(cfg, **MESH)
+    assert_parity(result, reference(cfg))
+
+
+def _factored(tree):
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "v_row"))
+    return next(x for x in leaves if hasattr(x, "v_row"))
+
+
+def test_adafactor_factored_statistics_keep_their_splits():
+    setup = make_setup(dataclasses.replace(CFG, optimizer="adafactor"), mesh_spec(**MESH).build())
+    shapes, shardings = _factored(setup._abstract_opt_state), _factored(setup.opt_state_shardings)
+    w_up = lambda tree: tree["blocks"]["mlp"]["w_up"]  # noqa: E731  [layers, embed, mlp]
+    assert setup.param_shardings["blocks"]["mlp"]["w_up"].spec == P(None, "fsdp")
+    # v_row drops the largest dim (mlp) and keeps embed's split; v_col drops embed
+    assert w_up(shapes.v_row).shape == (1, 64) and w_up(shardings.v_row).spec == P(None, "fsdp")
+    assert w_up(shapes.v_col).shape == (1, 256) and w_up(shardings.v_col).spec == P()
+    # embedding [vocab, embed]: v_row [embed] stays split over fsdp
+    assert shapes.v_row["embedding"].shape == (64,)
+    assert shardings.v_row["embedding"].spec == P("fsdp")
+
+
+@pytest.mark.parametrize("name", ["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt"])
+def test_schedules(name):
+    cfg = TrainConfig(steps=20, warmup=4, lr=1.0, min_lr_ratio=0.1, schedule=name)
+    lr = [float(schedule(cfg)(i)) for i in range(20)]
+    if name == "constant":
+        assert lr == [1.0] * 20
+        return
+    assert lr[0] == 0.0 and np.isclose(lr[4], 1.0) and np.isclose(lr[2], 0.5)
+    if name == "inverse_sqrt":
+        assert np.isclose(lr[16], (4 / 16) ** 0.5)
+    else:
+        assert lr[19] < lr[10] < lr[5] and lr[19] >= 0.1 - 1e-6
+
+
+def test_bad_names_are_clear_errors():
+    with pytest.raises(ShardingError, match="optimizer='adamax'.*adafactor"):
+        TrainConfig(optimizer="adamax")
+    with pytest.raises(ShardingError, match="schedule='cosine'"):
+        TrainConfig(schedule="cosine")
