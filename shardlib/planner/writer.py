@@ -19,7 +19,7 @@ from shardlib.planner.workload import Workload
 # plan knob -> TrainConfig field names it may have once its strategy lands (first match)
 KNOB_FIELDS = {
     "zero": ("zero", "zero_stage"),
-    "schedule": ("pipeline_schedule", "schedule"),
+    "schedule": ("pipeline_schedule",),  # not `schedule`: that is the learning-rate schedule
     "virtual": ("virtual_stages", "pipeline_virtual"),
     "remat": ("remat", "remat_policy"),
     "offload": ("offload",),
