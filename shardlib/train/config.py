@@ -49,6 +49,17 @@ class TrainConfig:
     """Flat binary file of uint16 token ids; None = the embedded stdlib-source corpus."""
     metrics: str | None = None
     """Path of a JSON-lines file with one record per step."""
+    # --- issue 6: pipeline parallelism and rematerialisation ---
+    pipeline_schedule: str = "gpipe"
+    """gpipe | circular | bounded (1F1B-like); used when the mesh has a stage axis > 1."""
+    pipeline_microbatches: int = 0
+    """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
+    virtual_stages: int = 1
+    """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    remat: str = "none"
+    """Per-layer rematerialisation: none | full | dots | names:<a,b> | offload:<a,b>."""
+    offload_params: bool = False
+    """Keep the stacked block weights in pinned_host memory; fetch one layer at a time."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
