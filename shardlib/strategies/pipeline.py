@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from shardlib.errors import ShardingError
@@ -43,6 +44,7 @@ from shardlib.rules import Rules, resolve_spec
 SCHEDULES = ("gpipe", "circular", "bounded")
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
 BUFFER_NAMES = (None, "batch", "seq", "embed")  # [m, b, seq, embed]
+_PICKED = "pipeline_round_weights"  # a circular round's layers, picked from [v, k, ...]
 
 
 def pipeline_rules(*, axis: str = Axis.STAGE) -> Rules:
@@ -187,12 +189,18 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         def run_stage(w_vk, repeat, x_bld):
             if v == 1:
                 w_k = jax.tree.map(lambda w: w[0], w_vk)
-            else:
+            else:  # this round's layers; re-gathered in the backward pass, never saved
                 w_k = jax.tree.map(
-                    lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False), w_vk
+                    lambda w: checkpoint_name(
+                        jax.lax.dynamic_index_in_dim(w, repeat, 0, False), _PICKED
+                    ),
+                    w_vk,
                 )
             return stage_layers(block_fn, w_k, x_bld)
 
+        if v > 1:
+            policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)
+            run_stage = jax.checkpoint(run_stage, policy=policy, prevent_cse=False)
         all_stages = jax.vmap(run_stage, spmd_axis_name=_stage_axes())
         buf_MBLD = constrain(split_microbatches(x_BLD, m), BUFFER_NAMES)
         state_PBLD = constrain(jnp.zeros((p, *buf_MBLD.shape[1:]), x_BLD.dtype), STATE_NAMES)

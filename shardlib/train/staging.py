@@ -180,3 +180,38 @@ def _bounded_grad_fn(setup, spec: PipelineSpec):
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     return value_and_grad
+
+
+def layer_stack_program(setup):
+    """``(jitted, args)``: the stacked blocks alone, forward and backward, as the step runs them.
+
+    The pipeline's bubble is extra FLOPs of the blocks; the embedding, head and optimizer
+    stay replicated over ``stage`` and would blur it. ``explain(jitted, *args)`` of this
+    program on p stages against the same on one device gives the bubble ratio directly.
+    """
+    from shardlib.layout import constrain, use_layout
+
+    graphdef, layers = setup.graphdef, layer_loop(setup)
+    names = ("batch", "seq", "embed")
+    x_sharding = jax.sharding.NamedSharding(setup.mesh, setup.rules.spec(names))
+
+    def stack_loss(params, x_BLD):
+        with use_layout(setup.mesh, setup.rules):
+            model = nnx.merge(graphdef, cast_params(setup, params))
+            block_graph, blocks_state = nnx.split(model.blocks)
+
+            def block_fn(layer_state, x):
+                return nnx.merge(block_graph, layer_state)(x)
+
+            y_BLD = layers(block_fn, blocks_state, constrain(x_BLD, names))
+            return jax.numpy.mean(jax.numpy.square(y_BLD.astype(jax.numpy.float32)))
+
+    params = setup.abstract_state()["params"]
+    x = jax.ShapeDtypeStruct(
+        (setup.cfg.microbatch, setup.cfg.seq, setup.model_cfg.embed),
+        setup.compute_dtype,
+        sharding=x_sharding,
+    )
+    shardings = (setup.param_shardings, x_sharding)
+    jitted = jax.jit(jax.grad(stack_loss, argnums=(0, 1)), in_shardings=shardings)
+    return jitted, (params, x)
