@@ -71,9 +71,8 @@ class PipelineSpec:
         return m + 2 * (p - 1) if self.schedule == "bounded" else v * m + p - 1
 
     def bubble_ratio(self) -> float:
-        """Executed over ideal stage compute: (m+p-1)/m, or 1 + (p-1)/(m·v) circular."""
-        p, m, v = self.stages, self.microbatches, self.virtual_stages
-        return self.iterations() / (v * m) if self.schedule != "bounded" else (m + 2 * p - 2) / m
+        """Executed over ideal stage work: (m+p-1)/m GPipe, 1 + (p-1)/(m·v) circular."""
+        return self.iterations() / (self.virtual_stages * self.microbatches)
 
     def check(self, layers: int, batch: int) -> None:
         """Divisibility and schedule constraints, with the fix, before anything compiles."""
@@ -106,7 +105,7 @@ class PipelineSpec:
             )
 
 
-def _stage_axes():
+def stage_axes():
     """Mesh axes of the activation ``stage`` dim under the active layout (for vmap)."""
     active = active_layout()
     if active is None:
@@ -201,7 +200,7 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         if v > 1:
             policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)
             run_stage = jax.checkpoint(run_stage, policy=policy, prevent_cse=False)
-        all_stages = jax.vmap(run_stage, spmd_axis_name=_stage_axes())
+        all_stages = jax.vmap(run_stage, spmd_axis_name=stage_axes())
         buf_MBLD = constrain(split_microbatches(x_BLD, m), BUFFER_NAMES)
         state_PBLD = constrain(jnp.zeros((p, *buf_MBLD.shape[1:]), x_BLD.dtype), STATE_NAMES)
         stage_ids = jnp.arange(p)

@@ -33,10 +33,10 @@ from shardlib.layout import constrain, logical_names
 from shardlib.strategies.pipeline import (
     STATE_NAMES,
     PipelineSpec,
-    _stage_axes,
     constrain_param,
     from_stages,
     split_microbatches,
+    stage_axes,
     stage_mask,
     to_stages,
 )
@@ -82,7 +82,7 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
                 return tree
             return jax.lax.with_sharding_constraint(tree, rest_shardings)
 
-        axes = _stage_axes()
+        axes = stage_axes()
         fwd_all = jax.vmap(lambda w, x: stage(treedef.unflatten(w), x), spmd_axis_name=axes)
 
         def bwd_one(w, x, dy):
