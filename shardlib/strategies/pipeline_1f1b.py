@@ -115,11 +115,13 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
             i_last = t - (p - 1)
             on_last = (i_last >= 0) & (i_last < m)
             target = micro(targets_MBL, i_last)
-            loss, head_pull = jax.vjp(lambda r, h: head_loss(r, h, target), rest, y[p - 1])
+            y_last = constrain(y[p - 1], STATE_NAMES[1:])
+            loss, head_pull = jax.vjp(lambda r, h: head_loss(r, h, target), rest, y_last)
             g_head, dy_last = head_pull(jnp.where(on_last, 1.0 / m, 0.0).astype(loss.dtype))
             # backward: stage s runs micro-batch t - 2(p-1) + s from its saved input
             i_back = t - 2 * (p - 1) + stage_ids
             live = ((i_back >= 0) & (i_back < m)).reshape(p, 1, 1, 1)
+            dy_last = constrain(dy_last, STATE_NAMES[1:])
             dy = jnp.where(live, jnp.where(last, dy_last[None], bwd), 0)
             x_saved = pick(ring, (i_back + stage_ids) % ring_slots)  # its forward slot
             g_w_t, dx = bwd_all(w_pk, x_saved, constrain(dy, STATE_NAMES))
