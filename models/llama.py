@@ -14,10 +14,21 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.layout import constrain
 
 init_normal = nnx.initializers.normal
+
+# Intermediates a rematerialisation policy can save or offload by name (``remat=names:...``).
+CHECKPOINT_NAMES = (
+    "attn_q",  # [batch, seq, heads, head_dim] after rotary
+    "attn_k",  # [batch, seq, kv_heads, head_dim] after rotary
+    "attn_v",  # [batch, seq, kv_heads, head_dim]
+    "attn_context",  # [batch, seq, heads, head_dim] softmax(qk) v, before the output projection
+    "attn_residual",  # [batch, seq, embed] the residual stream between attention and MLP
+    "mlp_hidden",  # [batch, seq, mlp] silu(gate) * up
+)
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,12 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, self.theta), ("batch", "seq", "heads", "head_dim"))
         k = constrain(rotary(k, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        out_BLHK = causal_attention(q, k, v)
+        q, k, v = (
+            checkpoint_name(q, "attn_q"),
+            checkpoint_name(k, "attn_k"),
+            checkpoint_name(v, "attn_v"),
+        )
+        out_BLHK = checkpoint_name(causal_attention(q, k, v), "attn_context")
         return jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
 
 
@@ -188,6 +204,7 @@ class MLP(nnx.Module):
         gu_BLCF = jnp.einsum("bld,dcf->blcf", x_BLD, w_gu)
         gate_BLF, up_BLF = gu_BLCF[:, :, 0], gu_BLCF[:, :, 1]
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
+        h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
         return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
 
 
@@ -201,7 +218,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        x_BLD = checkpoint_name(x_BLD + self.attn(self.attn_norm(x_BLD)), "attn_residual")
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ("batch", "seq", "embed"))
 
@@ -239,17 +256,24 @@ class Llama(nnx.Module):
         ``layers`` applies the stacked blocks; strategies that restructure the layer loop
         (rematerialisation, pipelining) pass their own with the same signature.
         """
-        # The lookup reads the table in the activation layout (vocab-parallel, embed whole):
-        # XLA then emits Megatron's masked lookup + all-reduce instead of regathering it.
-        table_VD = constrain(self.embedding[...], ("vocab", "embed"))
-        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
         graphdef, blocks_state = nnx.split(self.blocks)
 
         def block_fn(layer_state, x):
             return nnx.merge(graphdef, layer_state)(x)
 
-        x_BLD = layers(block_fn, blocks_state, x_BLD)
+        x_BLD = layers(block_fn, blocks_state, self.embed(tokens_BL, dtype=dtype))
+        return self.head(x_BLD, dtype=dtype)
+
+    def embed(self, tokens_BL, *, dtype=jnp.float32):
+        """Token ids [batch, seq] -> residual stream [batch, seq, embed] (before the blocks)."""
+        # The lookup reads the table in the activation layout (vocab-parallel, embed whole):
+        # XLA then emits Megatron's masked lookup + all-reduce instead of regathering it.
+        table_VD = constrain(self.embedding[...], ("vocab", "embed"))
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
+        return constrain(x_BLD, ("batch", "seq", "embed"))
+
+    def head(self, x_BLD, *, dtype=jnp.float32):
+        """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32."""
         x_BLD = self.final_norm(x_BLD)
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
         return constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))

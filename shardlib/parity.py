@@ -20,6 +20,7 @@ from shardlib.train.config import TrainConfig
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup
+from shardlib.train.staging import make_grad_fn
 from shardlib.train.step import make_loss_fn
 
 FP32_TOLERANCE = 1e-5
@@ -56,11 +57,11 @@ def first_grads(setup: TrainSetup) -> dict:
         setup.batch_sharding,
     )
     params = setup.init_state()["params"]
-    loss_fn = make_loss_fn(setup)
+    grad_fn = make_grad_fn(setup, make_loss_fn(setup))  # the pipeline's own, if any
 
     def grads(p, t):
         with use_layout(setup.mesh, setup.rules):
-            return jax.grad(loss_fn)(p, t)
+            return grad_fn(p, t)[1]
 
     return jax.device_get(jax.jit(grads)(params, tokens))
 

@@ -71,6 +71,17 @@ class TrainConfig:
     """fp16: overflowing steps tolerated before the scale is halved (DeepSpeed's delayed shift)."""
     min_loss_scale: float = 1.0
     """fp16: an overflow at this scale (hysteresis spent) stops training with an error."""
+    # --- issue 6: pipeline parallelism and rematerialisation ---
+    pipeline_schedule: str = "gpipe"
+    """gpipe | circular | bounded (1F1B-like); used when the mesh has a stage axis > 1."""
+    pipeline_microbatches: int = 0
+    """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
+    virtual_stages: int = 1
+    """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    remat: str = "none"
+    """Per-layer rematerialisation: none | full | dots | names:<a,b> | offload:<a,b>."""
+    offload_params: bool = False
+    """Keep the stacked block weights in pinned_host memory; fetch one layer at a time."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -85,6 +96,12 @@ class TrainConfig:
         from shardlib.train.optim import check_names  # issue 3
 
         check_names(self)
+        if self.precision == "fp16" and self.pipeline_schedule == "bounded":
+            raise ShardingError(
+                "config: precision=fp16 with pipeline_schedule=bounded: the bounded schedule "
+                "computes its own gradients and does not apply the loss scale. Fix: use "
+                "precision=bf16, or pipeline_schedule=gpipe or circular."
+            )
 
     @property
     def microbatch(self) -> int:

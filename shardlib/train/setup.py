@@ -56,7 +56,9 @@ class TrainSetup:
 
     @cached_property
     def param_shardings(self) -> dict:
-        return named_shardings(self.param_specs, self.mesh)
+        from shardlib.train import staging  # issue 6: pinned_host blocks with offload_params
+
+        return staging.param_shardings(named_shardings(self.param_specs, self.mesh), self.cfg)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -200,6 +202,9 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         axes,
         "activations",
     )
+    from shardlib.train import staging  # issue 6: remat, pipeline and offload settings
+
+    staging.check(cfg, model_cfg, mesh, rules)
     return TrainSetup(
         cfg=cfg,
         model_cfg=model_cfg,

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.train import layouts, precision
+from shardlib.train import layouts, precision, staging
 from shardlib.train.setup import BATCH_NAMES, TrainSetup
 
 
@@ -24,26 +24,28 @@ def global_norm(tree) -> jax.Array:
 def make_loss_fn(setup: TrainSetup):
     """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
     graphdef, dtype = setup.graphdef, setup.compute_dtype
+    layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
-        params = jax.tree.map(lambda p: p.astype(dtype), params)
+        params = staging.cast_params(setup, params)
         model = nnx.merge(graphdef, params)
-        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype)
+        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype, layers=layers)
         targets_BL = tokens_BL1[:, 1:]
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
     return loss_fn
 
 
-def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardings):
+def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardings, grad_fn=None):
     """Mean loss and gradient over ``microbatches`` sequential slices of the batch.
 
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
     micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the bounded pipeline schedule).
     """
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = grad_fn or jax.value_and_grad(loss_fn)
     if microbatches == 1:
         return grad_fn(params, tokens_BL1)
     b, l1 = tokens_BL1.shape
@@ -79,8 +81,9 @@ def build_train_step(setup: TrainSetup):
             tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
             scale = state["loss_scale"]["scale"] if scaled else None
             fn = (lambda p, t: loss_fn(p, t) * scale) if scaled else loss_fn
+            grad_fn = staging.make_grad_fn(setup, fn)  # the bounded pipeline brings its own
             loss, grads = accumulate_grads(
-                fn, params, tokens_BL1, cfg.microbatches, setup.grad_shardings
+                fn, params, tokens_BL1, cfg.microbatches, setup.grad_shardings, grad_fn
             )
             if scaled:
                 loss = loss / scale
@@ -91,6 +94,8 @@ def build_train_step(setup: TrainSetup):
                 opt_state = layouts.to_memory(
                     opt_state, setup.opt_state_shardings, layouts.DEVICE_MEMORY
                 )
+            if cfg.offload_params:  # the update itself runs in device memory
+                params = staging.on_device(params)
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}

@@ -1,0 +1,230 @@
+"""Pipeline parallelism as a jitted SPMD transform of the stacked-layer loop (GSPMD style).
+
+The model keeps its parameters stacked as ``[layers, ...]``; the ``layers`` rule maps that
+dim to the ``stage`` mesh axis, so device s stores the contiguous block of layers
+``[s·L/p, (s+1)·L/p)`` and per-device parameter bytes fall as 1/p. Inside the step the
+stack is viewed as ``[p, v, k, ...]`` (p stages, v virtual stages per device, k layers per
+virtual stage, L = p·v·k) and the pipeline runs as one ``lax.scan``:
+
+* a state buffer ``[p, b, seq, embed]`` holds the micro-batch each stage works on; all
+  stages run at once under ``vmap`` (``spmd_axis_name`` keeps the stage dim on its axis);
+* after each iteration the buffer shifts by one stage (``jnp.roll`` on the stage-sharded
+  dim, which XLA lowers to a collective-permute);
+* stage 0 reads its input from, and stage p-1 writes its output to, one ``[m, b, ...]``
+  buffer of micro-batches, so a micro-batch that leaves the last stage re-enters stage 0
+  for its next round (circular schedule) or is done (GPipe, v = 1).
+
+GPipe (v = 1) runs m + p - 1 iterations: the bubble is (p-1)/m of the ideal compute and
+shows up as extra FLOPs. Circular (v > 1, layers assigned round-robin: virtual stage j =
+r·p + s runs on device s) runs v·m + p - 1 iterations of L/v layers: bubble (p-1)/(m·v).
+It needs m >= p so that a micro-batch is back in the buffer before stage 0 reads it; and
+because device s then needs layers that are not contiguous in the stacked order, the
+weights are regrouped once per step (an all-to-all over ``stage``, measured by explain).
+
+The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
+iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
+memory does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+
+from shardlib.errors import ShardingError
+from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
+from shardlib.mesh import Axis
+from shardlib.rules import Rules, resolve_spec
+
+SCHEDULES = ("gpipe", "circular", "bounded")
+STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
+BUFFER_NAMES = (None, "batch", "seq", "embed")  # [m, b, seq, embed]
+_PICKED = "pipeline_round_weights"  # a circular round's layers, picked from [v, k, ...]
+
+
+def pipeline_rules(*, axis: str = Axis.STAGE) -> Rules:
+    """Stacked ``layers`` of parameters over ``axis``; the staged ``stage`` dim likewise."""
+    return Rules(params={"layers": (axis,), "stage": (axis,)}, activations={"stage": (axis,)})
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How the stacked layers run over the stage axis."""
+
+    stages: int
+    """p: devices along the ``stage`` mesh axis."""
+    microbatches: int
+    """m: micro-batches streamed through the stages per (accumulation) batch."""
+    virtual_stages: int = 1
+    """v: layer groups per device (circular schedule); 1 for GPipe and bounded."""
+    schedule: str = "gpipe"
+    """gpipe | circular | bounded (see the module docstrings)."""
+
+    def iterations(self) -> int:
+        """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        return m + 2 * (p - 1) if self.schedule == "bounded" else v * m + p - 1
+
+    def bubble_ratio(self) -> float:
+        """Executed over ideal stage work: (m+p-1)/m GPipe, 1 + (p-1)/(m·v) circular."""
+        return self.iterations() / (self.virtual_stages * self.microbatches)
+
+    def check(self, layers: int, batch: int) -> None:
+        """Divisibility and schedule constraints, with the fix, before anything compiles."""
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        if self.schedule not in SCHEDULES:
+            raise ShardingError(
+                f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
+            )
+        if v < 1 or (v > 1 and self.schedule != "circular"):
+            raise ShardingError(
+                f"virtual_stages={v} needs pipeline_schedule=circular (got {self.schedule})."
+            )
+        if layers % (p * v):
+            raise ShardingError(
+                f"model layers={layers} cannot be split into {p} stages x {v} virtual stages "
+                f"(needs a multiple of {p * v}); uneven stages are not supported. Fix: set "
+                f"model.layers to a multiple of {p * v} or change the stage axis / "
+                "virtual_stages."
+            )
+        if m < 1 or batch % m:
+            raise ShardingError(
+                f"batch {batch} is not divisible by pipeline_microbatches={m}. Fix: choose a "
+                "batch that is a multiple of the pipeline micro-batches."
+            )
+        if v > 1 and m < p:
+            raise ShardingError(
+                f"circular schedule with pipeline_microbatches={m} < {p} stages: a micro-batch "
+                "would re-enter stage 0 before it left the last stage. Fix: use at least "
+                f"{p} micro-batches."
+            )
+
+
+def stage_axes():
+    """Mesh axes of the activation ``stage`` dim under the active layout (for vmap)."""
+    active = active_layout()
+    if active is None:
+        return None
+    axes = active[1].activations.get("stage", ())
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def constrain_param(w: jax.Array, names: tuple[str | None, ...] | None, what: str):
+    """Pin a (reshaped) parameter to the layout its logical names give in the params rules."""
+    active = active_layout()
+    if active is None or names is None:
+        return w
+    mesh, rules = active
+    spec = resolve_spec(what, tuple(w.shape), names, rules, mesh_axes(mesh), "params")
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+
+
+def staged_names(names: tuple | None) -> tuple | None:
+    """``("layers", *rest)`` -> ``("stage", None, None, *rest)`` for a [p, v, k, ...] view."""
+    if names is None:
+        return None
+    if names[0] != "layers":
+        raise ShardingError(f"stacked parameter {names} does not lead with 'layers'.")
+    return ("stage", None, None, *names[1:])
+
+
+def to_stages(w_L: jax.Array, names, p: int, v: int) -> jax.Array:
+    """[L, ...] -> [p, v, k, ...]: virtual stage r·p + s (layers in order) on device s."""
+    k = w_L.shape[0] // (p * v)
+    w = jnp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
+    return constrain_param(w, staged_names(names), "staged parameter")
+
+
+def from_stages(w_pvk: jax.Array, names) -> jax.Array:
+    """Inverse of ``to_stages``: [p, v, k, ...] -> [L, ...] in the stored layout."""
+    p, v, k = w_pvk.shape[:3]
+    w = jnp.swapaxes(w_pvk, 0, 1).reshape(p * v * k, *w_pvk.shape[3:])
+    return constrain_param(w, names, "stacked parameter")
+
+
+def stage_state(blocks_state, p: int, v: int):
+    """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
+    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    names = [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
+    leaves, treedef = jax.tree.flatten(blocks_state)
+    return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
+
+
+def split_microbatches(x_B: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...] taking rows i, i+m, ... : each device keeps its own rows."""
+    b = x_B.shape[0] // m
+    return jnp.swapaxes(x_B.reshape(b, m, *x_B.shape[1:]), 0, 1)
+
+
+def merge_microbatches(x_M: jax.Array) -> jax.Array:
+    """Inverse of ``split_microbatches``."""
+    m, b = x_M.shape[:2]
+    return jnp.swapaxes(x_M, 0, 1).reshape(m * b, *x_M.shape[2:])
+
+
+def stage_mask(p: int, ndim: int) -> jax.Array:
+    """Stage ids [p, 1, ..., 1] that broadcast against a [p, ...] buffer of rank ``ndim``."""
+    return jnp.arange(p).reshape(p, *([1] * (ndim - 1)))
+
+
+def pipeline_layers(spec: PipelineSpec, stage_layers):
+    """A ``layers(block_fn, blocks_state, x)`` running GPipe or circular over ``spec.stages``.
+
+    ``stage_layers`` applies k stacked blocks on one stage (the model's ``scan_layers``,
+    with a remat policy already around ``block_fn``).
+    """
+    p, m, v = spec.stages, spec.microbatches, spec.virtual_stages
+    if spec.schedule == "bounded":
+        raise ValueError("the bounded schedule is a value_and_grad, see pipeline_1f1b")
+
+    def layers(block_fn, blocks_state, x_BLD):
+        staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
+
+        def run_stage(w_vk, repeat, x_bld):
+            if v == 1:
+                w_k = jax.tree.map(lambda w: w[0], w_vk)
+            else:  # this round's layers; re-gathered in the backward pass, never saved
+                w_k = jax.tree.map(
+                    lambda w: checkpoint_name(
+                        jax.lax.dynamic_index_in_dim(w, repeat, 0, False), _PICKED
+                    ),
+                    w_vk,
+                )
+            return stage_layers(block_fn, w_k, x_bld)
+
+        if v > 1:
+            policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)
+            run_stage = jax.checkpoint(run_stage, policy=policy, prevent_cse=False)
+        all_stages = jax.vmap(run_stage, spmd_axis_name=stage_axes())
+        buf_MBLD = constrain(split_microbatches(x_BLD, m), BUFFER_NAMES)
+        state_PBLD = constrain(jnp.zeros((p, *buf_MBLD.shape[1:]), x_BLD.dtype), STATE_NAMES)
+        stage_ids = jnp.arange(p)
+        first = stage_mask(p, state_PBLD.ndim) == 0
+
+        def body(carry, t):
+            state_PBLD, buf_MBLD = carry
+            # stage 0 takes micro-batch t mod m: fresh input, or back for its next round
+            x0_BLD = jax.lax.dynamic_index_in_dim(buf_MBLD, t % m, 0, keepdims=False)
+            state_PBLD = jnp.where(first, x0_BLD[None], state_PBLD)
+            repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
+            out_PBLD = constrain(all_stages(staged, repeat_P, state_PBLD), STATE_NAMES)
+            # the last stage hands micro-batch (t - p + 1) mod m back to the buffer
+            done = (t - (p - 1)) % m
+            keep = jax.lax.dynamic_index_in_dim(buf_MBLD, done, 0, keepdims=False)
+            new = jnp.where(t >= p - 1, out_PBLD[p - 1], keep)
+            buf_MBLD = constrain(
+                jax.lax.dynamic_update_index_in_dim(buf_MBLD, new, done, 0), BUFFER_NAMES
+            )
+            # shift: stage s + 1 works next on what stage s just produced
+            state_PBLD = constrain(jnp.roll(out_PBLD, 1, axis=0), STATE_NAMES)
+            return (state_PBLD, buf_MBLD), None
+
+        (_, buf_MBLD), _ = jax.lax.scan(body, (state_PBLD, buf_MBLD), jnp.arange(spec.iterations()))
+        return constrain(merge_microbatches(buf_MBLD), ("batch", "seq", "embed"))
+
+    return layers

@@ -1,0 +1,223 @@
+"""Pipeline parallelism: parity with one device, the bubble in FLOPs, memory, layouts, errors.
+
+Every program is compiled once (module-scoped cache, ``lower().compile()`` on abstract
+inputs) and the same executable is both run (parity) and measured (memory_analysis, FLOPs
+with loop trips counted), so no test compiles a program twice. To stay inside the test
+budget, programs are compiled without LLVM's backend optimisations (HLO passes, buffer
+assignment and so memory and FLOP figures are unchanged) and every setup starts from the
+one-device initial state moved onto its shardings (the same values: init is
+partitionable) instead of compiling its own sharded init.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import ShardingError, mesh_spec
+from shardlib.explain import hlo
+from shardlib.layout import use_layout
+from shardlib.mesh import single_device_mesh
+from shardlib.parity import FP32_TOLERANCE
+from shardlib.train.config import TrainConfig
+from shardlib.train.data import global_batch, load_tokens
+from shardlib.train.setup import make_setup
+from shardlib.train.staging import layer_stack_program, make_grad_fn
+from shardlib.train.step import make_loss_fn
+
+# 16 layers so that p = 8 with v = 2 splits evenly; batch 8 of 16 tokens keeps runs short.
+BASE = TrainConfig(steps=3, batch=8, seq=16, warmup=1, model_overrides=(("layers", 16),))
+
+CASES = {  # name: (mesh axes, config overrides)
+    "gpipe-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
+    "gpipe-p4-dp2-remat": ({"stage": 4, "data": 2}, {"remat": "dots"}),
+    "gpipe-p8": ({"stage": 8}, {}),
+    "circular-p2-fsdp4": ({"stage": 2, "fsdp": 4}, {"virtual_stages": 2}),
+    "circular-p4-fsdp2": ({"stage": 4, "fsdp": 2}, {"virtual_stages": 2}),
+    "circular-p8": ({"stage": 8}, {"virtual_stages": 2}),
+    "bounded-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
+    "bounded-p4-tp2-remat": ({"stage": 4, "tensor": 2}, {"remat": "names:mlp_hidden"}),
+    "bounded-p8": ({"stage": 8}, {}),
+}
+
+
+def _cfg(name: str, **extra) -> TrainConfig:
+    overrides = {**CASES[name][1], **extra}
+    if "virtual_stages" in overrides:
+        overrides.setdefault("pipeline_schedule", "circular")
+    else:
+        overrides.setdefault("pipeline_schedule", name.split("-")[0])
+    return TrainConfig(**{**BASE.__dict__, **overrides})
+
+
+def _mesh(axes):
+    return mesh_spec(**axes).build(jax.devices()[: math.prod(axes.values())])
+
+
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def compile_fast(jitted, *args):
+    return jitted.lower(*args).compile(compiler_options=FAST)
+
+
+def flops(exe) -> int:
+    module = hlo.parse_module(exe.as_text())
+    return hlo.count_flops(module, hlo.call_multipliers(module)[0])
+
+
+_INITIAL = {}
+
+
+def initial_state(setup):
+    """The one-device initial state of this model config, placed on ``setup``'s shardings."""
+    key = (setup.model_cfg, setup.cfg.seed)
+    if key not in _INITIAL:
+        one = make_setup(setup.cfg, single_device_mesh())
+        _INITIAL[key] = jax.device_get(one.init_state())
+    return jax.device_put(_INITIAL[key], setup.state_shardings)
+
+
+class Compiled:
+    """One setup, its compiled train step, and the numbers read from it."""
+
+    def __init__(self, setup):
+        self.setup = setup
+        self.exe = compile_fast(setup.train_step, setup.abstract_state(), setup.abstract_batch())
+        self.temp_bytes = self.exe.memory_analysis().temp_size_in_bytes
+        self.flops = flops(self.exe)
+
+    def train(self):
+        """Per-step (loss, grad_norm) over the config's steps, on the compiled executable."""
+        cfg, setup = self.setup.cfg, self.setup
+        tokens, state, out = load_tokens(cfg.data), initial_state(setup), []
+        for step in range(cfg.steps):
+            batch = global_batch(tokens, step, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding)
+            state, metrics = self.exe(state, batch)
+            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+        return np.array(out)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(cfg: TrainConfig, axes: dict | None):
+        key = (cfg, tuple(sorted((axes or {}).items())))
+        if key not in cache:
+            mesh = _mesh(axes) if axes else single_device_mesh()
+            cache[key] = Compiled(make_setup(cfg, mesh))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(compiled):
+    return compiled(BASE, None).train()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_parity(name, compiled, reference):
+    """Loss and gradient norm of 3 steps equal one device's (fp32, 1e-5 relative)."""
+    got = compiled(_cfg(name), CASES[name][0]).train()
+    rel = np.abs(got - reference) / np.abs(reference)
+    assert rel.max() <= FP32_TOLERANCE, (name, got, reference)
+
+
+def test_bounded_gradients_leaf_by_leaf():
+    """The hand-written 1F1B backward gives every parameter's gradient, not just the norm."""
+    cfg = _cfg("bounded-p2-fsdp2-tp2", steps=1)
+    grads = []
+    for mesh in (_mesh(CASES["bounded-p2-fsdp2-tp2"][0]), single_device_mesh()):
+        setup = make_setup(cfg, mesh)
+        grad_fn = make_grad_fn(setup, make_loss_fn(setup))
+
+        def grad(params, tokens, setup=setup, grad_fn=grad_fn):
+            with use_layout(setup.mesh, setup.rules):
+                return grad_fn(params, tokens)[1]
+
+        jitted = jax.jit(grad, in_shardings=(setup.param_shardings, setup.batch_sharding))
+        exe = compile_fast(jitted, setup.abstract_state()["params"], setup.abstract_batch())
+        tokens = global_batch(
+            load_tokens(None), 0, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding
+        )
+        grads.append(jax.device_get(exe(initial_state(setup)["params"], tokens)))
+    errs = jax.tree.map(lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b), *grads)
+    assert max(jax.tree.leaves(errs)) <= FP32_TOLERANCE, errs
+
+
+def test_bounded_memory_is_flat_in_microbatches_gpipe_grows(compiled):
+    """Same micro-batch size, 4x the micro-batches: bounded temp bytes stay, GPipe's grow."""
+    axes = CASES["bounded-p2-fsdp2-tp2"][0]
+    temp = {}
+    for schedule, m in (("bounded", 4), ("bounded", 16), ("gpipe", 4), ("gpipe", 16)):
+        cfg = _cfg(
+            "bounded-p2-fsdp2-tp2", pipeline_schedule=schedule, pipeline_microbatches=m, batch=2 * m
+        )
+        temp[schedule, m] = compiled(cfg, axes).temp_bytes
+    assert temp["bounded", 16] <= 1.02 * temp["bounded", 4], temp
+    assert temp["gpipe", 16] >= 2 * temp["gpipe", 4], temp
+    assert temp["bounded", 16] < temp["gpipe", 16] / 2, temp
+
+
+def test_parameter_bytes_per_device_fall_as_one_over_p():
+    def block_bytes(p):
+        setup = make_setup(_cfg("gpipe-p8"), _mesh({"stage": p}))
+        shapes, shardings = setup.param_shapes["blocks"], setup.param_shardings["blocks"]
+        per = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 4, shapes, shardings)
+        return sum(jax.tree.leaves(per))
+
+    one = block_bytes(1)
+    assert [block_bytes(p) * p for p in (2, 4, 8)] == [one] * 3
+
+
+BUBBLE_P = 4
+BUBBLE_BASE = TrainConfig(batch=32, seq=32, model_overrides=(("layers", 8),))
+
+
+@pytest.fixture(scope="module")
+def stack_flops():
+    """FLOPs per device of the layer stack (forward + backward) alone."""
+
+    def get(p, **overrides):
+        cfg = TrainConfig(**{**BUBBLE_BASE.__dict__, **overrides})
+        setup = make_setup(cfg, _mesh({"stage": p}) if p > 1 else single_device_mesh())
+        jitted, args = layer_stack_program(setup)
+        return flops(compile_fast(jitted, *args))
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "schedule,v,m",
+    [("gpipe", 1, 4), ("gpipe", 1, 8), ("gpipe", 1, 16), ("circular", 2, 4), ("circular", 2, 16)],
+)
+def test_bubble_in_flops_matches_the_formula(schedule, v, m, stack_flops):
+    """p · FLOPs per device / FLOPs on one device = (v·m + p - 1) / (v·m), within 2%."""
+    p = BUBBLE_P
+    pipelined = stack_flops(
+        p, pipeline_schedule=schedule, virtual_stages=v, pipeline_microbatches=m
+    )
+    ratio = p * pipelined / stack_flops(1)
+    formula = (v * m + p - 1) / (v * m)
+    assert abs(ratio / formula - 1) <= 0.02, (ratio, formula)
+
+
+def test_uneven_layers_and_early_reentry_are_clear_errors():
+    with pytest.raises(ShardingError, match="multiple of 4"):
+        make_setup(TrainConfig(model_overrides=(("layers", 6),)), _mesh({"stage": 4}))
+    cfg = TrainConfig(
+        pipeline_schedule="circular",
+        virtual_stages=2,
+        pipeline_microbatches=2,
+        model_overrides=(("layers", 8),),
+    )
+    with pytest.raises(ShardingError, match="at least 4 micro-batches"):
+        make_setup(cfg, _mesh({"stage": 4}))
+    with pytest.raises(ShardingError, match="pipeline_schedule"):
+        make_setup(
+            TrainConfig(pipeline_schedule="1f1b", model_overrides=(("layers", 8),)),
+            _mesh({"stage": 2}),
+        )
