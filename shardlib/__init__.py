@@ -7,6 +7,7 @@ names to mesh axes), and let XLA's sharding propagation complete the layout.
 from shardlib.errors import ShardingError
 from shardlib.layout import constrain, param_layout, shard_model, use_layout
 from shardlib.mesh import Axis, MeshSpec, load_mesh, mesh_spec, simulate_cpu_devices
+from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
 from shardlib.plan import rules_for_mesh
 from shardlib.rules import Rules, base_rules, compose, resolve_spec
 
@@ -23,6 +24,7 @@ __all__ = [
     "MeshSpec",
     "Rules",
     "ShardingError",
+    "ShardingPicture",
     "base_rules",
     "compose",
     "constrain",
@@ -33,6 +35,8 @@ __all__ = [
     "resolve_spec",
     "rules_for_mesh",
     "shard_model",
+    "sharding_picture",
+    "show_sharding",
     "simulate_cpu_devices",
     "use_layout",
 ]
