@@ -117,7 +117,12 @@ class ShardingPicture:
         else:
             lines.append("not replicated: every device holds a different tile")
         whole, held = math.prod(self.shape), math.prod(self.shard_shape)
-        frac = f"1/{whole // held}" if held and whole % held == 0 else f"{held / whole:.1%}"
+        if held == whole:
+            frac = "all"
+        elif held and whole % held == 0:
+            frac = f"1/{whole // held}"
+        else:
+            frac = f"{held / max(whole, 1):.1%}"
         lines.append(f"each device holds {list(self.shard_shape)}: {frac} of the array")
         return lines
 

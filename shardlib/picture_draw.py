@@ -83,9 +83,11 @@ def draw_figure(pic: ShardingPicture, max_panels: int = 8):
     lines = pic.describe()
     if len(groups) > len(shown):
         lines.append(f"(first {len(shown)} of {len(groups)} slices of the leading dims shown)")
-    width = 3.0 * cols + (2.8 if has_mesh else 0)
-    fig = Figure(figsize=(max(width, 6.0), 2.7 * rows + 0.22 * len(lines)), layout="constrained")
-    grid = fig.add_gridspec(rows, cols + has_mesh, width_ratios=[3.0] * cols + [2.8] * has_mesh)
+    panel_w, panel_h = (3.0, 2.7) if len(shown) <= 2 else (2.1, 1.9)
+    width = panel_w * cols + (2.8 if has_mesh else 0)
+    height = panel_h * rows + 0.22 * len(lines)
+    fig = Figure(figsize=(max(width, 6.0), height), layout="constrained")
+    grid = fig.add_gridspec(rows, cols + has_mesh, width_ratios=[panel_w] * cols + [2.8] * has_mesh)
     fig.suptitle("\n".join(lines), x=0.01, ha="left", fontsize=8.5, family="monospace")
 
     per_panel = max(len(t) for _, t in shown)
@@ -96,7 +98,16 @@ def draw_figure(pic: ShardingPicture, max_panels: int = 8):
             x0, x1, y0, y1 = _plane(pic, tile)
             ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fc=colors[i], ec="black", lw=1))
             text = f"dev {device_list(tile.devices)}"
-            ax.text((x0 + x1) / 2, (y0 + y1) / 2, text, ha="center", va="center", fontsize=font)
+            narrow = (x1 - x0) * panel_w < 0.12 * len(text) * font / 9 and y1 - y0 > x1 - x0
+            ax.text(
+                (x0 + x1) / 2,
+                (y0 + y1) / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=font,
+                rotation=90 if narrow else 0,
+            )
         ax.set_xlim(0, 1)
         ax.set_ylim(1, 0)  # row 0 at the top, like a matrix
         ax.set_xticks([])
