@@ -78,10 +78,13 @@ def test_rank3_abstract_activation(mesh_2x4):
 
 def test_unnamed_sharding_axes_are_inferred(mesh_2x4):
     """XLA-chosen shardings need not be NamedShardings: the axes come from the device grid."""
-    from jax._src.sharding_impls import GSPMDSharding
-
     named = NamedSharding(mesh_2x4, P(None, ("tensor", "data")))
-    gspmd = GSPMDSharding(tuple(mesh_2x4.devices.flat), named._to_xla_hlo_sharding(2))
+    try:  # private, but the plainest way to get an unnamed sharding of a known layout
+        from jax._src.sharding_impls import GSPMDSharding
+
+        gspmd = GSPMDSharding(tuple(mesh_2x4.devices.flat), named._to_xla_hlo_sharding(2))
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.skip(f"no GSPMDSharding in this jax: {e}")
     pic = show_sharding((4, 16), gspmd, mesh=mesh_2x4)
     assert pic.dims[1].axes == ("tensor", "data") and pic.dims[0].ways == 1
     assert _tile_map(pic) == _tile_map(show_sharding((4, 16), named))
