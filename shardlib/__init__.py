@@ -5,24 +5,22 @@ names to mesh axes), and let XLA's sharding propagation complete the layout.
 """
 
 from shardlib.errors import ShardingError
+
+# Imported eagerly so that the name ``shardlib.explain`` is the function: importing the
+# submodule later must not rebind the package attribute to the module.
+from shardlib.explain import explain
 from shardlib.layout import constrain, param_layout, shard_model, use_layout
 from shardlib.mesh import Axis, MeshSpec, load_mesh, mesh_spec, simulate_cpu_devices
+from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
 from shardlib.plan import rules_for_mesh
 from shardlib.rules import Rules, base_rules, compose, resolve_spec
-
-
-def explain(fn, *args, **kwargs):
-    """Compile ``fn(*args)`` without running it and report its layout (see shardlib.explain)."""
-    from shardlib.explain import explain as _explain
-
-    return _explain(fn, *args, **kwargs)
-
 
 __all__ = [
     "Axis",
     "MeshSpec",
     "Rules",
     "ShardingError",
+    "ShardingPicture",
     "base_rules",
     "compose",
     "constrain",
@@ -33,6 +31,8 @@ __all__ = [
     "resolve_spec",
     "rules_for_mesh",
     "shard_model",
+    "sharding_picture",
+    "show_sharding",
     "simulate_cpu_devices",
     "use_layout",
 ]

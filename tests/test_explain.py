@@ -395,3 +395,10 @@ def test_json_and_render(tmp_path):
     report.render(console)
     text = console.file.getvalue()
     assert "all-reduce" in text and "params.w" in text and "KiB" in text
+
+
+def test_package_attribute_is_the_function_after_importing_the_submodule():
+    import shardlib
+    import shardlib.explain  # noqa: F401 - the import itself is what is tested
+
+    assert callable(shardlib.explain)

@@ -88,14 +88,14 @@ def build_train_step(setup: TrainSetup):
             if scaled:
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
-            grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
             opt_state = state["opt_state"]
+            if cfg.offload_params:  # the update runs in device memory (grads too: d/d host)
+                grads, opt_state, params = staging.on_device((grads, opt_state, params))
+            grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
             if cfg.offload_optimizer:
                 opt_state = layouts.to_memory(
                     opt_state, setup.opt_state_shardings, layouts.DEVICE_MEMORY
                 )
-            if cfg.offload_params:  # the update itself runs in device memory
-                params = staging.on_device(params)
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
