@@ -15,9 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib.attention import attention
 from shardlib.layout import constrain
 
 init_normal = nnx.initializers.normal
+# The residual stream between blocks (and the norms on it) has its own logical dims, so that
+# Megatron-SP can split its tokens and 2D/3D tensor parallelism its width without touching
+# the layout inside attention and the MLP.
+RESIDUAL = ("batch", "res_seq", "res_embed")
 
 
 @dataclass(frozen=True)
@@ -116,28 +121,20 @@ class RMSNorm(nnx.Module):
         return (x32 * norm).astype(x_BLD.dtype) * self.scale[...].astype(x_BLD.dtype)
 
 
-def rotary(x_BLHK, theta: float):
-    """Rotate pairs of features by position-dependent angles (RoFormer)."""
+def rotary(x_BLHK, theta: float, positions_L=None):
+    """Rotate pairs of features by position-dependent angles (RoFormer).
+
+    ``positions_L`` are the tokens' true positions (default 0..L-1): a strategy that
+    reorders the sequence (zig-zag context parallelism) passes them so angles stay right.
+    """
     seq, half = x_BLHK.shape[1], x_BLHK.shape[-1] // 2
+    pos_L = jnp.arange(seq) if positions_L is None else positions_L
     freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LK = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq_K[None, :]
+    angle_LK = pos_L.astype(jnp.float32)[:, None] * freq_K[None, :]
     sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
-
-
-def causal_attention(q_BLHK, k_BLGK, v_BLGK):
-    """Dense causal attention with grouped K/V heads; softmax in fp32."""
-    b, l, h, d = q_BLHK.shape
-    g = k_BLGK.shape[2]
-    q_BLGRK = q_BLHK.reshape(b, l, g, h // g, d)
-    scores = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK).astype(jnp.float32) * d**-0.5
-    mask_LM = jnp.tril(jnp.ones((l, l), bool))
-    scores = jnp.where(mask_LM, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BLGK.dtype)
-    out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
-    return out.reshape(b, l, h, d)
 
 
 class Attention(nnx.Module):
@@ -149,16 +146,29 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
 
-    def __call__(self, x_BLD):
-        dt = x_BLD.dtype
-        q = jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt))
-        k = jnp.einsum("bld,dgk->blgk", x_BLD, self.wk[...].astype(dt))
-        v = jnp.einsum("bld,dgk->blgk", x_BLD, self.wv[...].astype(dt))
-        q = constrain(rotary(q, self.theta), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+    def __call__(self, x_BLD, positions_L=None):
+        dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        # One product for q, k and v (each K/V head next to its query heads): the backward
+        # pass then sums the three input gradients before one reduction, not after three.
+        w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
+            [
+                self.wq[...].reshape(e, g, h // g, d),
+                self.wk[...][:, :, None],
+                self.wv[...][:, :, None],
+            ],
+            axis=2,
+        ).astype(dt)
+        qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
+        q = qkv_BLGJK[:, :, :, : h // g].reshape(b, l, h, d)
+        k, v = qkv_BLGJK[:, :, :, h // g], qkv_BLGJK[:, :, :, h // g + 1]
+        q = constrain(rotary(q, self.theta, positions_L), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(rotary(k, self.theta, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        out_BLHK = causal_attention(q, k, v)
-        return jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
+        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        return constrain(out_BLD, RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -170,10 +180,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
-        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...].astype(dt))
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_up[...].astype(dt))
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
+        gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
+        gate_BLF, up_BLF = gate_up_BLJF[:, :, 0], gate_up_BLJF[:, :, 1]
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
-        return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        return constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt)), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -185,10 +197,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+    def __call__(self, x_BLD, positions_L=None):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ("batch", "seq", "embed"))
+        return constrain(x_BLD, RESIDUAL)
 
 
 LayerFn = Callable[[Callable, object, jax.Array], jax.Array]
@@ -218,21 +230,24 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(cfg)
         self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
 
-    def __call__(self, tokens_BL, *, dtype=jnp.float32, layers: LayerFn = scan_layers):
+    def __call__(
+        self, tokens_BL, *, positions_L=None, dtype=jnp.float32, layers: LayerFn = scan_layers
+    ):
         """Logits [batch, seq, vocab] in fp32; ``dtype`` is the compute dtype.
 
-        ``layers`` applies the stacked blocks; strategies that restructure the layer loop
-        (rematerialisation, pipelining) pass their own with the same signature.
+        ``positions_L`` are the tokens' true positions when the sequence arrives reordered
+        (default 0..L-1). ``layers`` applies the stacked blocks; strategies that restructure
+        the layer loop (rematerialisation, pipelining) pass their own with the same signature.
         """
         # The lookup reads the table in the activation layout (vocab-parallel, embed whole):
         # XLA then emits Megatron's masked lookup + all-reduce instead of regathering it.
         table_VD = constrain(self.embedding[...], ("vocab", "embed"))
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
+        x_BLD = constrain(x_BLD, RESIDUAL)
         graphdef, blocks_state = nnx.split(self.blocks)
 
         def block_fn(layer_state, x):
-            return nnx.merge(graphdef, layer_state)(x)
+            return nnx.merge(graphdef, layer_state)(x, positions_L)
 
         x_BLD = layers(block_fn, blocks_state, x_BLD)
         x_BLD = self.final_norm(x_BLD)

@@ -21,9 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from shardlib.attention import AttentionPlan
 from shardlib.layout import abstract_state, mesh_axes, named_shardings, resolve_specs
 from shardlib.plan import rules_for_mesh
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.context import attention_plan
 from shardlib.train.config import TrainConfig, apply_overrides
 from shardlib.train.optim import build_optimizer, schedule
 
@@ -42,6 +44,8 @@ class TrainSetup:
     param_shapes: dict
     param_specs: dict
     tx: optax.GradientTransformation
+    attention: AttentionPlan = AttentionPlan()
+    """How the model's attention runs on this mesh (issue 4: context parallel, chunked)."""
 
     @property
     def compute_dtype(self):
@@ -128,7 +132,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         models.config(cfg.model), dict(cfg.model_overrides), f"model {cfg.model}"
     )
     axes = mesh_axes(mesh)
-    rules = rules_for_mesh(axes) if rules is None else rules
+    if rules is None:
+        rules = rules_for_mesh(axes, sequence_parallel=cfg.sequence_parallel)
     rules.check_mesh(axes)
     graphdef, shapes, names = abstract_state(lambda: models.build(model_cfg, nnx.Rngs(0)))
     specs = resolve_specs(shapes, names, mesh, rules, "params")
@@ -157,4 +162,5 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         param_shapes=shapes,
         param_specs=specs,
         tx=build_optimizer(cfg),
+        attention=attention_plan(cfg, axes, rules, model_cfg),
     )

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardlib.attention import use_attention
 from shardlib.layout import constrain, use_layout
+from shardlib.strategies.context import reorder_tokens
 from shardlib.train.setup import BATCH_NAMES, TrainSetup
 
 
@@ -22,14 +24,15 @@ def global_norm(tree) -> jax.Array:
 
 def make_loss_fn(setup: TrainSetup):
     """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
-    graphdef, dtype = setup.graphdef, setup.compute_dtype
+    graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.attention
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = jax.tree.map(lambda p: p.astype(dtype), params)
         model = nnx.merge(graphdef, params)
-        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype)
-        targets_BL = tokens_BL1[:, 1:]
+        inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, plan)
+        with use_attention(plan):
+            logits_BLV = model(inputs_BL, positions_L=positions_L, dtype=dtype)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
     return loss_fn
