@@ -61,6 +61,7 @@ class AttentionPlan:
             raise ShardingError(
                 f"attention_impl={self.impl!r} is unknown. Fix: use one of {', '.join(IMPLS)}."
             )
+        object.__setattr__(self, "axis", str(self.axis))  # plain str, also for Axis members
         if self.chunk < 1:
             raise ShardingError(f"attention_chunk={self.chunk} must be >= 1.")
 
