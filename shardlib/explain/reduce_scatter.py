@@ -5,7 +5,8 @@ GPU and TPU pipelines then fuse the pair into one reduce-scatter, the CPU pipeli
 (REFERENCE.md). So on simulated CPU devices Megatron-SP's reduce-scatters appear as
 all-reduces and their wire bytes as 2(N-1)/N instead of (N-1)/N of the buffer. This module
 finds those pairs in the optimized HLO so that reports can show what a GPU would run:
-``gpu_equivalent(report, hlo_text)`` relabels them as reduce-scatters.
+``gpu_collectives(hlo_text, mesh)`` lists a program's collectives (as ``explain`` does)
+with those pairs relabelled as reduce-scatters.
 
 The test is structural: every use of the all-reduce's result (through get-tuple-element)
 is a dynamic-slice, or a fusion that dynamic-slices it, keeping 1/N of the elements.
@@ -17,7 +18,7 @@ import dataclasses
 import re
 
 from shardlib.explain import hlo
-from shardlib.explain.report import CollectiveOp, LayoutReport, ring_wire_bytes
+from shardlib.explain.report import CollectiveOp, ring_wire_bytes
 
 
 def _users(computation: hlo.Computation) -> dict[str, list[hlo.Instruction]]:
@@ -84,12 +85,18 @@ def cpu_reduce_scatters(text: str) -> set[str]:
     return found
 
 
-def gpu_equivalent(report: LayoutReport, text: str) -> list[CollectiveOp]:
-    """The report's collectives, with CPU all-reduce + dynamic-slice pairs as reduce-scatters."""
-    names = cpu_reduce_scatters(text)
+def gpu_collectives(text: str, mesh) -> list[CollectiveOp]:
+    """Collectives of compiled HLO ``text`` on ``mesh``, all-reduce + slice as reduce-scatter."""
+    from shardlib.explain import _collective_op  # one definition of axes and wire bytes
+
+    module = hlo.parse_module(text)
+    multipliers, _ = hlo.call_multipliers(module)
+    shape, names = tuple(mesh.shape.values()), tuple(mesh.shape)
+    scatters = cpu_reduce_scatters(text)
     out = []
-    for op in report.collectives:
-        if op.kind == "all-reduce" and op.name in names:
+    for raw in hlo.collectives(module, multipliers):
+        op = _collective_op(raw, shape, names)
+        if op.kind == "all-reduce" and op.name in scatters:
             wire = ring_wire_bytes("reduce-scatter", op.buffer_bytes, op.group_size)
             op = dataclasses.replace(op, kind="reduce-scatter", wire_bytes=wire)
         out.append(op)
