@@ -145,3 +145,29 @@ def test_context_attention_needs_seq_rule(qkv):
     with pytest.raises(ShardingError, match="seq -> \\('context',\\)"):
         with use_layout(_context_mesh(2), Rules(activations={"seq": ()})), use_attention(plan):
             attention(q, k, v)
+
+
+def test_chunked_memory_is_linear_inside_a_layer_scan():
+    """Temp bytes of the gradient through a scanned layer: at most linear in s (dense: s²).
+
+    Guards the ``tied`` workaround: without it jax hoisted every block's mask out of the
+    model's layer scan and kept them all, which made chunked attention quadratic again.
+    """
+
+    def temp(seq):
+        pos = jnp.arange(seq)
+        q = jax.ShapeDtypeStruct((1, seq, H, K), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, seq, G, K), jnp.float32)
+
+        def loss(q, k, v):
+            def layer(x, _):
+                return x + chunked_attention(x + q, k, v, pos, pos, chunk=256), None
+
+            out, _ = jax.lax.scan(layer, jnp.zeros(q.shape), None, length=1)
+            return jnp.sum(out**2)
+
+        compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp(512), temp(2048)
+    assert large / small < 4, (small, large)  # 4 = linear growth; dense attention gives ~16

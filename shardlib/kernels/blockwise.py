@@ -173,6 +173,17 @@ def backward_pass(q, q_pos, k, v, k_pos, do, lse, delta, *, causal, scale, q_chu
     return _unchunk(dq, 3), dk, dv
 
 
+def tied(*xs):
+    """Tie a blockwise pass's inputs together so none of its work is hoisted out of a loop.
+
+    Inside the model's differentiated layer scan, jax (0.10 and 0.12) moves computations
+    that depend only on loop constants (here: keys and positions, hence every block's mask
+    and skip test) out of the loop and keeps their results for every block: O(s²) memory
+    again. An optimization barrier over all inputs makes everything depend on the queries.
+    """
+    return jax.lax.optimization_barrier(xs)
+
+
 def pick_chunk(length: int, want: int) -> int:
     """The largest divisor of ``length`` that is at most ``want`` (chunks must tile exactly)."""
     for size in range(min(want, length), 0, -1):
@@ -201,14 +212,14 @@ def _chunked(q, k, v, q_pos, k_pos, causal, q_chunk, kv_chunk):
 
 def _chunked_fwd(q, k, v, q_pos, k_pos, causal, q_chunk, kv_chunk):
     opts = dict(causal=causal, scale=q.shape[-1] ** -0.5, q_chunk=q_chunk, kv_chunk=kv_chunk)
-    state = forward_pass(init_state(q), q, q_pos, k, v, k_pos, **opts)
+    state = forward_pass(init_state(q), *tied(q, q_pos, k, v, k_pos), **opts)
     out, lse = finish(state)
     out = out.astype(q.dtype)
     return out, (q, k, v, q_pos, k_pos, out, lse)
 
 
 def _chunked_bwd(causal, q_chunk, kv_chunk, res, do):
-    q, k, v, q_pos, k_pos, out, lse = res
+    q, k, v, q_pos, k_pos, out, lse, do = tied(*res, do)
     delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)  # [B, G, R, Q]
     opts = dict(causal=causal, scale=q.shape[-1] ** -0.5, q_chunk=q_chunk, kv_chunk=kv_chunk)
     dq, dk, dv = backward_pass(q, q_pos, k, v, k_pos, do, lse, delta, **opts)

@@ -31,6 +31,7 @@ from shardlib.kernels.blockwise import (
     forward_pass,
     from_groups,
     init_state,
+    tied,
     to_groups,
 )
 
@@ -47,6 +48,7 @@ def _ring(q, k, v, q_pos, k_pos, axis_name, n, causal, q_chunk, kv_chunk):
 
 def _ring_fwd(q, k, v, q_pos, k_pos, axis_name, n, causal, q_chunk, kv_chunk):
     opts = dict(causal=causal, scale=q.shape[-1] ** -0.5, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    q, q_pos, k, v, k_pos = tied(q, q_pos, k, v, k_pos)  # see blockwise.tied
 
     def step(_, carry):
         state, kv = carry
@@ -61,7 +63,7 @@ def _ring_fwd(q, k, v, q_pos, k_pos, axis_name, n, causal, q_chunk, kv_chunk):
 
 
 def _ring_bwd(axis_name, n, causal, q_chunk, kv_chunk, res, do):
-    q, k, v, q_pos, k_pos, out, lse = res
+    q, k, v, q_pos, k_pos, out, lse, do = tied(*res, do)
     opts = dict(causal=causal, scale=q.shape[-1] ** -0.5, q_chunk=q_chunk, kv_chunk=kv_chunk)
     delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
 
