@@ -144,21 +144,25 @@ def ulysses_rows(rows: list, sizes) -> None:
 def ring_rows(rows: list, seq: int) -> None:
     base = TrainConfig(batch=1, seq=seq, model_overrides=(("layers", 1),))
     dense = explain(*_explain_args(make_setup(base, _mesh(data=1))))
-    first = None
-    for n in (1, 2, 4, 8):
-        setup = make_setup(dataclasses.replace(base, attention="ring"), _mesh(context=n))
-        temp = explain(*_explain_args(setup)).memory.temp_bytes
-        first = first or temp
-        rows.append(
-            (
-                "ring temp bytes (train step)",
-                f"context={n}, s={seq}, b=1, tiny 1 layer",
-                f"{temp / MiB:.1f} MiB",
-                f"1/N of N=1: {first / n / MiB:.1f} MiB",
-                temp / (first / n),
-                f"dense, 1 device: {dense.memory.temp_bytes / MiB:.1f} MiB",
+    for impl in ("dense", "chunked"):
+        first = None
+        for n in (1, 2, 4, 8):
+            # chunked blocks of 128: the (s/N)² block term no longer hides the linear terms
+            cfg = dataclasses.replace(
+                base, attention="ring", attention_impl=impl, attention_chunk=128
             )
-        )
+            temp = explain(*_explain_args(make_setup(cfg, _mesh(context=n)))).memory.temp_bytes
+            first = first or temp
+            rows.append(
+                (
+                    f"ring temp bytes, {impl} blocks" + (" of 128" if impl == "chunked" else ""),
+                    f"context={n}, s={seq}, b=1, tiny 1 layer",
+                    f"{temp / MiB:.1f} MiB",
+                    f"1/N of N=1: {first / n / MiB:.1f} MiB",
+                    temp / (first / n),
+                    f"dense attention, 1 device: {dense.memory.temp_bytes / MiB:.1f} MiB",
+                )
+            )
 
 
 def _explain_args(setup):
