@@ -32,7 +32,8 @@ import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardlib import explain, mesh_spec  # noqa: E402
+from shardlib import mesh_spec  # noqa: E402
+from shardlib.explain import explain  # noqa: E402
 from shardlib.explain.reduce_scatter import gpu_collectives  # noqa: E402
 from shardlib.layout import use_layout  # noqa: E402
 from shardlib.train.config import TrainConfig  # noqa: E402

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from shardlib import ShardingError, explain, mesh_spec, rules_for_mesh
+from shardlib import ShardingError, mesh_spec, rules_for_mesh
+from shardlib.explain import explain
 from shardlib.explain.reduce_scatter import gpu_collectives
 from shardlib.layout import use_layout
 from shardlib.parity import FP32_TOLERANCE, compare, trace
