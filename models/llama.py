@@ -16,9 +16,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from shardlib.attention import attention
 from shardlib.layout import constrain
 
 init_normal = nnx.initializers.normal
+# The residual stream between blocks (and the norms on it) has its own logical dims, so that
+# Megatron-SP can split its tokens and 2D/3D tensor parallelism its width without touching
+# the layout inside attention and the MLP.
+RESIDUAL = ("batch", "res_seq", "res_embed")
 
 # Intermediates a rematerialisation policy can save or offload by name (``remat=names:...``).
 CHECKPOINT_NAMES = (
@@ -127,28 +132,20 @@ class RMSNorm(nnx.Module):
         return (x32 * norm).astype(x_BLD.dtype) * self.scale[...].astype(x_BLD.dtype)
 
 
-def rotary(x_BLHK, theta: float):
-    """Rotate pairs of features by position-dependent angles (RoFormer)."""
+def rotary(x_BLHK, theta: float, positions_L=None):
+    """Rotate pairs of features by position-dependent angles (RoFormer).
+
+    ``positions_L`` are the tokens' true positions (default 0..L-1): a strategy that
+    reorders the sequence (zig-zag context parallelism) passes them so angles stay right.
+    """
     seq, half = x_BLHK.shape[1], x_BLHK.shape[-1] // 2
+    pos_L = jnp.arange(seq) if positions_L is None else positions_L
     freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LK = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq_K[None, :]
+    angle_LK = pos_L.astype(jnp.float32)[:, None] * freq_K[None, :]
     sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
-
-
-def causal_attention(q_BLHK, k_BLGK, v_BLGK):
-    """Dense causal attention with grouped K/V heads; softmax in fp32."""
-    b, l, h, d = q_BLHK.shape
-    g = k_BLGK.shape[2]
-    q_BLGRK = q_BLHK.reshape(b, l, g, h // g, d)
-    scores = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK).astype(jnp.float32) * d**-0.5
-    mask_LM = jnp.tril(jnp.ones((l, l), bool))
-    scores = jnp.where(mask_LM, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BLGK.dtype)
-    out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
-    return out.reshape(b, l, h, d)
 
 
 class Attention(nnx.Module):
@@ -160,14 +157,12 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
 
-    def __call__(self, x_BLD):
-        dt = x_BLD.dtype
-        e, h, d = self.wq.shape
-        g = self.wk.shape[1]
-        # One projection for Q, K and V, grouped per kv head ([embed, kv_heads, r + 2, hd]):
-        # the stacking is along an unsplit dim, so it is local under tensor parallelism, and
-        # the backward pass then sums the three input gradients before its one all-reduce.
-        w_qkv = jnp.concatenate(
+    def __call__(self, x_BLD, positions_L=None):
+        dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        # One product for q, k and v (each K/V head next to its query heads): the backward
+        # pass then sums the three input gradients before one reduction, not after three.
+        w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
             [
                 self.wq[...].reshape(e, g, h // g, d),
                 self.wk[...][:, :, None],
@@ -175,19 +170,22 @@ class Attention(nnx.Module):
             ],
             axis=2,
         ).astype(dt)
-        qkv_BLGCK = jnp.einsum("bld,dgck->blgck", x_BLD, w_qkv)
-        q = qkv_BLGCK[:, :, :, :-2].reshape(*x_BLD.shape[:2], h, d)
-        k, v = qkv_BLGCK[:, :, :, -2], qkv_BLGCK[:, :, :, -1]
-        q = constrain(rotary(q, self.theta), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+        qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
+        q = qkv_BLGJK[:, :, :, : h // g].reshape(b, l, h, d)
+        k, v = qkv_BLGJK[:, :, :, h // g], qkv_BLGJK[:, :, :, h // g + 1]
+        q = constrain(rotary(q, self.theta, positions_L), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(rotary(k, self.theta, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         q, k, v = (
             checkpoint_name(q, "attn_q"),
             checkpoint_name(k, "attn_k"),
             checkpoint_name(v, "attn_v"),
         )
-        out_BLHK = checkpoint_name(causal_attention(q, k, v), "attn_context")
-        return jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = checkpoint_name(out_BLHK, "attn_context")
+        out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
+        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        return constrain(out_BLD, RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -199,13 +197,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
-        # Gate and up in one product (stacked along an unsplit dim): one all-reduce in backward.
-        w_gu = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
-        gu_BLCF = jnp.einsum("bld,dcf->blcf", x_BLD, w_gu)
-        gate_BLF, up_BLF = gu_BLCF[:, :, 0], gu_BLCF[:, :, 1]
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
+        gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
+        gate_BLF, up_BLF = gate_up_BLJF[:, :, 0], gate_up_BLJF[:, :, 1]
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
-        return jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        return constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt)), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -217,10 +215,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BLD):
-        x_BLD = checkpoint_name(x_BLD + self.attn(self.attn_norm(x_BLD)), "attn_residual")
+    def __call__(self, x_BLD, positions_L=None):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
+        x_BLD = checkpoint_name(x_BLD, "attn_residual")
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ("batch", "seq", "embed"))
+        return constrain(x_BLD, RESIDUAL)
 
 
 LayerFn = Callable[[Callable, object, jax.Array], jax.Array]
@@ -250,16 +249,19 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(cfg)
         self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
 
-    def __call__(self, tokens_BL, *, dtype=jnp.float32, layers: LayerFn = scan_layers):
+    def __call__(
+        self, tokens_BL, *, positions_L=None, dtype=jnp.float32, layers: LayerFn = scan_layers
+    ):
         """Logits [batch, seq, vocab] in fp32; ``dtype`` is the compute dtype.
 
-        ``layers`` applies the stacked blocks; strategies that restructure the layer loop
-        (rematerialisation, pipelining) pass their own with the same signature.
+        ``positions_L`` are the tokens' true positions when the sequence arrives reordered
+        (default 0..L-1). ``layers`` applies the stacked blocks; strategies that restructure
+        the layer loop (rematerialisation, pipelining) pass their own with the same signature.
         """
         graphdef, blocks_state = nnx.split(self.blocks)
 
         def block_fn(layer_state, x):
-            return nnx.merge(graphdef, layer_state)(x)
+            return nnx.merge(graphdef, layer_state)(x, positions_L)
 
         x_BLD = layers(block_fn, blocks_state, self.embed(tokens_BL, dtype=dtype))
         return self.head(x_BLD, dtype=dtype)
@@ -270,7 +272,7 @@ class Llama(nnx.Module):
         # XLA then emits Megatron's masked lookup + all-reduce instead of regathering it.
         table_VD = constrain(self.embedding[...], ("vocab", "embed"))
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        return constrain(x_BLD, ("batch", "seq", "embed"))
+        return constrain(x_BLD, RESIDUAL)
 
     def head(self, x_BLD, *, dtype=jnp.float32):
         """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32."""

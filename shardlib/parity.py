@@ -46,8 +46,8 @@ def reference_mesh(mesh: Mesh) -> Mesh:
     return MeshSpec(tuple((n, 1) for n in mesh.axis_names)).build(jax.devices()[:1])
 
 
-def first_grads(setup: TrainSetup) -> dict:
-    """Gradients of the first batch at initialisation, gathered to host."""
+def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
+    """Gradients of the first batch at initialisation (or at ``params``), gathered to host."""
     tokens = global_batch(
         load_tokens(setup.cfg.data),
         0,
@@ -56,7 +56,10 @@ def first_grads(setup: TrainSetup) -> dict:
         setup.cfg.seed,
         setup.batch_sharding,
     )
-    params = setup.init_state()["params"]
+    if params is None:
+        params = setup.init_state()["params"]
+    else:
+        params = jax.device_put(params, setup.param_shardings)
     grad_fn = make_grad_fn(setup, make_loss_fn(setup))  # the pipeline's own, if any
 
     def grads(p, t):
@@ -80,14 +83,29 @@ class Trace:
     grads: dict
 
 
-def trace(setup: TrainSetup) -> Trace:
-    result = run(setup, show=False)
-    return Trace(result.losses, [r["grad_norm"] for r in result.records], first_grads(setup))
+def trace(setup: TrainSetup, state: dict | None = None) -> Trace:
+    """Train and record; ``state`` (host arrays) skips the initialisation compile.
+
+    Initial values do not depend on the layout (jax's threefry RNG is partitionable), so a
+    test sweeping many layouts can initialise once and place that state on each of them.
+    """
+    if state is None:
+        return Trace(*_run(setup, None), first_grads(setup))
+    return Trace(*_run(setup, state), first_grads(setup, state["params"]))
 
 
-def compare(setup: TrainSetup, reference: TrainSetup | Trace) -> ParityResult:
+def _run(setup: TrainSetup, state: dict | None) -> tuple[list[float], list[float]]:
+    if state is not None:
+        state = jax.device_put(state, setup.state_shardings)
+    result = run(setup, state=state, show=False)
+    return result.losses, [r["grad_norm"] for r in result.records]
+
+
+def compare(
+    setup: TrainSetup, reference: TrainSetup | Trace, state: dict | None = None
+) -> ParityResult:
     """Train both and compare (same config, different layouts); a Trace is reused as is."""
-    got = trace(setup)
+    got = trace(setup, state)
     ref = reference if isinstance(reference, Trace) else trace(reference)
     grad_errs = jax.tree.map(
         lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),

@@ -28,6 +28,8 @@ Kind = Literal["params", "activations"]
 LOGICAL_NAMES = (
     "batch",  # examples in a (micro-)batch
     "seq",  # token positions (activations)
+    "res_seq",  # token positions of the residual stream: norms, residual adds (Megatron-SP)
+    "res_embed",  # model width of the residual stream between blocks (2D/3D tensor parallel)
     "embed",  # model width d_model
     "mlp",  # feed-forward hidden width
     "heads",  # query heads

@@ -82,6 +82,17 @@ class TrainConfig:
     """Per-layer rematerialisation: none | full | dots | names:<a,b> | offload:<a,b>."""
     offload_params: bool = False
     """Keep the stacked block weights in pinned_host memory; fetch one layer at a time."""
+    # --- issue 4: sequence, context and memory-efficient attention ---
+    sequence_parallel: bool = False
+    """Megatron-SP: split the residual stream's tokens over the tensor axis."""
+    attention: str = "ring"
+    """Attention across a ``context`` mesh axis: ring | all_to_all | all_gather."""
+    attention_impl: str = "dense"
+    """Attention on each device: dense | chunked (online softmax) | cudnn (GPU only)."""
+    attention_chunk: int = 512
+    """Query/key block length of chunked attention (and of ring attention's inner blocks)."""
+    load_balance: bool = True
+    """Ring/all-gather attention: zig-zag token order so causal work is equal per device."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):

@@ -21,9 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from shardlib.attention import AttentionPlan
 from shardlib.layout import abstract_state, mesh_axes, named_shardings, resolve_specs
 from shardlib.plan import rules_for_mesh
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.context import attention_plan
 from shardlib.strategies.zero import StateRules, zero
 from shardlib.train import layouts, precision
 from shardlib.train.config import TrainConfig, apply_overrides
@@ -49,6 +51,8 @@ class TrainSetup:
     """Logical names of every parameter (for gradient and optimizer-state layouts)."""
     state_rules: StateRules | None = None
     """Rules per state role (ZeRO stage); None: everything follows ``rules``."""
+    attention: AttentionPlan = AttentionPlan()
+    """How the model's attention runs on this mesh (issue 4: context parallel, chunked)."""
 
     @property
     def compute_dtype(self):
@@ -180,7 +184,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         models.config(cfg.model), dict(cfg.model_overrides), f"model {cfg.model}"
     )
     axes = mesh_axes(mesh)
-    rules = rules_for_mesh(axes) if rules is None else rules
+    if rules is None:
+        rules = rules_for_mesh(axes, sequence_parallel=cfg.sequence_parallel)
     rules.check_mesh(axes)
     roles = zero(rules, stage=cfg.zero, mesh_axes=axes)  # issue 3: ZeRO stage per state role
     rules = roles.params
@@ -216,4 +221,5 @@ def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> Trai
         tx=build_optimizer(cfg),
         param_names=names,
         state_rules=roles,
+        attention=attention_plan(cfg, axes, rules, model_cfg),
     )

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardlib.attention import use_attention
 from shardlib.layout import constrain, use_layout
+from shardlib.strategies.context import reorder_tokens
 from shardlib.train import layouts, precision, staging
 from shardlib.train.setup import BATCH_NAMES, TrainSetup
 
@@ -23,15 +25,16 @@ def global_norm(tree) -> jax.Array:
 
 def make_loss_fn(setup: TrainSetup):
     """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
-    graphdef, dtype = setup.graphdef, setup.compute_dtype
+    graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.attention
     layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = staging.cast_params(setup, params)
         model = nnx.merge(graphdef, params)
-        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype, layers=layers)
-        targets_BL = tokens_BL1[:, 1:]
+        inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, plan)
+        with use_attention(plan):
+            logits_BLV = model(inputs_BL, positions_L=positions_L, dtype=dtype, layers=layers)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
     return loss_fn
