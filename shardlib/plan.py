@@ -10,7 +10,8 @@ from collections.abc import Mapping
 
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, base_rules, compose
-from shardlib.strategies import data_parallel, fsdp, tensor_parallel
+from shardlib.strategies import data_parallel, expert_parallel, fsdp, tensor_parallel
+from shardlib.strategies.expert import with_dispatched_batch
 
 
 def rules_for_mesh(mesh_axes: Mapping[str, int]) -> Rules:
@@ -22,6 +23,8 @@ def rules_for_mesh(mesh_axes: Mapping[str, int]) -> Rules:
         parts.append(fsdp(axis=Axis.FSDP))
     if Axis.TENSOR in mesh_axes:
         parts.append(tensor_parallel(axis=Axis.TENSOR))
-    rules = compose(*parts)
+    if Axis.EXPERT in mesh_axes:  # last: GShard folds the expert axis innermost into batch
+        parts.append(expert_parallel(axis=Axis.EXPERT))
+    rules = with_dispatched_batch(compose(*parts))
     rules.check_mesh(mesh_axes, where="plan")
     return rules

@@ -20,29 +20,43 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_loss_fn(setup: TrainSetup):
-    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
+def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
+    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens.
+
+    A model may return ``(logits, aux)``: ``aux["loss"]`` is added to the objective (an MoE
+    router's balancing losses) and every entry is reported. ``with_metrics`` returns
+    ``(loss, metrics)`` for ``jax.value_and_grad(..., has_aux=True)``.
+    """
     graphdef, dtype = setup.graphdef, setup.compute_dtype
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = jax.tree.map(lambda p: p.astype(dtype), params)
         model = nnx.merge(graphdef, params)
-        logits_BLV = model(tokens_BL1[:, :-1], dtype=dtype)
+        out = model(tokens_BL1[:, :-1], dtype=dtype)
+        logits_BLV, aux = out if isinstance(out, tuple) else (out, {})
         targets_BL = tokens_BL1[:, 1:]
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
+        if aux:
+            metrics["ce_loss"] = ce
+        loss = ce + aux.get("loss", 0.0)
+        return (loss, metrics) if with_metrics else loss
 
     return loss_fn
 
 
-def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardings):
+def accumulate_grads(
+    loss_fn, params, tokens_BL1, microbatches: int, grad_shardings, *, has_aux: bool = False
+):
     """Mean loss and gradient over ``microbatches`` sequential slices of the batch.
 
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
     micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
     """
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
     if microbatches == 1:
         return grad_fn(params, tokens_BL1)
     b, l1 = tokens_BL1.shape
@@ -51,28 +65,34 @@ def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardi
     def body(carry, tokens_mb):
         loss_sum, grad_sum = carry
         loss, grads = grad_fn(params, constrain(tokens_mb, BATCH_NAMES))
+        loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
+        return (loss_sum, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro_MBL1)
-    return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
+    loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, micro_MBL1[0]))
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro_MBL1)
+    mean = jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
+    return mean
 
 
 def build_train_step(setup: TrainSetup):
     """``step(state, tokens) -> (state, metrics)``, jitted with the state donated."""
-    loss_fn = make_loss_fn(setup)
+    loss_fn = make_loss_fn(setup, with_metrics=True)
     tx, sched, m = setup.tx, setup.schedule, setup.cfg.microbatches
 
     def train_step(state, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
             params = state["params"]
             tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
-            loss, grads = accumulate_grads(loss_fn, params, tokens_BL1, m, setup.param_shardings)
+            (loss, extra), grads = accumulate_grads(
+                loss_fn, params, tokens_BL1, m, setup.param_shardings, has_aux=True
+            )
             grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
+        metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return jax.jit(
