@@ -223,7 +223,9 @@ def test_all_to_all_bytes_per_moe_layer_match_the_formula(name, compiled_steps):
 
 def test_expert_weight_bytes_fall_as_one_over_the_expert_axis(compiled_steps):
     def expert_bytes(report) -> int:
-        return sum(t.bytes_per_device for t in report.tensors if ".experts." in t.path)
+        return sum(
+            t.bytes_per_device for t in report.tensors if t.is_param and ".experts." in t.path
+        )
 
     full = expert_bytes(compiled_steps["e1"][1])
     assert full > 0
@@ -254,3 +256,19 @@ def test_cli_trains_moe_tiny_and_reports_router_metrics(tmp_path):
 def test_mixtral_preset_has_the_published_size():
     cfg = models.config("mixtral-8x7b")
     assert cfg.param_count() == pytest.approx(46.7e9, rel=0.01)
+
+
+def test_capacity_follows_the_reference_formula():
+    """ceil(k * tokens / E * factor): REFERENCE.md's ceil(tokens / E * cf), doubled for k=2."""
+    cfg = models.config("moe-tiny", top_k=1, capacity_factor=1.25)
+    assert cfg.capacity(100) == math.ceil(100 / 8 * 1.25)
+    assert models.config("moe-tiny", top_k=2, capacity_factor=1.25).capacity(100) == 32
+    assert models.config("moe-tiny", no_drop=True).capacity(100) == 100
+    assert models.config("moe-tiny", capacity_factor=100.0).capacity(100) == 100  # at most all
+
+
+def test_bad_moe_settings_are_reported_by_the_cli(capsys):
+    assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.dispatch=a2a"]) == 2
+    assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.moe_every=3"]) == 2
+    err = capsys.readouterr().err
+    assert "dispatch='a2a'" in err and "moe_every=3" in err
