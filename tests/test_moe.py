@@ -13,11 +13,12 @@ import pytest
 
 import models
 from models import moe_routing
-from shardlib import ShardingError, mesh_spec
+from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.cli import main
 from shardlib.explain import explain
 from shardlib.mesh import MESHES_DIR
 from shardlib.parity import FP32_TOLERANCE, compare, reference_mesh, trace
+from shardlib.strategies.expert import expert_axis
 from shardlib.train.config import TrainConfig
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
@@ -97,6 +98,15 @@ def test_expert_weights_resolve_to_the_expert_axis():
 def test_experts_not_divisible_by_the_expert_axis_is_a_clear_error():
     with pytest.raises(ShardingError, match=r"'expert', size 6.*expert=4"):
         make_setup(moe_cfg(experts=6), mesh_spec(data=2, expert=4).build())
+
+
+def test_shard_map_dispatch_needs_the_expert_axis_innermost_in_the_batch():
+    """The all-to-all concatenates groups in expert order: any other fold would permute them."""
+    rules = rules_for_mesh({"data": 2, "expert": 4})
+    assert expert_axis(rules, {"data": 2, "expert": 4}) == "expert"
+    swapped = rules.replace(activations={"batch": ("expert", "data")})
+    with pytest.raises(ShardingError, match="must end with the expert axis"):
+        expert_axis(swapped, {"data": 2, "expert": 4})
 
 
 # --- parity: fp32, 5 steps, capacity high enough that nothing drops ---------------------------

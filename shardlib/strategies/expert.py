@@ -53,7 +53,7 @@ def with_dispatched_batch(rules: Rules) -> Rules:
     )
 
 
-def _expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
+def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
     """The one mesh axis the activation ``expert`` dim is split over (None: not split)."""
     axes = rules.activations.get("expert", ())
     if not axes:
@@ -90,7 +90,7 @@ def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> ja
     if active is None:
         return x_GECD
     mesh, rules = active
-    axis = _expert_axis(rules, mesh_axes(mesh))
+    axis = expert_axis(rules, mesh_axes(mesh))
     if axis is None:
         return constrain(x_GECD, dst, what=f"moe {direction}")
     x_GECD = constrain(x_GECD, src, what=f"moe {direction} input")
