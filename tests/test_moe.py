@@ -116,7 +116,7 @@ PARITY = {  # name: (mesh, dispatch, top_k, full)
     # full: parity.compare as for every strategy (sharded init, first-step gradients leaf by
     # leaf); otherwise 5 steps of losses and gradient norms from the reference's initial state
     # (one compile instead of three).
-    "e2-einsum-top2": ({"expert": 2}, "einsum", 2, True),
+    "e2-einsum-top2": ({"expert": 2}, "einsum", 2, False),
     "e4-einsum-top1": ({"expert": 4}, "einsum", 1, False),
     "e8-shard_map-top2": ({"expert": 8}, "shard_map", 2, True),
     "d2e4-shard_map-top1": ({"data": 2, "expert": 4}, "shard_map", 1, False),
@@ -169,9 +169,7 @@ def test_moe_parity_fp32(name, moe_reference):
 
 COMM = {  # name: (mesh, dispatch)
     "e1": ({"expert": 1}, "einsum"),  # the one-device reference
-    "e2": ({"expert": 2}, "einsum"),
     "e8": ({"expert": 8}, "einsum"),
-    "f2e4": ({"fsdp": 2, "expert": 4}, "einsum"),
     "e4t2-shard_map": ({"expert": 4, "tensor": 2}, "shard_map"),
 }
 
@@ -239,11 +237,8 @@ def test_expert_weight_bytes_fall_as_one_over_the_expert_axis(compiled_steps):
 
     full = expert_bytes(compiled_steps["e1"][1])
     assert full > 0
-    for name in ("e2", "e8"):
-        setup, report, _ = compiled_steps[name]
-        assert expert_bytes(report) * setup.mesh.shape["expert"] == full, name
-    # FSDP (embed dim) or tensor parallelism (mlp dim) inside each expert split them further
-    assert expert_bytes(compiled_steps["f2e4"][1]) * 8 == full
+    assert expert_bytes(compiled_steps["e8"][1]) * 8 == full  # benchmarks/moe.py: e2, e4 too
+    # tensor parallelism inside each expert (its mlp dim) splits them further
     assert expert_bytes(compiled_steps["e4t2-shard_map"][1]) * 8 == full
 
 

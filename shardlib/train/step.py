@@ -72,8 +72,7 @@ def accumulate_grads(
     zeros = jax.tree.map(jnp.zeros_like, params)
     loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, micro_MBL1[0]))
     (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro_MBL1)
-    mean = jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
-    return mean
+    return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
 
 
 def build_train_step(setup: TrainSetup):
