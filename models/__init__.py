@@ -9,9 +9,12 @@ from dataclasses import fields, replace
 
 from flax import nnx
 
-from models import llama
+from models import llama, moe
 
-_FAMILIES = {"llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama)}
+_FAMILIES = {
+    "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),
+    "moe": (moe.PRESETS, moe.MoeConfig, moe.Moe),
+}
 
 
 def presets() -> dict:
@@ -35,6 +38,6 @@ def config(name: str, **overrides):
 
 def build(cfg, rngs: nnx.Rngs) -> nnx.Module:
     for _, config_type, module in _FAMILIES.values():
-        if isinstance(cfg, config_type):
+        if type(cfg) is config_type:  # exact: MoeConfig extends LlamaConfig
             return module(cfg, rngs)
     raise TypeError(f"no model family for config {type(cfg).__name__}")

@@ -14,6 +14,7 @@ from shardlib.rules import Rules, base_rules, compose
 from shardlib.strategies import (
     context_parallel,
     data_parallel,
+    expert_parallel,
     fsdp,
     tensor_2d,
     tensor_3d,
@@ -22,6 +23,7 @@ from shardlib.strategies import (
 from shardlib.strategies import (
     sequence_parallel as sequence_parallel_rules,
 )
+from shardlib.strategies.expert import with_dispatched_batch
 from shardlib.strategies.pipeline import pipeline_rules
 
 
@@ -49,7 +51,9 @@ def rules_for_mesh(mesh_axes: Mapping[str, int], *, sequence_parallel: bool = Fa
     if sequence_parallel:
         _check_sequence_parallel(mesh_axes)
         parts.append(sequence_parallel_rules(axis=Axis.TENSOR))
-    rules = compose(*parts)
+    if Axis.EXPERT in mesh_axes:  # last: GShard folds the expert axis innermost into batch
+        parts.append(expert_parallel(axis=Axis.EXPERT))
+    rules = with_dispatched_batch(compose(*parts))
     rules.check_mesh(mesh_axes, where="plan")
     return rules
 

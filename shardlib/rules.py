@@ -39,6 +39,7 @@ LOGICAL_NAMES = (
     "layers",  # stacked (scanned) layers
     "stage",  # pipeline stages (leading dim of staged weights)
     "expert",  # experts of a mixture-of-experts layer
+    "batch_no_expert",  # groups dim of dispatched MoE tokens: batch axes minus the expert axis
 )
 
 

@@ -135,12 +135,23 @@ def on_device(tree):
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
-def make_grad_fn(setup, loss_fn):
-    """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the bounded pipeline."""
+def make_grad_fn(setup, loss_fn, *, has_aux: bool = False):
+    """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the bounded pipeline.
+
+    With ``has_aux`` the loss is ``(loss, metrics)``; the bounded schedule reports none.
+    """
     spec = pipeline_spec(setup.cfg, mesh_axes(setup.mesh))
     if spec is None or spec.schedule != "bounded":
-        return jax.value_and_grad(loss_fn)
-    return _bounded_grad_fn(setup, spec)
+        return jax.value_and_grad(loss_fn, has_aux=has_aux)
+    bounded = _bounded_grad_fn(setup, spec)
+    if not has_aux:
+        return bounded
+
+    def with_aux(params, tokens_BL1):
+        loss, grads = bounded(params, tokens_BL1)
+        return (loss, {}), grads
+
+    return with_aux
 
 
 def _bounded_grad_fn(setup, spec: PipelineSpec):

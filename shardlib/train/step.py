@@ -23,8 +23,13 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_loss_fn(setup: TrainSetup):
-    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens."""
+def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
+    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens.
+
+    A model may return ``(logits, aux)``: ``aux["loss"]`` is added to the objective (an MoE
+    router's balancing losses) and every entry is reported. ``with_metrics`` returns
+    ``(loss, metrics)`` for ``jax.value_and_grad(..., has_aux=True)``.
+    """
     graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.attention
     layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
 
@@ -33,22 +38,39 @@ def make_loss_fn(setup: TrainSetup):
         params = staging.cast_params(setup, params)
         model = nnx.merge(graphdef, params)
         inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, plan)
+        moved = {} if positions_L is None else {"positions_L": positions_L}  # context parallel
         with use_attention(plan):
-            logits_BLV = model(inputs_BL, positions_L=positions_L, dtype=dtype, layers=layers)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+            out = model(inputs_BL, dtype=dtype, layers=layers, **moved)
+        logits_BLV, aux = out if isinstance(out, tuple) else (out, {})
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
+        if aux:
+            metrics["ce_loss"] = ce
+        loss = ce + aux.get("loss", 0.0)
+        return (loss, metrics) if with_metrics else loss
 
     return loss_fn
 
 
-def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardings, grad_fn=None):
+def accumulate_grads(
+    loss_fn,
+    params,
+    tokens_BL1,
+    microbatches: int,
+    grad_shardings,
+    grad_fn=None,
+    *,
+    has_aux: bool = False,
+):
     """Mean loss and gradient over ``microbatches`` sequential slices of the batch.
 
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
     micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
     ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the bounded pipeline schedule).
     """
-    grad_fn = grad_fn or jax.value_and_grad(loss_fn)
+    grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=has_aux)
     if microbatches == 1:
         return grad_fn(params, tokens_BL1)
     b, l1 = tokens_BL1.shape
@@ -57,12 +79,14 @@ def accumulate_grads(loss_fn, params, tokens_BL1, microbatches: int, grad_shardi
     def body(carry, tokens_mb):
         loss_sum, grad_sum = carry
         loss, grads = grad_fn(params, constrain(tokens_mb, BATCH_NAMES))
+        loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
+        return (loss_sum, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro_MBL1)
-    return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
+    loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, micro_MBL1[0]))
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro_MBL1)
+    return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
 
 
 def build_train_step(setup: TrainSetup):
@@ -74,7 +98,7 @@ def build_train_step(setup: TrainSetup):
     to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
     step with non-finite gradients changes neither parameters nor optimizer state.
     """
-    loss_fn = make_loss_fn(setup)
+    loss_fn = make_loss_fn(setup, with_metrics=True)
     tx, sched, cfg = setup.tx, setup.schedule, setup.cfg
     scaled = precision.uses_loss_scale(cfg)
 
@@ -83,10 +107,20 @@ def build_train_step(setup: TrainSetup):
             params = state["params"]
             tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
             scale = state["loss_scale"]["scale"] if scaled else None
-            fn = (lambda p, t: loss_fn(p, t) * scale) if scaled else loss_fn
-            grad_fn = staging.make_grad_fn(setup, fn)  # the bounded pipeline brings its own
-            loss, grads = accumulate_grads(
-                fn, params, tokens_BL1, cfg.microbatches, setup.grad_shardings, grad_fn
+
+            def fn(p, t):
+                loss, extra = loss_fn(p, t)
+                return (loss * scale if scaled else loss), extra
+
+            grad_fn = staging.make_grad_fn(setup, fn, has_aux=True)  # bounded pipeline: its own
+            (loss, extra), grads = accumulate_grads(
+                fn,
+                params,
+                tokens_BL1,
+                cfg.microbatches,
+                setup.grad_shardings,
+                grad_fn,
+                has_aux=True,
             )
             if scaled:
                 loss = loss / scale
@@ -102,6 +136,7 @@ def build_train_step(setup: TrainSetup):
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
+        metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if scaled:
             finite = precision.all_finite(grads)

@@ -1,0 +1,106 @@
+"""Expert parallelism (GShard, Switch): experts split over a mesh axis, tokens sent to them.
+
+Rules: every parameter dim named ``expert`` (the leading dim of stacked expert weights) is
+split over ``axis``, so each device holds E / N experts and never gathers the others. The
+expert axis is also folded into the activations' ``batch`` (GShard): attention and the
+router run data-parallel over it, and only the dispatched tokens cross it.
+
+A dispatched tensor [groups, experts, capacity, embed] carries both a batch-like dim and the
+expert dim, which cannot share one mesh axis. ``batch_no_expert`` names its groups dim: the
+``batch`` axes without the expert axis, derived once by ``with_dispatched_batch``. Moving the
+expert axis from the groups dim to the expert dim is exactly one all-to-all over ``axis``:
+
+* ``einsum`` dispatch: the model re-constrains the tensor and XLA's propagation emits the
+  all-to-all (the GShard formulation);
+* ``shard_map`` dispatch: ``exchange`` below writes the ``jax.lax.all_to_all`` explicitly.
+Both move k * tokens * capacity_factor * embed elements per device, (N-1)/N of them on the
+wire, once to dispatch and once to combine in forward, and twice more in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from shardlib.errors import ShardingError
+from shardlib.layout import active_layout, constrain, mesh_axes
+from shardlib.mesh import Axis
+from shardlib.rules import Rules
+
+DISPATCH_NAMES = ("batch", None, None, "embed")  # [groups, experts, capacity, embed]
+EXPERT_NAMES = ("batch_no_expert", "expert", None, "embed")  # the same, after the exchange
+
+
+def expert_parallel(*, axis: str = Axis.EXPERT) -> Rules:
+    """Expert dims of weights and activations over ``axis``; the batch folded over it too."""
+    return Rules(
+        params={"expert": (axis,)},
+        activations={"expert": (axis,), "batch": (axis,)},
+    )
+
+
+def with_dispatched_batch(rules: Rules) -> Rules:
+    """Derive ``batch_no_expert``: the activation ``batch`` axes that ``expert`` does not use.
+
+    Without an expert axis this is the whole batch layout, so a mixture-of-experts model on a
+    data-parallel mesh keeps its dispatched tokens split like every other activation.
+    """
+    expert_axes = set(rules.activations.get("expert", ()))
+    batch = rules.activations.get("batch", ())
+    return rules.replace(
+        activations={"batch_no_expert": tuple(a for a in batch if a not in expert_axes)}
+    )
+
+
+def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
+    """The one mesh axis the activation ``expert`` dim is split over (None: not split)."""
+    axes = rules.activations.get("expert", ())
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise ShardingError(
+            f"shard_map dispatch: the activation rule 'expert' -> {axes} spans several mesh "
+            "axes; the explicit all-to-all runs over one. Fix: map 'expert' to one axis or "
+            "use model.dispatch=einsum."
+        )
+    batch = rules.activations.get("batch", ())
+    if not batch or batch[-1] != axes[0]:
+        raise ShardingError(
+            f"shard_map dispatch: the activation 'batch' rule {batch} must end with the "
+            f"expert axis {axes[0]!r} (GShard folds it into the batch, innermost) so that the "
+            "all-to-all's concatenation restores contiguous groups. Fix: compose "
+            "expert_parallel() after the other batch strategies, or use model.dispatch=einsum."
+        )
+    return axes[0] if mesh_sizes.get(axes[0], 1) > 1 else None
+
+
+def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> jax.Array:
+    """Move the expert axis between the groups dim and the expert dim with an all-to-all.
+
+    ``dispatch``: [groups, experts, capacity, embed] split by groups -> split by experts.
+    ``combine``: the reverse. Written with ``jax.shard_map`` over the whole mesh and specs
+    resolved from the active rules, so the collective is exactly the one written here.
+    Outside ``use_layout`` (or with no expert axis) it only constrains the layout.
+    """
+    active = active_layout()
+    src, dst = (DISPATCH_NAMES, EXPERT_NAMES)
+    if direction == "combine":
+        src, dst = dst, src
+    if active is None:
+        return x_GECD
+    mesh, rules = active
+    axis = expert_axis(rules, mesh_axes(mesh))
+    if axis is None:
+        return constrain(x_GECD, dst, what=f"moe {direction}")
+    x_GECD = constrain(x_GECD, src, what=f"moe {direction} input")
+    split, concat = (1, 0) if direction == "dispatch" else (0, 1)
+
+    def body(x_local):
+        return jax.lax.all_to_all(x_local, axis, split, concat, tiled=True)
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # pragma: no cover - jax < 0.6
+        from jax.experimental.shard_map import shard_map
+    out = shard_map(body, mesh=mesh, in_specs=rules.spec(src), out_specs=rules.spec(dst))(x_GECD)
+    return constrain(out, dst, what=f"moe {direction} output")
