@@ -110,15 +110,10 @@ def layer_loop(setup):
 def cast_params(setup, params):
     """Master weights to the compute dtype; offloaded blocks are cast layer by layer instead."""
     dtype = setup.compute_dtype
-    cast = jax.tree.map(
-        lambda p: p.astype(dtype), {k: v for k, v in params.items() if k != "blocks"}
-    )
-    blocks = params["blocks"]
+    keep = {"blocks"} if setup.cfg.offload_params else set()  # models without blocks: all cast
     return {
-        **cast,
-        "blocks": blocks
-        if setup.cfg.offload_params
-        else jax.tree.map(lambda p: p.astype(dtype), blocks),
+        k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v)
+        for k, v in params.items()
     }
 
 
