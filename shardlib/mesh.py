@@ -120,6 +120,12 @@ class MeshSpec:
         devices = list(jax.devices()) if devices is None else list(devices)
         sizes = self.sizes(len(devices))
         shape = tuple(sizes[n] for n in self.names)
+        if len(devices) == len(jax.devices()) and jax.process_count() > 1:
+            # Several hosts: process boundaries on the outermost axes (issue 7).
+            from shardlib.distributed import hybrid_device_grid
+
+            grid = hybrid_device_grid(list(shape), devices)
+            return Mesh(grid, self.names, axis_types=(AxisType.Auto,) * len(shape))
         if len(devices) == len(jax.devices()):
             # make_mesh orders devices to follow the physical topology where it knows it.
             return jax.make_mesh(shape, self.names, axis_types=(AxisType.Auto,) * len(shape))

@@ -49,6 +49,16 @@ class TrainConfig:
     """Flat binary file of uint16 token ids; None = the embedded stdlib-source corpus."""
     metrics: str | None = None
     """Path of a JSON-lines file with one record per step."""
+    # --- issue 7: checkpoints, resume and preemption ---
+    checkpoint_dir: str | None = None
+    """Directory of this run's checkpoints, one sub-directory per step (None: none)."""
+    checkpoint_every: int = 100
+    """Save every this many steps; also at the end and on SIGTERM/SIGINT (0: only then)."""
+    keep: int = 3
+    """Checkpoints kept on disk, oldest deleted first (0: keep all)."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint if any; require: fail without one;
+    never: start fresh (and refuse a checkpoint_dir that already holds checkpoints)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16"):
