@@ -213,6 +213,7 @@ def check_compatible(meta: dict, target, model_cfg, where: str) -> None:
                     f"{x.dtype}{list(x.shape)}"
                 )
     if problems:
+        problems.sort(key=lambda p: not p.startswith("params/"))  # parameters say it best
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(
             f"checkpoint {where} belongs to another model: "

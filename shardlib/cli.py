@@ -85,10 +85,13 @@ def _prepare(args) -> tuple:
 
 
 def cmd_train(args, console: Console) -> int:
+    import jax
+
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
 
     mesh, cfg = _prepare(args)
+    console.quiet = jax.process_index() != 0  # one voice in multi-host runs: process 0
     setup = make_setup(cfg, mesh)
     shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
     console.print(
@@ -97,6 +100,9 @@ def cmd_train(args, console: Console) -> int:
     )
     result = run(setup, console=console)
     losses = result.losses
+    if not losses:
+        console.print(f"nothing to do: the checkpoint is already at step {cfg.steps}")
+        return 0
     steady = [r["tokens_per_s"] for r in result.records if not r["compiled"]]
     tps = sum(steady) / len(steady) if steady else float("nan")
     console.print(

@@ -180,7 +180,7 @@ def simulate_cpu_devices(n: int) -> None:
     except Exception:  # pragma: no cover - private layout changed: assume not started
         started = False
     if started:
-        have = jax.device_count()
+        have = jax.local_device_count()  # this process's devices (several in multi-host runs)
         if have == n:
             return
         raise ShardingError(
