@@ -152,7 +152,9 @@ def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
     other = make_setup(replace(base.cfg, model_overrides=(("layers", 2),)), base.mesh)
     with pytest.raises(CheckpointError, match=r"another model: params/blocks/.*layers=1 \(this"):
         run(other, show=False)
-    wider = make_setup(replace(base.cfg, model_overrides=(("layers", 1), ("vocab", 512))), base.mesh)
+    wider = make_setup(
+        replace(base.cfg, model_overrides=(("layers", 1), ("vocab", 512))), base.mesh
+    )
     with pytest.raises(CheckpointError, match=r"params/embedding: checkpoint float32\[256, 64\]"):
         restore(directory, wider)
     assert _snapshot(directory) == before

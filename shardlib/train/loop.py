@@ -125,7 +125,7 @@ def run(
                     task, advance=1, loss=record["loss"], tps=record["tokens_per_s"], dt=dt
                 )
             done = step + 1
-            if preempt.should_stop(done) or done == stop_after:
+            if done < cfg.steps and (preempt.should_stop(done) or done == stop_after):
                 result.stopped_by = preempt.signal_name or f"stop_after={stop_after}"
             if ckpt is not None:
                 ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.steps)
