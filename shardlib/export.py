@@ -21,7 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlib.checkpoint import CheckpointError, host_fingerprint, load_orbax, read_meta
+from shardlib.checkpoint import (
+    CheckpointError,
+    _first_line,
+    host_fingerprint,
+    load_orbax,
+    read_meta,
+)
 
 SAFETENSORS_DTYPES = {
     "float32": "F32",
@@ -72,8 +78,7 @@ def read_params(directory: str | Path, step: int | None = None) -> tuple[int, di
         )["params"]
     except Exception as err:  # orbax/tensorstore: many types, one meaning
         raise CheckpointError(
-            f"checkpoint {where} cannot be read ({type(err).__name__}: "
-            f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})."
+            f"checkpoint {where} cannot be read ({type(err).__name__}: {_first_line(err)})."
         ) from None
     flat = {}
     for name in names:
