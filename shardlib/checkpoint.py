@@ -224,7 +224,7 @@ def check_compatible(meta: dict, target, model_cfg, where: str) -> None:
         )
 
 
-def _first_line(err: Exception) -> str:
+def error_summary(err: Exception) -> str:
     """The useful part of an orbax/tensorstore error (they append a page of spec JSON)."""
     text = str(err).strip().split(" See full TensorStore details")[0]
     return (text.splitlines() or [""])[0][:300]
@@ -256,7 +256,7 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
         with ocp.StandardCheckpointer() as reader:
             state = reader.restore((path / str(step) / "state").absolute(), target)
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
-        first = _first_line(err)
+        first = error_summary(err)
         raise CheckpointError(
             f"checkpoint {where} is damaged or incomplete and cannot be read "
             f"({type(err).__name__}: {first}). Fix: restore an earlier step (complete steps: "

@@ -23,7 +23,7 @@ import numpy as np
 
 from shardlib.checkpoint import (
     CheckpointError,
-    _first_line,
+    error_summary,
     host_fingerprint,
     load_orbax,
     read_meta,
@@ -78,7 +78,7 @@ def read_params(directory: str | Path, step: int | None = None) -> tuple[int, di
         )["params"]
     except Exception as err:  # orbax/tensorstore: many types, one meaning
         raise CheckpointError(
-            f"checkpoint {where} cannot be read ({type(err).__name__}: {_first_line(err)})."
+            f"checkpoint {where} cannot be read ({type(err).__name__}: {error_summary(err)})."
         ) from None
     flat = {}
     for name in names:

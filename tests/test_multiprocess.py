@@ -164,6 +164,11 @@ def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one(tmp_p
     # The 2x2x2 phase saved every 2 steps and at the stop; one process reads them back.
     directory, stopped = tmp_path / "ckpt", len(_records(tmp_path / "3d.jsonl"))
     assert complete_steps(directory)[-1] == stopped
+    state_dir = directory / str(stopped) / "state"
+    assert {p.name for p in state_dir.glob("ocdbt.process_*")} == {
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    }  # each process wrote the shards it holds
     start = restore(directory, setup(ONE), step=2)  # fingerprints verified on read
     assert start.meta["mesh"] == {"axes": dict(CUBE), "processes": 2}
     two_process = [r["loss"] for r in _records(tmp_path / "3d.jsonl")]

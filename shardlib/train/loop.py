@@ -126,7 +126,7 @@ def run(
                 )
             done = step + 1
             if done < cfg.steps and (preempt.should_stop(done) or done == stop_after):
-                result.stopped_by = preempt.signal_name or f"stop_after={stop_after}"
+                result.stopped_by = preempt.reason or f"stop_after={stop_after}"
             if ckpt is not None:
                 ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.steps)
             if result.stopped_by:

@@ -38,7 +38,9 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        """Name of the first signal received by this process (None: none yet)."""
+        """Name of the first signal this process received (None: none yet)."""
+        self.reason: str | None = None
+        """Why the run stops, once ``should_stop`` said so (e.g. "SIGTERM on process 1")."""
         self._previous: dict[int, object] = {}
         self._published = False
         self._client = None
@@ -65,6 +67,7 @@ class Preemption:
     def should_stop(self, step: int) -> bool:
         """Called after step ``step`` finished on this process: stop here?"""
         if self._client is None:
+            self.reason = self.signal_name
             return self.signal_name is not None
         import jax
 
@@ -75,11 +78,12 @@ class Preemption:
         notices = self._client.key_value_dir_get(self._prefix)
         if not notices:
             return False
-        stop_at, name = min(
-            (int(at), f"{sig} on process {key.rsplit('/', 1)[-1]}")
+        stop_at, origin = min(
+            (int(at), f"{name} on process {key.rsplit('/', 1)[-1]}")
             for key, value in notices
-            for at, sig in [value.split(":", 1)]
+            for at, name in [value.split(":", 1)]
         )
-        if stop_at <= step and (self.signal_name is None or self._published):
-            self.signal_name = name
-        return stop_at <= step
+        if stop_at > step:
+            return False
+        self.reason = origin
+        return True
