@@ -20,12 +20,12 @@ import numpy as np
 
 from shardlib.errors import ShardingError
 
-# Environment variables by which JAX's cluster detection recognises a launcher. A job
-# launched by one of these needs no flags at all: ``jax.distributed.initialize()`` reads
-# the coordinator, process count and id from the environment itself.
+# (marker, task count) environment variables by which JAX's cluster detection recognises a
+# launcher. A job launched by one of these needs no flags at all:
+# ``jax.distributed.initialize()`` reads the coordinator, process count and id from there.
 LAUNCHER_ENV = {
     "slurm": ("SLURM_JOB_ID", "SLURM_NTASKS"),
-    "openmpi": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    "openmpi": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
 }
 
 
@@ -63,8 +63,8 @@ class ProcessGroup:
 
 def detected_launcher() -> str | None:
     """``"slurm"`` / ``"openmpi"`` when this process was started by one with >1 task."""
-    for name, (job_var, size_var) in LAUNCHER_ENV.items():
-        if job_var in os.environ and int(os.environ.get(size_var, "1") or 1) > 1:
+    for name, (marker, size) in LAUNCHER_ENV.items():
+        if marker in os.environ and int(os.environ.get(size, "1") or 1) > 1:
             return name
     return None
 

@@ -61,6 +61,14 @@ def main() -> int:
             return code
         if watcher is not None:
             watcher.join(timeout=60)
+    # Which process holds each position of the 2x2x2 mesh (data, fsdp, tensor)?
+    import json
+
+    from shardlib.mesh import load_mesh
+
+    grid = load_mesh(PHASES["3d"]).build().devices
+    owners = [[[d.process_index for d in row] for row in plane] for plane in grid]
+    (out / f"mesh{process_id}.json").write_text(json.dumps(owners))
     return 0
 
 

@@ -149,6 +149,9 @@ def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one(tmp_p
     text = [log.read_text() for log in logs]
     assert codes == [0, 0], text
     assert "loss" not in text[1]  # logs and progress from process 0 only
+    for i in range(2):  # hybrid mesh: the data axis crosses processes, fsdp x tensor do not
+        owners = json.loads((tmp_path / f"mesh{i}.json").read_text())
+        assert owners == [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
     errors = {}
     for phase, on8 in [
         ("dp", losses(DP8, COMPARED)),
