@@ -88,9 +88,9 @@ def run(
     tokens_per_step = cfg.batch * cfg.seq
     result = RunResult()
     with ExitStack() as stack:
-        if ckpt is not None:
-            stack.enter_context(ckpt)  # on leaving: waits until the last save is committed
         preempt = stack.enter_context(Preemption())
+        if ckpt is not None:  # on leaving: waits until the last save is committed, while
+            stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
         sink = None
         if cfg.metrics and leader:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
