@@ -151,8 +151,8 @@ def _check_directory(directory: str | Path) -> Path:
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(
-            f"checkpoint directory {str(path)!r} does not exist. Fix: check the path (a run "
-            "with checkpoint_dir=... creates it), or start fresh with resume=never."
+            f"checkpoint directory {str(path)!r} does not exist. Fix: check the path (with "
+            "resume=auto a run starts fresh and creates it)."
         )
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} is a file, not a directory.")
