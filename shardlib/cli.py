@@ -1,4 +1,4 @@
-"""``shardlib`` command line: train, explain, parity, plan.
+"""``shardlib`` command line: train, explain, parity, export, plan.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="simulate this many CPU devices (default: what a cpu preset needs)",
         )
+        c.add_argument("--coordinator", default=None, help="multi-host: process 0's host:port")
+        c.add_argument("--num-processes", type=int, default=None, help="multi-host: processes")
+        c.add_argument("--process-id", type=int, default=None, help="multi-host: this rank")
         c.add_argument(
             "overrides",
             nargs="*",
@@ -45,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     par = command("parity", "compare losses and gradients with a one-device run")
     par.add_argument("--steps", type=int, default=5)
     par.add_argument("--tol", type=float, default=1e-5)
+    x = sub.add_parser("export", help="write a checkpoint's parameters for use without shardlib")
+    x.add_argument("--checkpoint", required=True, help="a run's checkpoint_dir")
+    x.add_argument("--out", required=True, help="PATH.safetensors, PATH.npz, or a directory")
+    x.add_argument("--step", type=int, default=None, help="default: the latest complete step")
     # --- issue 9: the auto-parallel planner ---
     from shardlib.planner.cli import add_plan_command
 
@@ -54,8 +61,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def _prepare(args) -> tuple:
     """Mesh spec -> (simulated devices) -> mesh, config. JAX starts only here."""
+    from shardlib.distributed import ProcessGroup, initialize
+
     spec: MeshSpec = load_mesh(args.mesh)
-    devices = args.cpu_devices or (spec.fixed_size if spec.platform == "cpu" else None)
+    group = ProcessGroup(args.coordinator, args.num_processes, args.process_id)
+    cpu = spec.platform == "cpu" or args.cpu_devices is not None
+    processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
+    devices = args.cpu_devices
+    if devices is None and spec.platform == "cpu" and spec.fixed_size:
+        if spec.fixed_size % processes:
+            raise ShardingError(
+                f"mesh {spec.source}: {spec.fixed_size} devices cannot be split evenly over "
+                f"{processes} processes. Fix: pass --cpu-devices (devices per process)."
+            )
+        devices = spec.fixed_size // processes
     if devices:
         simulate_cpu_devices(devices)
     from shardlib.train.config import TrainConfig, apply_overrides, parse_overrides
@@ -70,10 +89,13 @@ def _prepare(args) -> tuple:
 
 
 def cmd_train(args, console: Console) -> int:
+    import jax
+
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
 
     mesh, cfg = _prepare(args)
+    console.quiet = jax.process_index() != 0  # one voice in multi-host runs: process 0
     setup = make_setup(cfg, mesh)
     shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
     console.print(
@@ -82,6 +104,9 @@ def cmd_train(args, console: Console) -> int:
     )
     result = run(setup, console=console)
     losses = result.losses
+    if not losses:
+        console.print(f"nothing to do: the checkpoint is already at step {cfg.steps}")
+        return 0
     steady = [r["tokens_per_s"] for r in result.records if not r["compiled"]]
     tps = sum(steady) / len(steady) if steady else float("nan")
     console.print(
@@ -128,14 +153,26 @@ def cmd_parity(args, console: Console) -> int:
     return 0 if ok else 1
 
 
+def cmd_export(args, console: Console) -> int:
+    from shardlib.export import export
+
+    out = export(args.checkpoint, args.out, step=args.step)
+    console.print(f"wrote {out.path} ({out.tensors} tensors, {out.bytes:,} bytes, step {out.step})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     from shardlib.planner.cli import cmd_plan  # issue 9
 
-    handler = {"train": cmd_train, "explain": cmd_explain, "parity": cmd_parity, "plan": cmd_plan}[
-        args.command
-    ]
+    handler = {
+        "train": cmd_train,
+        "explain": cmd_explain,
+        "parity": cmd_parity,
+        "export": cmd_export,
+        "plan": cmd_plan,
+    }[args.command]
     try:
         return handler(args, console)
     except ShardingError as err:

@@ -120,6 +120,12 @@ class MeshSpec:
         devices = list(jax.devices()) if devices is None else list(devices)
         sizes = self.sizes(len(devices))
         shape = tuple(sizes[n] for n in self.names)
+        if len(devices) == len(jax.devices()) and jax.process_count() > 1:
+            # Several hosts: process boundaries on the outermost axes (issue 7).
+            from shardlib.distributed import hybrid_device_grid
+
+            grid = hybrid_device_grid(list(shape), devices)
+            return Mesh(grid, self.names, axis_types=(AxisType.Auto,) * len(shape))
         if len(devices) == len(jax.devices()):
             # make_mesh orders devices to follow the physical topology where it knows it.
             return jax.make_mesh(shape, self.names, axis_types=(AxisType.Auto,) * len(shape))
@@ -179,7 +185,7 @@ def simulate_cpu_devices(n: int) -> None:
     except Exception:  # pragma: no cover - private layout changed: assume not started
         started = False
     if started:
-        have = jax.device_count()
+        have = jax.local_device_count()  # this process's devices (several in multi-host runs)
         if have == n:
             return
         raise ShardingError(

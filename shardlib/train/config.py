@@ -93,6 +93,16 @@ class TrainConfig:
     """Query/key block length of chunked attention (and of ring attention's inner blocks)."""
     load_balance: bool = True
     """Ring/all-gather attention: zig-zag token order so causal work is equal per device."""
+    # --- issue 7: checkpoints, resume and preemption ---
+    checkpoint_dir: str | None = None
+    """Directory of this run's checkpoints, one sub-directory per step (None: none)."""
+    checkpoint_every: int = 100
+    """Save every this many steps; also at the end and on SIGTERM/SIGINT (0: only then)."""
+    keep: int = 3
+    """Checkpoints kept on disk, oldest deleted first (0: keep all)."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint if any; require: fail without one;
+    never: start fresh (and refuse a checkpoint_dir that already holds checkpoints)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):

@@ -13,8 +13,10 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from shardlib.train.checkpoints import RunCheckpoints
 from shardlib.train.data import check_vocab, global_batch, load_tokens
 from shardlib.train.precision import check_record
+from shardlib.train.preempt import Preemption
 from shardlib.train.setup import TrainSetup
 
 
@@ -24,6 +26,10 @@ class RunResult:
 
     records: list[dict] = field(default_factory=list)
     state: dict | None = None
+    stopped_by: str | None = None
+    """Why the run stopped before ``cfg.steps`` (a signal, or ``stop_after``); None if not."""
+    checkpoint: Path | None = None
+    """The last checkpoint this run saved (None without ``checkpoint_dir``)."""
 
     @property
     def losses(self) -> list[float]:
@@ -58,24 +64,38 @@ def run(
     state: dict | None = None,
     show: bool = True,
     console: Console | None = None,
+    stop_after: int | None = None,
 ) -> RunResult:
-    """Train for ``setup.cfg.steps`` steps from ``state`` (fresh initialisation if None).
+    """Train for ``setup.cfg.steps`` steps from ``state`` (None: the latest checkpoint in
+    ``cfg.checkpoint_dir`` if there is one, else a fresh initialisation).
 
     Step times exclude nothing: the first step includes compilation and is marked so.
-    Only process 0 prints and writes metrics.
+    Only process 0 prints and writes metrics. SIGTERM/SIGINT, or reaching step
+    ``stop_after``, end the run at the next step boundary with a checkpoint.
     """
     cfg = setup.cfg
     leader = jax.process_index() == 0
     console = console or Console(stderr=True)
+
+    def say(message: str) -> None:
+        if leader:
+            console.print(message, highlight=False)
+
+    ckpt = RunCheckpoints(setup, say) if cfg.checkpoint_dir else None
+    if state is None and ckpt is not None:
+        state = ckpt.resume()
     state = setup.init_state() if state is None else state
     start = int(jax.device_get(state["step"]))
     tokens_per_step = cfg.batch * cfg.seq
     result = RunResult()
     with ExitStack() as stack:
+        preempt = stack.enter_context(Preemption())
+        if ckpt is not None:  # on leaving: waits until the last save is committed, while
+            stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
         sink = None
         if cfg.metrics and leader:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(cfg.metrics, "w"))
+            sink = stack.enter_context(open(cfg.metrics, "a" if start else "w"))
         progress = None
         if show and leader:
             progress = stack.enter_context(_progress(console))
@@ -106,5 +126,20 @@ def run(
                 progress.update(
                     task, advance=1, loss=record["loss"], tps=record["tokens_per_s"], dt=dt
                 )
+            done = step + 1
+            if done < cfg.steps and (preempt.should_stop(done) or done == stop_after):
+                result.stopped_by = preempt.reason or f"stop_after={stop_after}"
+            if ckpt is not None:
+                ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.steps)
+            if result.stopped_by:
+                break
     result.state = state
+    result.checkpoint = ckpt.last if ckpt is not None else None
+    if result.stopped_by:
+        where = (
+            f"checkpoint saved to {result.checkpoint}; run the same command to resume"
+            if result.checkpoint
+            else "no checkpoint_dir set, so nothing was saved"
+        )
+        say(f"stopped by {result.stopped_by} after step {done}: {where}")
     return result

@@ -112,8 +112,7 @@ def cast_params(setup, params):
     dtype = setup.compute_dtype
     keep = {"blocks"} if setup.cfg.offload_params else set()  # models without blocks: all cast
     return {
-        k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v)
-        for k, v in params.items()
+        k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v) for k, v in params.items()
     }
 
 

@@ -1,0 +1,83 @@
+"""The training loop's side of checkpoints: resume at the start, save on schedule and at the end.
+
+``cfg.checkpoint_dir`` names the run's directory. At start-up ``resume`` decides between the
+latest complete checkpoint and a fresh initialisation (``cfg.resume``); during the run a save
+starts every ``cfg.checkpoint_every`` steps, at the last step and when the run is told to
+stop (SIGTERM/SIGINT). The writer is created only after a successful restore, so a run that
+fails to read its checkpoint (damaged, another model) has not touched the directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from shardlib.checkpoint import Saver, complete_steps, jsonable, restore
+from shardlib.errors import ShardingError
+from shardlib.train.setup import TrainSetup
+
+RESUME_MODES = ("auto", "require", "never")
+# Settings that do not change what a step computes: a resumed run may change them freely.
+NOT_TRAJECTORY = {"steps", "metrics", "checkpoint_dir", "checkpoint_every", "keep", "resume"}
+
+
+def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
+    now = jsonable(setup.cfg)
+    return [
+        f"{k} {saved.get(k)!r} -> {v!r}"
+        for k, v in now.items()
+        if k not in NOT_TRAJECTORY and k in saved and saved[k] != v
+    ]
+
+
+class RunCheckpoints:
+    """Resume, then save: used by ``loop.run`` as a context manager around the steps."""
+
+    def __init__(self, setup: TrainSetup, say: Callable[[str], None]) -> None:
+        cfg = setup.cfg
+        if cfg.resume not in RESUME_MODES:
+            raise ShardingError(
+                f"config: resume={cfg.resume!r}; use one of {', '.join(RESUME_MODES)}."
+            )
+        if cfg.checkpoint_every < 0 or cfg.keep < 0:
+            raise ShardingError("config: checkpoint_every and keep must be >= 0.")
+        self.setup = setup
+        self.directory = Path(cfg.checkpoint_dir)
+        self.say = say
+        self.last: Path | None = None
+        """The step directory of the newest save started by this run."""
+        self._saver: Saver | None = None
+
+    def resume(self) -> dict | None:
+        """The restored state, or None to start from initialisation."""
+        mode, steps = self.setup.cfg.resume, complete_steps(self.directory)
+        if mode == "never":
+            if steps:
+                raise ShardingError(
+                    f"checkpoint_dir={str(self.directory)!r} already holds checkpoints (steps "
+                    f"{steps}) and resume=never. Fix: resume=auto to continue, or choose a new "
+                    "checkpoint_dir; existing checkpoints are never overwritten."
+                )
+            return None
+        if mode == "auto" and not steps:
+            return None
+        restored = restore(self.directory, self.setup)
+        self.say(f"resumed from {restored.path} (step {restored.step})")
+        changed = _changed_settings(restored.meta.get("config", {}), self.setup)
+        if changed:
+            self.say("settings changed since that checkpoint: " + ", ".join(changed))
+        return restored.state
+
+    def __enter__(self) -> RunCheckpoints:
+        cfg = self.setup.cfg
+        self._saver = Saver(self.directory, every=cfg.checkpoint_every, keep=cfg.keep)
+        return self
+
+    def after_step(self, state: dict, step: int, *, final: bool) -> None:
+        """Start a save of the state after ``step`` steps if it is due (or ``final``)."""
+        if final or self._saver.due(step):
+            self._saver.save(self.setup, state, step)  # None: this step is already saved
+            self.last = self.directory / str(step)
+
+    def __exit__(self, *exc) -> None:
+        self._saver.close()
