@@ -18,6 +18,7 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_01 = ROOT / "notebooks" / "01_annotate_a_flax_model.ipynb"
+NOTEBOOK_02 = ROOT / "notebooks" / "02_pipelines_and_remat.ipynb"
 
 
 def _execute(path: Path):
@@ -78,14 +79,54 @@ def _check_outputs(nb) -> None:
     assert "all-reduce | tensor |" in collectives  # the default strategy is TP
 
 
-def test_stored_notebook_01_has_its_outputs():
-    """What a reader sees on a code-hosting site: every code cell ran, in order."""
-    nb = nbformat.read(NOTEBOOK_01, as_version=4)
+def _check_outputs_02(nb) -> None:
+    bubble = _text(_cell(nb, "bubble.setdefault("))
+    rows = re.findall(
+        r"\| (gpipe|circular) \| (\d) \| (\d+) \| \d+ \| (\S+) \| (\S+) \| (\S+) \|", bubble
+    )
+    assert len(rows) == 6, bubble  # 2 schedules x 3 micro-batch counts
+    for _, v, m, measured, formula, ratio in rows:
+        p = 2
+        assert float(formula) == pytest.approx(
+            (int(v) * int(m) + p - 1) / (int(v) * int(m)), abs=1e-4
+        )
+        assert abs(float(measured) / float(formula) - 1) <= 0.02, bubble
+        assert abs(float(ratio) - 1) <= 0.02, bubble
+    assert _images(_cell(nb, "ax_bubble")) == 1
+
+    memory = _text(_cell(nb, "memory.setdefault("))
+    growth = dict(re.findall(r"(gpipe|bounded): temp grows (\S+)x", memory))
+    assert float(growth["gpipe"]) >= 1.5 and float(growth["bounded"]) <= 1.02, memory
+    assert _images(_cell(nb, "ax_mem")) == 1
+
+    remat = _text(_cell(nb, "remat[policy] ="))
+    temp = dict(re.findall(r"\| `([a-z]+)[^`]*` \| [^|]+ \| (\S+) \| \S+ \|", remat))
+    flops = dict(re.findall(r"\| `([a-z]+)[^`]*` \| [^|]+ \| \S+ \| (\S+) \|", remat))
+    assert float(temp["full"]) < float(temp["dots"]) < float(temp["none"]) == 1.0, remat
+    assert 1.0 < float(flops["full"]) <= 1.4, remat  # about one extra forward
+    assert _images(_cell(nb, "ax_temp")) == 1
+
+
+def _check_stored(path: Path) -> "nbformat.NotebookNode":
+    nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1))
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
-    _check_outputs(nb)
+    return nb
+
+
+def test_stored_notebook_01_has_its_outputs():
+    """What a reader sees on a code-hosting site: every code cell ran, in order."""
+    _check_outputs(_check_stored(NOTEBOOK_01))
+
+
+def test_stored_notebook_02_has_its_outputs():
+    _check_outputs_02(_check_stored(NOTEBOOK_02))
 
 
 def test_notebook_01_runs_top_to_bottom():
     _check_outputs(_execute(NOTEBOOK_01))
+
+
+def test_notebook_02_runs_top_to_bottom():
+    _check_outputs_02(_execute(NOTEBOOK_02))
