@@ -277,3 +277,13 @@ def test_bad_moe_settings_are_reported_by_the_cli(capsys):
     assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.moe_every=3"]) == 2
     err = capsys.readouterr().err
     assert "dispatch='a2a'" in err and "moe_every=3" in err
+
+
+def test_moe_with_a_stage_axis_is_refused_before_compiling():
+    from shardlib import ShardingError, mesh_spec
+    from shardlib.train.config import parse_overrides
+    from shardlib.train.setup import make_setup
+
+    cfg = parse_overrides(["model=moe-tiny", "model.layers=4", "batch=8", "seq=16"])
+    with pytest.raises(ShardingError, match="not pipelined"):
+        make_setup(cfg, mesh_spec(stage=2, data=4).build())

@@ -61,6 +61,14 @@ def check(cfg, model_cfg, mesh, rules) -> None:
     spec = pipeline_spec(cfg, axes)
     if spec is None:
         return
+    from models.moe import MoeConfig
+
+    if isinstance(model_cfg, MoeConfig):  # its layer loop carries router statistics
+        raise ShardingError(
+            f"model {cfg.model}: pipeline stages need one stack of identical blocks; the MoE "
+            "model scans groups of dense and expert blocks and is not pipelined. Fix: drop "
+            "the stage axis (use expert/data/fsdp/tensor axes) for MoE models."
+        )
     spec.check(model_cfg.layers, cfg.microbatch)
     b = cfg.microbatch // spec.microbatches
     what = f"pipeline micro-batch ({cfg.microbatch} sequences / {spec.microbatches})"
