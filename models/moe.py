@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import MLP, Attention, LayerFn, LlamaConfig, RMSNorm, _param, scan_layers
+from models.llama import Attention, Block, LayerFn, LlamaConfig, RMSNorm, _param, scan_layers
 from models.moe_routing import Routing, route
 from shardlib.layout import constrain
 from shardlib.strategies.expert import DISPATCH_NAMES, EXPERT_NAMES, exchange
@@ -191,21 +191,6 @@ class MoeBlock(nnx.Module):
         return constrain(x_BLD + y_BLD, ("batch", "seq", "embed")), stats
 
 
-class DenseBlock(nnx.Module):
-    """The Llama block (attention + SwiGLU MLP), for the layers between MoE layers."""
-
-    def __init__(self, cfg: MoeConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
-
-    def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ("batch", "seq", "embed"))
-
-
 def _stack(block_type, cfg: MoeConfig, count: int, rngs: nnx.Rngs):
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -220,7 +205,7 @@ class Moe(nnx.Module):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)  # [V, E]
         dense = cfg.layers - cfg.moe_layers
-        self.dense_blocks = _stack(DenseBlock, cfg, dense, rngs) if dense else None
+        self.dense_blocks = _stack(Block, cfg, dense, rngs)  # the Llama block if dense else None
         self.moe_blocks = _stack(MoeBlock, cfg, cfg.moe_layers, rngs)
         self.final_norm = RMSNorm(cfg)
         self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
