@@ -14,22 +14,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardlib.errors import ShardingError
+from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.mesh import Axis
 from shardlib.planner.candidate import VALIDATED_AXES, Plan
 from shardlib.planner.workload import ParamInfo, Workload
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
 ADAM_BYTES = 8  # Adam m and v, fp32
-
-
-def ring_wire(kind: str, buffer_bytes: float, group: int) -> float:
-    """Bytes each device sends for one execution (REFERENCE.md, bandwidth-optimal ring)."""
-    if group <= 1:
-        return 0.0
-    if kind == "collective-permute":
-        return float(buffer_bytes)
-    factor = (group - 1) / group
-    return (2 * factor if kind == "all-reduce" else factor) * buffer_bytes
 
 
 @dataclass(frozen=True)
