@@ -23,17 +23,9 @@ REMAT = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
 """What lives in host memory between steps."""
 
-# Which knobs the branch this planner was written on can run and compile. The others are
-# costed from published formulas only ("formula-only until strategy X lands").
-VALIDATED_AXES = (Axis.DATA, Axis.FSDP, Axis.TENSOR)
-FORMULA_ONLY = {
-    Axis.CONTEXT: "formula-only until sequence/context parallelism (issue 4) lands",
-    Axis.EXPERT: "formula-only until expert parallelism (issue 5) lands",
-    Axis.STAGE: "formula-only until pipeline parallelism (issue 6) lands",
-    "zero": "formula-only until ZeRO-1/2 (issue 3) lands",
-    "remat": "formula-only until rematerialisation (issue 6) lands",
-    "offload": "formula-only until offload (issue 3) lands",
-}
+TRAIN_SCHEDULE = {"gpipe": "gpipe", "1f1b": "bounded", "interleaved": "circular"}
+"""Planner schedule -> the trainer's ``pipeline_schedule`` (``strategies/pipeline*.py``):
+1F1B is the memory-bounded schedule, interleaved the circular one with v layer groups."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +73,25 @@ class Plan:
         """Ways the batch is split: data, FSDP and expert replicas each get their own rows."""
         return self.data * self.fsdp * self.expert
 
-    def formula_only(self) -> list[str]:
-        """The knobs of this plan whose costs are not yet checked against a compiled program."""
-        notes = [
-            FORMULA_ONLY[a]
-            for a in (Axis.CONTEXT, Axis.EXPERT, Axis.STAGE)
-            if getattr(self, a.value) > 1
-        ]
-        if self.zero:
-            notes.append(FORMULA_ONLY["zero"])
-        if self.remat != "none":
-            notes.append(FORMULA_ONLY["remat"])
-        if self.offload != "none":
-            notes.append(FORMULA_ONLY["offload"])
-        return notes
+    def train_overrides(self) -> dict[str, object]:
+        """The ``TrainConfig`` fields that run this plan (``shardlib train``'s ``[train]``).
+
+        Micro-batches are gradient accumulation without stages and the pipeline's micro-batches
+        with them; remat ``selective`` is the trainer's ``selective`` policy (keep matmul
+        outputs, recompute the attention core), offload the ZeRO-Offload of optimizer state.
+        """
+        staged = self.stage > 1
+        out: dict[str, object] = {
+            "microbatches": 1 if staged else self.microbatches,
+            "zero": self.zero,
+            "remat": self.remat,
+            "offload_optimizer": self.offload == "optimizer",
+        }
+        if staged:
+            out["pipeline_schedule"] = TRAIN_SCHEDULE[self.schedule]
+            out["pipeline_microbatches"] = self.microbatches
+            out["virtual_stages"] = self.virtual
+        return out
 
     def mesh_text(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in self.axes)

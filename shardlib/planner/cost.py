@@ -67,6 +67,11 @@ class Estimate:
         return sum(v for k, v in self.memory.items() if not k.startswith("host"))
 
     @property
+    def host_bytes(self) -> float:
+        """Bytes per device kept in host memory (``host: ...`` parts)."""
+        return sum(v for k, v in self.memory.items() if k.startswith("host"))
+
+    @property
     def wire_bytes(self) -> float:
         return sum(c.wire_bytes for c in self.comms)
 
@@ -185,5 +190,5 @@ def estimate(
         mfu=mfu,
         tokens_per_s=workload.tokens / step_s,
         fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
-        notes=tuple(dict.fromkeys(notes + plan.formula_only())),
+        notes=tuple(dict.fromkeys(notes)),
     )

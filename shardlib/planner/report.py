@@ -28,7 +28,6 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
         "tokens/s",
         "exposed comm",
         "bubble",
-        "checked",
     ):
         table.add_column(
             col, justify="left" if col in ("mesh (outer -> inner)", "knobs") else "right"
@@ -45,7 +44,6 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
             f"{e.tokens_per_s:,.0f}",
             f"{e.exposed_comm_s:.3f} s",
             f"{e.bubble_s:.3f} s",
-            "compiled" if not p.formula_only() else "formula",
         )
     return table
 
@@ -117,9 +115,6 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
                 f"{name} fits with {est.plan.microbatches} micro-batch(es) but takes "
                 f"{est.step_s:.3f} s per step (MFU {est.mfu:.1%})."
             )
-    notes = best.plan.formula_only()
-    if notes:
-        lines.append("Not yet checked against a compiled program: " + "; ".join(notes) + ".")
     return lines
 
 

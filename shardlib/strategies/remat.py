@@ -6,6 +6,9 @@
 * ``full``: keep nothing inside a block; the backward recomputes the block from its input
   (the scan over layers still saves each block's input: about one extra forward, ~1.33x);
 * ``dots``: keep the results of matrix multiplies, recompute the cheap elementwise rest;
+* ``selective``: Korthikanti et al.'s selective recompute: keep the projections' outputs
+  (matmuls without batch dims) but not the attention scores and softmax (batched matmuls,
+  s² per head), which the backward recomputes from the saved q and k;
 * ``names:a,b``: keep only the intermediates the model tagged ``a`` and ``b``
   (``jax.ad_checkpoint.checkpoint_name``; see the model's ``CHECKPOINT_NAMES``);
 * ``offload:a,b``: keep ``a`` and ``b`` too, but move them to ``pinned_host`` memory in the
@@ -24,7 +27,7 @@ import jax
 
 from shardlib.errors import ShardingError
 
-MODES = ("none", "full", "dots", "names", "offload")
+MODES = ("none", "full", "dots", "selective", "names", "offload")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class RematSpec:
             return cp.nothing_saveable
         if self.mode == "dots":
             return cp.dots_saveable
+        if self.mode == "selective":
+            return cp.dots_with_no_batch_dims_saveable
         if self.mode == "names":
             return cp.save_only_these_names(*self.names)
         if self.mode == "offload":
@@ -65,7 +70,7 @@ def parse_remat(text: str, known_names: tuple[str, ...] = ()) -> RematSpec:
     names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if mode not in MODES:
         raise ShardingError(
-            f"remat={text!r}: unknown mode {mode!r}. Fix: one of none, full, dots, "
+            f"remat={text!r}: unknown mode {mode!r}. Fix: one of none, full, dots, selective, "
             "names:<a,b>, offload:<a,b>."
         )
     if mode in ("names", "offload"):

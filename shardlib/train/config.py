@@ -79,7 +79,7 @@ class TrainConfig:
     virtual_stages: int = 1
     """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
     remat: str = "none"
-    """Per-layer rematerialisation: none | full | dots | names:<a,b> | offload:<a,b>."""
+    """Per-layer rematerialisation: none | full | dots | selective | names:<a,b> | offload:<a,b>."""
     offload_params: bool = False
     """Keep the stacked block weights in pinned_host memory; fetch one layer at a time."""
     # --- issue 4: sequence, context and memory-efficient attention ---

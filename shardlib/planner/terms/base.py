@@ -16,7 +16,7 @@ from functools import cached_property
 from shardlib.errors import ShardingError
 from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.mesh import Axis
-from shardlib.planner.candidate import VALIDATED_AXES, Plan
+from shardlib.planner.candidate import Plan
 from shardlib.planner.workload import ParamInfo, Workload
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
@@ -148,29 +148,31 @@ def param_splits(
 ) -> dict[str, dict[str, int]]:
     """How the real rules (``shardlib.plan.rules_for_mesh``) split each parameter.
 
-    Axes that exist on this branch go through the rules, so the planner and the trainer
-    agree by construction; pipeline stages split the ``layers`` dim and the expert axis the
-    ``expert`` dim (formula-only). Raises ShardingError when a dim does not divide.
+    Every axis but ``stage`` goes through the rules, so the planner and the trainer agree by
+    construction (the stage axis splits the stacked ``layers`` dim, which ``ParamInfo``
+    leaves out: ``Context.layers_per_device`` counts it). Raises ShardingError when a dim
+    does not divide.
     """
     from shardlib.plan import rules_for_mesh
 
     p = Plan(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
-    sizes = {str(a): getattr(p, a.value) for a in VALIDATED_AXES if getattr(p, a.value) > 1}
+    sizes = {
+        str(a): s
+        for a in (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.TENSOR)
+        if (s := getattr(p, a.value)) > 1
+    }
     rules = rules_for_mesh(sizes or {"data": 1}).params
     out: dict[str, dict[str, int]] = {}
     for param in w.params:
         split: dict[str, int] = {}
         for name, size in param.dims:
             axes = [a for a in rules.get(name, ()) if a in sizes]
-            if name == "expert" and p.expert > 1:
-                axes.append(str(Axis.EXPERT))
-            ways = math.prod(sizes.get(a, p.expert if a == Axis.EXPERT else 1) for a in axes)
+            ways = math.prod(sizes[a] for a in axes)
             if size % ways:
                 raise ShardingError(
                     f"plan {p.mesh_text()}: {param.name} dim {name!r} ({size}) is not "
                     f"divisible by {ways}."
                 )
-            for a in axes:
-                split[a] = sizes.get(a, p.expert if a == Axis.EXPERT else 1)
+            split.update((a, sizes[a]) for a in axes)
         out[param.name] = split
     return out

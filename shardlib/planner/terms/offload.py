@@ -14,7 +14,7 @@ def offload(ctx: Context, optimizer_bytes: float, host_link_bw: float) -> Contri
     if ctx.p.offload == "none":
         return Contribution()
     return Contribution(
-        memory={"optimizer": -optimizer_bytes, "host: optimizer": 0.0},
+        memory={"optimizer": -optimizer_bytes, "host: optimizer": optimizer_bytes},
         seconds=2 * optimizer_bytes / host_link_bw,
         notes=("offload: formula-only until issue 3 lands",),
     )
