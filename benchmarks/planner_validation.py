@@ -7,7 +7,10 @@ Every plan is compiled from abstract shapes (nothing allocated) by ``planner.val
 compared with ``cost.estimate(..., backend="cpu")``. None of these plans is one of the
 calibration probes (``planner.calibration.PROBES``): this checks the fitted model on other
 meshes, widths, micro-batch counts and device counts. Strategies covered: data parallel,
-FSDP, Megatron tensor parallel and their combinations (what this version can compile).
+FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), optimizer
+offload (device memory excludes the pinned_host arguments; the host bytes are compared
+apart), context parallelism (ring attention), expert parallelism (MoE) and pipelines (GPipe,
+1F1B, interleaved).
 Targets (issue 9): memory within 10%, collective bytes within 5%.
 """
 
@@ -30,6 +33,19 @@ CASES = {
         ("llama-small", 16, 128, {"layers": 6, "kv_heads": 8}, dict(fsdp=2, tensor=4)),
         ("llama-small", 16, 128, {"layers": 4, "kv_heads": 8}, dict(data=2, tensor=4)),
         ("llama-small", 32, 64, {"layers": 3, "mlp": 768}, dict(data=4, fsdp=2)),
+        # ZeRO-1/2, remat, optimizer offload
+        ("llama-small", 16, 128, {"layers": 3, "mlp": 768}, dict(data=8, zero=1, microbatches=2)),
+        ("llama-small", 16, 128, {"layers": 3}, dict(data=4, tensor=2, zero=2, microbatches=2)),
+        ("llama-small", 16, 256, {"layers": 2}, dict(data=8, zero=1, offload="optimizer")),
+        ("llama-small", 16, 256, {"layers": 3}, dict(data=2, fsdp=2, tensor=2, remat="selective")),
+        ("llama-small", 16, 512, {"layers": 3}, dict(data=8, remat="full")),
+        (
+            "llama-small",
+            32,
+            128,
+            {"layers": 3},
+            dict(data=8, zero=2, offload="optimizer", remat="full"),
+        ),
     ],
     64: [
         ("llama-small", 64, 128, {"layers": 4}, dict(data=64)),
@@ -39,6 +55,17 @@ CASES = {
         ("llama-small", 64, 128, {"layers": 4, "kv_heads": 8}, dict(fsdp=8, tensor=8)),
         ("llama-small", 64, 128, {"layers": 4}, dict(data=4, fsdp=4, tensor=4)),
         ("llama-small", 128, 64, {"layers": 4}, dict(data=16, tensor=4, microbatches=2)),
+        # ZeRO-1/2, remat, optimizer offload
+        ("llama-small", 128, 128, {"layers": 4}, dict(data=64, zero=2, microbatches=2)),
+        (
+            "llama-small",
+            64,
+            128,
+            {"layers": 4, "kv_heads": 8},
+            dict(data=16, tensor=4, zero=1, offload="optimizer"),
+        ),
+        ("llama-small", 64, 256, {"layers": 4}, dict(fsdp=16, tensor=4, remat="full")),
+        ("llama-small", 64, 256, {"layers": 4}, dict(data=8, fsdp=8, remat="selective")),
     ],
 }
 
@@ -59,8 +86,10 @@ def worker(devices: int) -> None:
             "model": model + "".join(f" {k}={v}" for k, v in overrides.items()),
             "batch": batch,
             "seq": seq,
-            "plan": check.plan.mesh_text()
-            + (f" m={check.plan.microbatches}" if check.plan.microbatches > 1 else ""),
+            "plan": check.plan.mesh_text(),
+            "knobs": check.plan.knobs_text(),
+            "predicted_host": check.predicted_host,
+            "compiled_host": check.compiled_host,
             "predicted_memory": check.predicted_memory,
             "compiled_memory": check.compiled_memory,
             "predicted_wire": check.predicted_wire,
@@ -104,6 +133,7 @@ def main() -> int:
         "model",
         "batch x seq",
         "plan",
+        "knobs",
         "memory pred",
         "compiled",
         "ratio",
@@ -112,7 +142,7 @@ def main() -> int:
         "ratio",
         "FLOPs ratio",
     ):
-        table.add_column(col, justify="left" if col in ("model", "plan") else "right")
+        table.add_column(col, justify="left" if col in ("model", "plan", "knobs") else "right")
     worst_mem = worst_wire = 0.0
     for r in rows:
         mem = r["predicted_memory"] / r["compiled_memory"]
@@ -123,6 +153,7 @@ def main() -> int:
             r["model"],
             f"{r['batch']} x {r['seq']}",
             r["plan"],
+            r["knobs"],
             format_bytes(r["predicted_memory"]),
             format_bytes(r["compiled_memory"]),
             f"{mem:.3f}",

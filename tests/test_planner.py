@@ -137,13 +137,28 @@ def test_search_returns_the_exhaustive_optimum(model, batch, seq, cluster_name, 
 
 
 def test_prediction_matches_the_compiled_step():
-    """All three compiled strategies at once; benchmarks/planner_validation.py checks 14."""
+    """DP, FSDP and TP at once; benchmarks/planner_validation.py checks plans of every kind."""
     from shardlib.planner.validate import validate
 
     w = Workload.from_preset("llama-tiny", 16, 32, "fp32", layers=3)
     check = validate(w, Plan(data=2, fsdp=2, tensor=2, microbatches=2))
     assert abs(check.memory_ratio - 1) <= 0.10, check
     assert abs(check.wire_ratio - 1) <= 0.05, check
+
+
+def test_zero_remat_and_offload_terms_match_the_compiled_step():
+    """ZeRO-1 with accumulation (its per-micro-batch re-gather), selective remat and the
+    optimizer state in pinned host memory: device and host bytes both predicted."""
+    from shardlib.planner.validate import validate
+
+    w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2)
+    plan = Plan(data=4, tensor=2, zero=1, microbatches=2, remat="selective", offload="optimizer")
+    check = validate(w, plan)
+    assert abs(check.memory_ratio - 1) <= 0.10, check
+    assert abs(check.wire_ratio - 1) <= 0.05, check
+    # Adam m and v; the compiled side also holds the optimizer's step counters (a few bytes)
+    assert check.compiled_host > 0
+    assert check.predicted_host == pytest.approx(check.compiled_host, abs=64)
 
 
 def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_path, capsys):
@@ -159,14 +174,14 @@ def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_pat
     )
     out = tmp_path / "plan.toml"
     args = ["--model", "llama-tiny", "--cluster", str(cluster_file), "--global-batch", "16"]
-    args += ["--seq", "64", "--precision", "fp32", "--compiled-only", "--out", str(out)]
+    args += ["--seq", "64", "--precision", "fp32", "--out", str(out)]
     assert main(["plan", *args]) == 0
     assert "Plain data parallelism needs" in capsys.readouterr().err
     spec = load_mesh(out)
     cluster: Cluster = load_cluster(cluster_file)
     w = Workload.from_preset("llama-tiny", 16, 64, "fp32")
     assert not estimate(w, Plan(data=8), cluster).fits
-    plan = Plan(**dict(spec.axes), microbatches=spec.train["microbatches"])
+    plan = Plan.from_train(dict(spec.axes), spec.train)
     check = validate(w, plan)
     assert check.compiled_memory <= cluster.memory_bytes
     assert abs(check.memory_ratio - 1) <= 0.10 and abs(check.wire_ratio - 1) <= 0.05, check

@@ -93,6 +93,22 @@ class Plan:
             out["virtual_stages"] = self.virtual
         return out
 
+    @classmethod
+    def from_train(cls, axes: dict[str, int], train: dict) -> Plan:
+        """The plan a mesh file runs: its ``[mesh]`` axes and ``[train]`` fields (the inverse
+        of ``train_overrides``; fields a plan has no knob for are ignored)."""
+        staged = axes.get(str(Axis.STAGE), 1) > 1
+        schedules = {v: k for k, v in TRAIN_SCHEDULE.items()}
+        return cls(
+            **{a.value: axes.get(str(a), 1) for a in AXIS_ORDER},
+            zero=train.get("zero", 0),
+            microbatches=train.get("pipeline_microbatches" if staged else "microbatches", 1),
+            schedule=schedules[train.get("pipeline_schedule", "gpipe")] if staged else "none",
+            virtual=train.get("virtual_stages", 1),
+            remat=train.get("remat", "none"),
+            offload="optimizer" if train.get("offload_optimizer") else "none",
+        )
+
     def mesh_text(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in self.axes)
 

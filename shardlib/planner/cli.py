@@ -25,11 +25,6 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
     c.add_argument("--top", type=int, default=5, help="plans to show")
     c.add_argument("--out", default="plan.toml", help="where to write the chosen plan")
     c.add_argument(
-        "--compiled-only",
-        action="store_true",
-        help="only strategies this version can compile (data, fsdp, tensor; no remat etc.)",
-    )
-    c.add_argument(
         "--validate",
         type=int,
         nargs="?",
@@ -54,9 +49,6 @@ def _model_overrides(words: list[str]) -> dict[str, str]:
     return out
 
 
-COMPILED_ONLY = Space(zero=(0,), remat=("none",), offload=("none",), context=False, pipeline=False)
-
-
 def cmd_plan(args, console: Console) -> int:
     import models
     from shardlib.planner.report import render
@@ -70,7 +62,7 @@ def cmd_plan(args, console: Console) -> int:
         models.config(args.model), _model_overrides(args.overrides), f"model {args.model}"
     )
     workload = Workload(args.model, cfg, args.global_batch, args.seq, args.precision)
-    space = COMPILED_ONLY if args.compiled_only else Space()
+    space = Space()
     start = time.perf_counter()
     result = search(workload, cluster, space, top=args.top)
     render(result, workload, cluster, console, time.perf_counter() - start)

@@ -95,7 +95,9 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
 def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Iterator[list[Plan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
     per_replica = workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
-    zeros = space.zero if mesh["data"] > 1 else (0,)
+    # ZeRO shards over ``data``; with an fsdp axis the state is sharded already (HSDP), and
+    # XLA then merges the two reductions in ways the cost model does not follow: not searched
+    zeros = space.zero if mesh["data"] > 1 and mesh["fsdp"] == 1 else (0,)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "interleaved"]
         if "interleaved" in space.schedules:

@@ -3,9 +3,13 @@
 One reduction of the gradients per micro-batch (shardlib's accumulation loop reduces inside
 the loop, as the compiled program shows) over every axis that replicates a parameter: the
 ``data`` axis, and the context axis (its devices hold the same weights and see other
-tokens). With ZeRO-1/2 (formula-only until issue 3 lands) the all-reduce becomes a
-reduce-scatter of the gradients plus an all-gather of the updated parameters: the same wire
-bytes (REFERENCE.md: 2Ψ for stages 0-2).
+tokens). With ZeRO-1/2 the all-reduce becomes a reduce-scatter of the gradients plus an
+all-gather of the updated parameters: the same wire bytes (REFERENCE.md: 2Ψ for stages 0-2).
+Two things the compiled programs add (jax 0.10.2, checked by ``planner.validate``):
+- the CPU backend compiles each reduce-scatter as an all-reduce + slice (``backend="cpu"``);
+- ZeRO-1 with micro-batches: the replicated accumulator is filled by a reduce-scatter and
+  an all-gather of each micro-batch's gradients (XLA moves the optimizer's sharded layout
+  into the loop), so the gradients cross the wire once more per micro-batch.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ def gradient_reduction(ctx: Context) -> Contribution:
     outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
     m = p.microbatches if p.stage == 1 else 1
     parts = ((layer * MASTER_BYTES, ctx.layers_per_device * m), (outer * MASTER_BYTES, m))
-    kind = "reduce-scatter" if p.zero else "all-reduce"
+    scatter = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
+    kind = scatter if p.zero else "all-reduce"
     comms = tuple(Comm("dp", "grads", kind, names, group, b, c, True) for b, c in parts)
+    total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
     if p.zero:  # the updated parameters come back
-        total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
         comms += (Comm("dp", "params", "all-gather", names, group, total, 1, True),)
+    if p.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch
+        comms += (Comm("dp", "grads", "all-gather", names, group, total, m, True),)
     return Contribution(comms=comms)

@@ -54,8 +54,11 @@ def activations(ctx: Context, in_flight: int = 1) -> Contribution:
     b = ctx.micro_batch
     per_layer = layer_activation_bytes(ctx, b)
     saved = per_layer * ctx.layers_per_device * in_flight
-    # rematerialised layers are recomputed one at a time: one layer's full set is live
-    working = 0.0 if ctx.p.remat == "none" else layer_activation_bytes(ctx, b, "none")
+    working = 0.0
+    if ctx.p.remat != "none":  # one layer's recomputed attention probabilities are live again
+        w, p = ctx.w, ctx.p
+        scores = w.cfg.heads * ctx.local_seq / p.tensor
+        working = ctx.calib["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
     return Contribution(
         memory={
             "activations": saved + working,

@@ -4,9 +4,11 @@ Every parameter is split by the axes the rules give it (FSDP on ``embed``, tenso
 kv-heads, MLP and vocab, expert on ``expert``); a pipeline stage holds only its layers.
 fp32 master weights (4 bytes), fp32 gradients (4) and Adam's m and v (8), as shardlib
 trains (REFERENCE.md's 16 bytes per parameter, Megatron's "fp32 params and grads"). ZeRO-1
-divides the optimizer state by the data-parallel degree, ZeRO-2 the gradients too
-(formula-only until issue 3 lands); with micro-batches a gradient accumulator sits next to
-each micro-batch's gradients.
+divides the optimizer state by the data-parallel degree. ZeRO-2 divides the gradient
+accumulator (with micro-batches it sits next to each micro-batch's gradients), but not the
+gradients of one micro-batch: shardlib's step has no gradient buffer that outlives it, and
+the compiled program holds a micro-batch's gradients whole until they are reduced, so
+without micro-batches ZeRO-2 uses what ZeRO-1 does (compiled: equal to the byte).
 """
 
 from __future__ import annotations
@@ -32,11 +34,20 @@ def state(ctx: Context) -> Contribution:
     n = held_elements(ctx)
     params = n * MASTER_BYTES
     opt = n * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
-    grads = n * MASTER_BYTES / (p.data if p.zero >= 2 else 1)
-    accumulator = grads if p.microbatches > 1 and p.stage == 1 else 0.0
+    # the step's computed gradients are whole before they are reduced, at every ZeRO stage
+    # (XLA schedules the reduction after the backward pass); ZeRO-2 shards the accumulator
+    grads = n * MASTER_BYTES
+    accumulated = p.microbatches > 1 and p.stage == 1
+    accumulator = grads / (p.data if p.zero >= 2 else 1) if accumulated else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
     in_flight = sum(param.numel / ways for param, _, ways in ctx.table if param.per_layer)
     in_flight *= ctx.calib["grad_layers_live"] * MASTER_BYTES
+    # the optimizer update's temporaries, as sharded as the optimizer state (ZeRO-1 shrinks them)
+    update = ctx.calib["update_live"] * n * MASTER_BYTES / (p.data if p.zero >= 1 else 1)
     return Contribution(
-        memory={"params": params, "optimizer": opt, "grads": grads + accumulator + in_flight}
+        memory={
+            "params": params,
+            "optimizer": opt,
+            "grads": grads + accumulator + in_flight + update,
+        }
     )

@@ -27,7 +27,9 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    forward = FORWARD_PER_LAYER * (2 if p.remat == "full" else 1)  # recompute repeats it
+    # full remat recomputes the forward up to the MLP: its attention all-reduce again (the
+    # MLP's output all-reduce is not needed for the backward pass)
+    forward = FORWARD_PER_LAYER + (1 if p.remat == "full" else 0)
     per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
     return Contribution(
         comms=(
