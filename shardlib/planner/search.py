@@ -75,6 +75,8 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
                 for stage in _divisors(rest // expert):
                     if stage > 1 and (not space.pipeline or stage > min(space.max_stage, w.layers)):
                         continue
+                    if stage > 1 and w.experts:  # the trainer does not pipeline MoE models
+                        continue
                     left = rest // (expert * stage)
                     for fsdp in _divisors(left):
                         data = left // fsdp
