@@ -11,7 +11,7 @@ parallelism), some of the q/k/v and MLP widths (split by tensor), and the attent
 
 from __future__ import annotations
 
-from shardlib.planner.terms import remat
+from shardlib.planner.terms import context, remat
 from shardlib.planner.terms.base import Context, Contribution
 
 
@@ -32,13 +32,12 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
     tokens = micro_batch * ctx.local_seq
     k = remat.saved_coefficients(p.remat if policy is None else policy, c)
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    keys = ctx.local_seq  # with context parallelism a ring step holds one block of keys
-    elems = (
-        k["h"] * w.embed
-        + k["qkv"] * qkv / p.tensor
-        + k["mlp"] * cfg.mlp * (w.top_k if w.experts else 1) / p.tensor
-        + k["scores"] * cfg.heads * keys / p.tensor
-    )
+    if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
+        attention = context.RING_SAVED_QKV * qkv / p.tensor if k["scores"] else 0.0
+    else:
+        attention = k["scores"] * cfg.heads * w.seq / p.tensor
+    elems = k["h"] * w.embed + k["qkv"] * qkv / p.tensor + attention
+    elems += k["mlp"] * cfg.mlp * (w.top_k if w.experts else 1) / p.tensor
     return tokens * elems * w.compute_bytes
 
 
@@ -56,6 +55,7 @@ def activations(ctx: Context, in_flight: int = 1) -> Contribution:
     saved = per_layer * ctx.layers_per_device * in_flight
     # rematerialised layers are recomputed one at a time: one layer's full set is live
     working = 0.0 if ctx.p.remat == "none" else layer_activation_bytes(ctx, b, "none")
+    working += context.ring_working_bytes(ctx, b)
     return Contribution(
         memory={
             "activations": saved + working,
