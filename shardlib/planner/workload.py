@@ -196,6 +196,17 @@ class Workload:
         return attn + (1 - moe) * 6 * c.embed * c.mlp + moe * expert
 
     @cached_property
+    def layer_unsplit_flops_per_token(self) -> float:
+        """The part of ``layer_matmul_flops_per_token`` that tensor parallelism does not
+        split: an MoE block's router and dispatch/combine einsums (their dims are embed,
+        experts and slots, none split by tensor)."""
+        if not self.experts:
+            return 0.0
+        c = self.cfg
+        moe = 2 * c.embed * self.experts + 4 * self.slots_per_token * self.group_tokens * c.embed
+        return moe / self.moe_every
+
+    @cached_property
     def layer_useful_flops_per_token(self) -> float:
         """Like ``layer_matmul_flops_per_token``, counting only the k experts a token uses
         (no padding slots, no dispatch): the MFU numerator's count."""

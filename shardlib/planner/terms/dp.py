@@ -19,6 +19,9 @@ Data and context together: what the compiled programs do (8 devices, llama-small
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
 
@@ -28,47 +31,53 @@ embedding, which XLA picks instead when there is a data axis: the same bytes).""
 
 
 def replica_axes(ctx: Context) -> tuple[tuple[str, int], ...]:
+    """Axes that replicate every parameter: data and context."""
     p = ctx.p
     return tuple((str(a), s) for a, s in ((Axis.DATA, p.data), (Axis.CONTEXT, p.context)) if s > 1)
 
 
 def gradient_reduction(ctx: Context) -> Contribution:
-    axes = replica_axes(ctx)
-    if not axes:
-        return Contribution()
     p = ctx.p
+    expert = str(Axis.EXPERT)
+    if not replica_axes(ctx) and p.expert <= 1:
+        return Contribution()
     m = p.microbatches if p.stage == 1 else 1
     data, context = str(Axis.DATA), str(Axis.CONTEXT)
-
-    # per part (layer or outer): (merged shard bytes, separate (full, shard) bytes)
-    def parts(per_layer: bool) -> tuple[float, float, float]:
-        merged = full = shard = 0.0
-        for param, ways, no_fsdp in ctx.table:
-            if param.per_layer != per_layer:
-                continue
-            separate = p.context > 1 and (p.fsdp == 1 or param.name == _SEPARATE_WITH_FSDP)
-            if separate:
-                full += param.numel / no_fsdp * MASTER_BYTES
-                shard += param.numel / ways * MASTER_BYTES
-            else:
-                merged += param.numel / ways * MASTER_BYTES
-        return merged, full, shard
-
+    sizes = {data: p.data, context: p.context, expert: p.expert}
     kind = "reduce-scatter" if p.zero else "all-reduce"
-    names = tuple(a for a, _ in axes)
-    group = p.data * p.context
-    comms: list[Comm] = []
-    for per_layer, count in ((True, ctx.layers_per_device * m), (False, m)):
-        merged, full, shard = parts(per_layer)
+
+    # bytes per (axes of one all-reduce, inside the layer loop or not)
+    buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
+    for param, ways, no_fsdp in ctx.table:
+        shard = param.numel / ways * MASTER_BYTES
+        # the expert axis folds into the batch: it replicates what it does not split
+        merged = [a for a in (data, context) if sizes[a] > 1]
+        if p.expert > 1 and expert not in ctx.splits[param.name]:
+            merged.append(expert)
+        if p.context > 1 and (p.fsdp == 1 or param.name == _SEPARATE_WITH_FSDP):
+            # the separate form: a context all-reduce of the whole matrix, then the rest
+            buffers[((context,), param.per_layer)] += param.numel / no_fsdp * MASTER_BYTES
+            merged.remove(context)
         if merged:
-            comms.append(Comm("dp", "grads", kind, names, group, merged, count, True))
-        if full and p.context > 1:
-            comms.append(Comm("dp", "grads", kind, (context,), p.context, full, count, True))
-        if shard and p.data > 1:
-            comms.append(Comm("dp", "grads", kind, (data,), p.data, shard, count, True))
-    if p.zero:  # the updated parameters come back
+            buffers[(tuple(merged), param.per_layer)] += shard
+    comms = [
+        Comm(
+            "dp",
+            "grads",
+            kind,
+            axes,
+            math.prod(sizes[a] for a in axes),
+            size,
+            ctx.layers_per_device * m if per_layer else m,
+            True,
+        )
+        for (axes, per_layer), size in buffers.items()
+    ]
+    names = tuple(a for a, _ in replica_axes(ctx))
+    if p.zero and names:  # the updated parameters come back
         layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
         outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
         total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
+        group = p.data * p.context
         comms.append(Comm("dp", "params", "all-gather", names, group, total, 1, True))
     return Contribution(comms=tuple(comms))

@@ -1,10 +1,17 @@
 """Expert parallelism: tokens go to the devices holding their experts and come back.
 
-Formula-only until expert parallelism (issue 5) lands. Each MoE layer runs one all-to-all
-to dispatch and one to combine in forward, two more in backward, each of about k·b·s·h
-elements per device (GShard; REFERENCE.md), times a capacity factor of 1.25 for the padded
-expert buffers. They are on the critical path. Expert weights are split over the axis by
-the layout (``terms.base.param_splits``), so they cost no gathers.
+``models/moe.py`` routes fixed groups of tokens (a sequence, or ``group_size`` tokens) and
+moves the dispatched buffer [groups, experts, capacity, embed] from a split over groups to a
+split over experts: one all-to-all over the expert axis to dispatch and one to combine in
+forward, and the two transposed ones in backward, 4 per MoE layer and micro-batch (GShard;
+REFERENCE.md). Each moves the device's whole buffer, b/G groups x E x C slots x embed,
+where C = ``MoeConfig.capacity(group)`` (padded slots travel too): that is k x b x s x h x
+the effective capacity factor E·C/(k·group), the formula ``benchmarks/moe.py`` measures
+exactly (fp32; on CPU a bf16 run moves fp32 buffers). They sit on the critical path.
+Expert weights are split over the axis by the layout (``terms.base.param_splits``), so they
+cost no gathers; the other weights are replicated over it and their gradients reduced
+over it (``terms.dp``). With tensor parallelism the experts' hidden width is split, and
+the MoE block's MLP all-reduces act on the dispatched buffer instead of b·s·h.
 """
 
 from __future__ import annotations
@@ -12,28 +19,34 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
 
-CAPACITY_FACTOR = 1.25
+
+def dispatched_elements(ctx: Context, micro_batch: int) -> float:
+    """Elements of one device's dispatched buffer [groups, experts, capacity, embed]."""
+    w = ctx.w
+    groups = micro_batch * w.seq / w.group_tokens
+    return groups * w.experts * w.capacity * w.embed
 
 
 def expert(ctx: Context) -> Contribution:
     p, w = ctx.p, ctx.w
-    if p.expert <= 1 or not w.experts:
+    if not w.experts:
         return Contribution()
-    tokens = ctx.micro_batch * ctx.local_seq
-    buffer = CAPACITY_FACTOR * w.top_k * tokens * w.embed * w.compute_bytes
-    count = 4 * ctx.layers_per_device * p.microbatches
-    return Contribution(
-        comms=(
-            Comm(
-                "expert",
-                "tokens",
-                "all-to-all",
-                (str(Axis.EXPERT),),
-                p.expert,
-                buffer,
-                count,
-                False,
-            ),
-        ),
-        notes=("expert: formula-only until issue 5 lands",),
-    )
+    buffer = dispatched_elements(ctx, ctx.micro_batch) * w.compute_bytes
+    runs = ctx.layers_per_device / w.moe_every * p.microbatches  # MoE layer executions
+    comms = []
+    if p.expert > 1:
+        axes = (str(Axis.EXPERT),)
+        comms.append(
+            Comm("expert", "tokens", "all-to-all", axes, p.expert, buffer, 4 * runs, False)
+        )
+    if p.tensor > 1:
+        # the experts' hidden width is split by tensor: the w_down product's output buffer is
+        # all-reduced in forward (again when full remat recomputes it), and in backward the
+        # input gradients of w_gate and w_up (two einsums, one all-reduce of both)
+        axes, t = (str(Axis.TENSOR),), p.tensor
+        forward = 2 if p.remat == "full" else 1
+        comms += [
+            Comm("expert", "expert output", "all-reduce", axes, t, buffer, forward * runs, False),
+            Comm("expert", "expert input grad", "all-reduce", axes, t, 2 * buffer, runs, False),
+        ]
+    return Contribution(comms=tuple(comms))

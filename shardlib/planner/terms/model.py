@@ -18,7 +18,8 @@ from shardlib.planner.terms.base import Context, Contribution
 def flops(ctx: Context) -> Contribution:
     w, p = ctx.w, ctx.p
     tokens = w.tokens / (p.batch_ways * p.context)
-    layer = w.layer_matmul_flops_per_token / p.tensor
+    unsplit = w.layer_unsplit_flops_per_token  # MoE routing: not split by tensor
+    layer = (w.layer_matmul_flops_per_token - unsplit) / p.tensor + unsplit
     attn = w.attention_flops_per_token(w.seq) / p.tensor
     forward = tokens * (ctx.layers_per_device * (layer + attn) + w.head_flops_per_token / p.tensor)
     extra = remat.recompute_flops(ctx, tokens, layer, attn)

@@ -29,6 +29,8 @@ def tensor(ctx: Context) -> Contribution:
     m = p.microbatches
     forward = FORWARD_PER_LAYER * (2 if p.remat == "full" else 1)  # recompute repeats it
     per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
+    if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
+        per_layer -= (forward // 2 + 1) * ctx.layers_per_device / w.moe_every
     return Contribution(
         comms=(
             Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer * m, False),
