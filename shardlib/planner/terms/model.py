@@ -11,7 +11,7 @@ parallelism), some of the q/k/v and MLP widths (split by tensor), and the attent
 
 from __future__ import annotations
 
-from shardlib.planner.terms import context, remat
+from shardlib.planner.terms import context, expert, remat
 from shardlib.planner.terms.base import Context, Contribution
 
 
@@ -38,7 +38,12 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
     else:
         attention = k["scores"] * cfg.heads * w.seq / p.tensor
     elems = k["h"] * w.embed + k["qkv"] * qkv / p.tensor + attention
-    elems += k["mlp"] * cfg.mlp * (w.top_k if w.experts else 1) / p.tensor
+    if not w.experts:
+        elems += k["mlp"] * cfg.mlp / p.tensor
+    else:  # dense blocks between MoE blocks; an MoE block saves its routed buffers
+        moe = 1.0 / w.moe_every
+        elems += (1 - moe) * k["mlp"] * cfg.mlp / p.tensor
+        elems += moe * expert.moe_saved_elements(ctx) if k["mlp"] else 0.0
     return tokens * elems * w.compute_bytes
 
 
@@ -56,7 +61,7 @@ def activations(ctx: Context, in_flight: int = 1) -> Contribution:
     saved = per_layer * ctx.layers_per_device * in_flight
     # rematerialised layers are recomputed one at a time: one layer's full set is live
     working = 0.0 if ctx.p.remat == "none" else layer_activation_bytes(ctx, b, "none")
-    working += context.ring_working_bytes(ctx, b)
+    working += context.ring_working_bytes(ctx, b) + expert.moe_working_bytes(ctx, b)
     return Contribution(
         memory={
             "activations": saved + working,
