@@ -7,6 +7,9 @@ per layer, per token, some elements of width h (norm inputs, residual: not split
 parallelism), some of the q/k/v and MLP widths (split by tensor), and the attention scores
 (a·s per token, split by tensor). The element counts are fitted to compiled programs
 (``planner.calibration``) instead of assumed, because XLA's fusion decides what is saved.
+Ring attention (context parallelism) keeps no score matrix: its own counts live in
+``terms.context``; an MoE block saves its dispatched buffers instead of the dense MLP's
+(``terms.expert``).
 """
 
 from __future__ import annotations
