@@ -45,8 +45,9 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
         elems += k["mlp"] * cfg.mlp / p.tensor
     else:  # dense blocks between MoE blocks; an MoE block saves its routed buffers
         moe = 1.0 / w.moe_every
-        elems += (1 - moe) * k["mlp"] * cfg.mlp / p.tensor
-        elems += moe * expert.moe_saved_elements(ctx) if k["mlp"] else 0.0
+        if k["mlp"]:
+            elems += (1 - moe) * (k["mlp"] + expert.MOE_DENSE_MLP) * cfg.mlp / p.tensor
+            elems += moe * expert.moe_saved_elements(ctx)
     return tokens * elems * w.compute_bytes
 
 
