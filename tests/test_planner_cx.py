@@ -61,10 +61,11 @@ def _paths(tree, prefix=()):
         yield prefix
 
 
-def test_ring_permutes_are_the_compiled_ring():
+def test_ring_permutes_follow_the_ring_kernel():
     """Forward c-1 hops of K, V and positions; backward c-1 again plus c of the gradients."""
-    w, b = _llama(), 16 // 4
+    w = _llama()
     for c in (2, 4):
+        b = 16 // (8 // c)  # sequences per device
         est = estimate(w, Plan(data=8 // c, context=c), backend="cpu")
         block = b * (128 // c) * w.cfg.kv_heads * w.cfg.head_dim * 4
         kv = 2 * block + (128 // c) * 4
