@@ -104,7 +104,7 @@ def test_expert_axis_reduces_only_the_replicated_gradients():
     assert _wire(est, "all-reduce", "expert") == pytest.approx(2 * 7 / 8 * 4 * replicated)
 
 
-def test_search_space_has_experts_only_for_moe_and_no_moe_stages():
+def test_search_space_has_experts_only_for_moe_and_no_moe_stages_or_context():
     cluster = Cluster(
         name="t",
         devices_per_host=8,
@@ -118,9 +118,10 @@ def test_search_space_has_experts_only_for_moe_and_no_moe_stages():
     assert dense and all(m["expert"] == 1 for m in dense)
     moe = list(meshes(_moe(), cluster, Space()))
     assert any(m["expert"] > 1 for m in moe)
-    assert all(m["stage"] == 1 for m in moe)
-    with pytest.raises(ShardingError, match="not pipelined"):
-        estimate(_moe(), Plan(stage=2, expert=4))
+    assert all(m["stage"] == 1 and m["context"] == 1 for m in moe)
+    for plan in (Plan(stage=2, expert=4), Plan(context=2, expert=4)):
+        with pytest.raises(ShardingError, match="not pipelined"):
+            estimate(_moe(), plan)
 
 
 def test_moe_flops_count_the_capacity_slots():

@@ -68,6 +68,8 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
         for context in _divisors(n // tensor):
             if context > 1 and (not space.context or w.seq % (2 * context)):
                 continue
+            if context > 1 and w.experts:  # the MoE model takes no ring token positions
+                continue
             rest = n // (tensor * context)
             for expert in _divisors(rest):
                 if expert > 1 and (not w.experts or w.experts % expert):
