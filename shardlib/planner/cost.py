@@ -104,6 +104,12 @@ def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
         raise ShardingError(f"plan {p.mesh_text()}: {w.layers} layers, {p.stage}x{p.virtual}")
     if p.expert > 1 and (not w.experts or w.experts % p.expert):
         raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
+    if w.experts and (p.stage > 1 or p.context > 1):
+        raise ShardingError(
+            f"plan {p.mesh_text()}: the MoE model is not pipelined and does not take ring "
+            "attention's token order (the trainer refuses a stage axis and fails with a "
+            "context axis); use expert/data/fsdp/tensor axes"
+        )
 
 
 def collective_seconds(comm: Comm, cluster: Cluster, plan: Plan) -> float:

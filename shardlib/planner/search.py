@@ -68,12 +68,16 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
         for context in _divisors(n // tensor):
             if context > 1 and (not space.context or w.seq % (2 * context)):
                 continue
+            if context > 1 and w.experts:  # the MoE model takes no ring token positions
+                continue
             rest = n // (tensor * context)
             for expert in _divisors(rest):
                 if expert > 1 and (not w.experts or w.experts % expert):
                     continue
                 for stage in _divisors(rest // expert):
                     if stage > 1 and (not space.pipeline or stage > min(space.max_stage, w.layers)):
+                        continue
+                    if stage > 1 and w.experts:  # the trainer does not pipeline MoE models
                         continue
                     left = rest // (expert * stage)
                     for fsdp in _divisors(left):
@@ -95,9 +99,11 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
 def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Iterator[list[Plan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
     per_replica = workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
-    # ZeRO shards over ``data``; with an fsdp axis the state is sharded already (HSDP), and
-    # XLA then merges the two reductions in ways the cost model does not follow: not searched
-    zeros = space.zero if mesh["data"] > 1 and mesh["fsdp"] == 1 else (0,)
+    # ZeRO shards over ``data``. With an fsdp, context or expert axis beside it XLA merges
+    # the reductions over several axes in ways the cost model does not follow (compiled
+    # HSDP + ZeRO-2 read 1.08x memory): those combinations are not searched
+    plain = all(mesh[a] == 1 for a in ("fsdp", "context", "expert"))
+    zeros = space.zero if mesh["data"] > 1 and plain else (0,)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "interleaved"]
         if "interleaved" in space.schedules:

@@ -1,7 +1,7 @@
 """One small module per strategy's cost: memory it adds, collectives it runs, FLOPs it adds.
 
 ``state`` (parameters, gradients, optimizer state under every split), ``model`` (FLOPs and
-saved activations), ``dp``, ``fsdp``, ``tensor`` (checked against compiled programs),
-``context``, ``expert``, ``pipeline``, ``remat``, ``offload`` (formula-only until their
+saved activations), ``dp``, ``fsdp``, ``tensor``, ``context``, ``expert`` (checked against
+compiled programs), ``pipeline``, ``remat``, ``offload`` (formula-only until their
 strategies land). ``planner.cost`` adds them up.
 """

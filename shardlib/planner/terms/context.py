@@ -1,10 +1,19 @@
 """Context parallelism (ring attention): the sequence split, K/V blocks passed round a ring.
 
-Formula-only until sequence/context parallelism (issue 4) lands. Per layer and micro-batch,
-the forward pass sends each K and V block to the next device c-1 times (Liu et al. 2023);
-the backward pass sends K and V again plus their gradients: 3(c-1) permutes of a
-2·b·(s/c)·g·d block per layer. They overlap with the block computations. Gradients are also
-reduced over the context axis (``terms.dp``), and activations shrink by c (``terms.model``).
+The trainer's default ``attention=ring`` (``shardlib/kernels/ring_attention.py``) runs, per
+layer and micro-batch, inside ``shard_map`` over the context axis (c devices):
+
+* forward: c-1 hops, each a ``ppermute`` of this device's current K and V blocks
+  [b, s/c, g/t, d] (compute dtype) and their int32 positions [s/c];
+* backward (hand-written ``custom_vjp``): the ring again, c-1 hops of K, V and positions,
+  and c hops of the K/V gradient blocks (fp32 accumulators that travel with their block:
+  c-1 in the loop and one last hop home).
+
+So (3c-2) block-sized permutes per layer where Liu et al. 2023's count is 3(c-1): the
+compiled programs show exactly these (llama-small, c = 2, 4, 8). Each is one
+collective-permute (a device sends its block once). They overlap with the block
+computations. Gradients are also reduced over the context axis (``terms.dp``); the
+activations of ring attention are in ``terms.model``.
 """
 
 from __future__ import annotations
@@ -12,26 +21,59 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
 
+POSITION_BYTES = 4  # int32 token positions travel with the K/V blocks (zig-zag order)
+GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dtype
+
+# Activations under ring attention. Compiled memory depends on the local tokens b·s/c only,
+# not on how they split into batch and sequence, nor on heads x keys (llama-small: d4c2 and
+# d2c4 at the same b·s/c compile to the same bytes; 8 or 16 heads alike): no score matrix
+# is kept, only q, k, v, the output and its log-sum-exp per layer, and one ring step's
+# blocks at a time. So per token, in units of the q/k/v width (heads + 2 kv_heads)·d/t:
+RING_SAVED_QKV = 5.770
+"""Elements saved per token per layer (replaces the dense ``layer_scores`` term)."""
+RING_WORK_QKV = 5.843
+"""Elements per token live once (one layer's ring forward/backward working set)."""
+# Fitted (least squares on the relative error, with calibration.COEFFICIENTS fixed and
+# layer_scores dropped) on 8 probes, 8 CPU devices, llama-small, batch 16, fp32: d4c2 at
+# layers 2 and 4, seq 128 and 256 (and m=2); d2c4 at layers 2 and 4, seq 128, 256, 512;
+# d4c2 with 16 heads of 16. Residuals -0.7%..+0.7%. Not fitted on FSDP meshes (their
+# base terms are off by themselves: fsdp=2 x data=4 without context reads 0.934).
+
 
 def context(ctx: Context) -> Contribution:
     p, w = ctx.p, ctx.w
     if p.context <= 1:
         return Contribution()
     c, cfg = p.context, w.cfg
-    block = 2 * ctx.micro_batch * ctx.local_seq * cfg.kv_heads / p.tensor * cfg.head_dim
-    count = 3 * (c - 1) * ctx.layers_per_device * p.microbatches
+    elems = ctx.micro_batch * ctx.local_seq * cfg.kv_heads / p.tensor * cfg.head_dim
+    kv = 2 * elems * w.compute_bytes + ctx.local_seq * POSITION_BYTES  # K, V, positions
+    dkv = 2 * elems * GRAD_BYTES
+    runs = ctx.layers_per_device * p.microbatches
+    axes = (str(Axis.CONTEXT),)
     return Contribution(
         comms=(
+            # c-1 hops in forward and c-1 again in backward
             Comm(
                 "context",
                 "k/v blocks",
                 "collective-permute",
-                (str(Axis.CONTEXT),),
+                axes,
                 c,
-                block * w.compute_bytes,
-                count,
+                kv,
+                2 * (c - 1) * runs,
                 True,
+                3,
             ),
+            # the gradient blocks: c-1 hops in the loop and one home
+            Comm("context", "k/v grads", "collective-permute", axes, c, dkv, c * runs, True, 2),
         ),
-        notes=("context: formula-only until issue 4 lands",),
     )
+
+
+def ring_working_bytes(ctx: Context, micro_batch: int) -> float:
+    """One layer's ring-attention working set (blocks in flight), live once."""
+    p, cfg = ctx.p, ctx.w.cfg
+    if p.context <= 1:
+        return 0.0
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim / p.tensor
+    return RING_WORK_QKV * micro_batch * ctx.local_seq * qkv * ctx.w.compute_bytes

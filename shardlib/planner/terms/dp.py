@@ -10,40 +10,82 @@ Two things the compiled programs add (jax 0.10.2, checked by ``planner.validate`
 - ZeRO-1 with micro-batches: the replicated accumulator is filled by a reduce-scatter and
   an all-gather of each micro-batch's gradients (XLA moves the optimizer's sharded layout
   into the loop), so the gradients cross the wire once more per micro-batch.
+
+Data and context together: what the compiled programs do (8 devices, llama-small) is
+* without FSDP, two all-reduces of the whole gradient, one over ``context`` and one over
+  ``data`` (the partitioner reduces the batch and the sequence contraction separately and
+  XLA does not fold them): 2(c-1)/c·M + 2(d-1)/d·M, more than one reduction over both;
+* with FSDP, one all-reduce over ``data,context`` of the FSDP shard, after the FSDP
+  reduction (``terms.fsdp``), except one of the two vocab-sized matrices (the output
+  projection, or the embedding when there is a data axis too): its context all-reduce runs
+  on the whole matrix, before the FSDP slice. Either way that matrix costs the separate
+  form, 2(c-1)/c·M_full + 2(d-1)/d·M_shard on top of the FSDP reduction.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
 
+_SEPARATE_WITH_FSDP = "lm_head"
+"""The matrix whose context all-reduce runs unsliced under FSDP (equal in size to the
+embedding, which XLA picks instead when there is a data axis: the same bytes)."""
+
 
 def replica_axes(ctx: Context) -> tuple[tuple[str, int], ...]:
+    """Axes that replicate every parameter: data and context."""
     p = ctx.p
     return tuple((str(a), s) for a, s in ((Axis.DATA, p.data), (Axis.CONTEXT, p.context)) if s > 1)
 
 
 def gradient_reduction(ctx: Context) -> Contribution:
-    axes = replica_axes(ctx)
-    if not axes:
-        return Contribution()
     p = ctx.p
-    group = math.prod(s for _, s in axes)
-    names = tuple(a for a, _ in axes)
-    # gradients as sharded after any FSDP reduction (the parameters' own layout); a layer's
-    # leave together inside the layer loop, the rest after it
-    layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
-    outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
+    expert = str(Axis.EXPERT)
+    if not replica_axes(ctx) and p.expert <= 1:
+        return Contribution()
     m = p.microbatches if p.stage == 1 else 1
-    parts = ((layer * MASTER_BYTES, ctx.layers_per_device * m), (outer * MASTER_BYTES, m))
+    data, context = str(Axis.DATA), str(Axis.CONTEXT)
+    sizes = {data: p.data, context: p.context, expert: p.expert}
     scatter = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
     kind = scatter if p.zero else "all-reduce"
-    comms = tuple(Comm("dp", "grads", kind, names, group, b, c, True) for b, c in parts)
-    total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
-    if p.zero:  # the updated parameters come back
-        comms += (Comm("dp", "params", "all-gather", names, group, total, 1, True),)
-    if p.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch
-        comms += (Comm("dp", "grads", "all-gather", names, group, total, m, True),)
-    return Contribution(comms=comms)
+
+    # bytes per (axes of one all-reduce, inside the layer loop or not)
+    buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
+    for param, ways, no_fsdp in ctx.table:
+        shard = param.numel / ways * MASTER_BYTES
+        # the expert axis folds into the batch: it replicates what it does not split
+        merged = [a for a in (data, context) if sizes[a] > 1]
+        if p.expert > 1 and expert not in ctx.splits[param.name]:
+            merged.append(expert)
+        if p.context > 1 and (p.fsdp == 1 or param.name == _SEPARATE_WITH_FSDP):
+            # the separate form: a context all-reduce of the whole matrix, then the rest
+            buffers[((context,), param.per_layer)] += param.numel / no_fsdp * MASTER_BYTES
+            merged.remove(context)
+        if merged:
+            buffers[(tuple(merged), param.per_layer)] += shard
+    comms = [
+        Comm(
+            "dp",
+            "grads",
+            kind,
+            axes,
+            math.prod(sizes[a] for a in axes),
+            size,
+            ctx.layers_per_device * m if per_layer else m,
+            True,
+        )
+        for (axes, per_layer), size in buffers.items()
+    ]
+    names = tuple(a for a, _ in replica_axes(ctx))
+    if p.zero and names:  # the updated parameters come back
+        layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+        outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
+        total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
+        group = p.data * p.context
+        comms.append(Comm("dp", "params", "all-gather", names, group, total, 1, True))
+        if p.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch
+            comms.append(Comm("dp", "grads", "all-gather", names, group, total, m, True))
+    return Contribution(comms=tuple(comms))

@@ -1,10 +1,17 @@
 """Expert parallelism: tokens go to the devices holding their experts and come back.
 
-Formula-only until expert parallelism (issue 5) lands. Each MoE layer runs one all-to-all
-to dispatch and one to combine in forward, two more in backward, each of about k·b·s·h
-elements per device (GShard; REFERENCE.md), times a capacity factor of 1.25 for the padded
-expert buffers. They are on the critical path. Expert weights are split over the axis by
-the layout (``terms.base.param_splits``), so they cost no gathers.
+``models/moe.py`` routes fixed groups of tokens (a sequence, or ``group_size`` tokens) and
+moves the dispatched buffer [groups, experts, capacity, embed] from a split over groups to a
+split over experts: one all-to-all over the expert axis to dispatch and one to combine in
+forward, and the two transposed ones in backward, 4 per MoE layer and micro-batch (GShard;
+REFERENCE.md). Each moves the device's whole buffer, b/G groups x E x C slots x embed,
+where C = ``MoeConfig.capacity(group)`` (padded slots travel too): that is k x b x s x h x
+the effective capacity factor E·C/(k·group), the formula ``benchmarks/moe.py`` measures
+exactly (fp32; on CPU a bf16 run moves fp32 buffers). They sit on the critical path.
+Expert weights are split over the axis by the layout (``terms.base.param_splits``), so they
+cost no gathers; the other weights are replicated over it and their gradients reduced
+over it (``terms.dp``). With tensor parallelism the experts' hidden width is split, and
+the MoE block's MLP all-reduces act on the dispatched buffer instead of b·s·h.
 """
 
 from __future__ import annotations
@@ -12,28 +19,77 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
 
-CAPACITY_FACTOR = 1.25
+# Activations of an MoE model per token. What the compiled step keeps per MoE block (XLA's
+# buffer assignment of moe-tiny, 4 MoE blocks, data=2 x expert=4): six buffers of the
+# experts' hidden width per slot ([groups, experts, capacity, expert_mlp]: gate, up, their
+# SwiGLU product and what its backward needs), two dispatched buffers [.., capacity, embed],
+# routing tensors (three of k·E·C and two of E·C per token) and the attention's. Those
+# stacked residuals fill the temp allocation, and the gradients and loss buffers reuse their
+# space as the backward pass frees it, so the counts are fitted rather than added up:
+MOE_SLOT_HIDDEN = 6.531
+"""Elements of width expert_mlp / tensor saved per expert slot per MoE block (replaces the
+dense MLP's ``layer_mlp`` count in an MoE block; the buffer assignment shows 6)."""
+MOE_WORK_HIDDEN = 6.163
+"""Elements of width expert_mlp / tensor per expert slot live once (one block's backward)."""
+MOE_DENSE_MLP = 7.522
+"""Extra elements of width mlp / tensor per dense block of an MoE model, on top of the
+Llama fit's ``layer_mlp`` (they run unrolled inside the scanned group of moe_every)."""
+# Fitted (least squares on the relative error, calibration.COEFFICIENTS fixed) on 15 probes,
+# 8 CPU devices, fp32, moe-tiny with embed 256, mlp 1024, 8 heads of 32 (4 kv), batch 16,
+# capacity factor 2, top_k 2 unless said: expert=8 (seq 128 and 256; expert_mlp 512 and
+# 1024; moe_every 1 and 2; top_k 1), data=2 x expert=4 (16 experts; moe_every 1, 2, 3 at
+# layers 2, 4, 6), expert=4 x tensor=2 (and capacity factor 1 with expert_mlp 768),
+# fsdp=2 x expert=4 (and embed 128, seq 64), data=8. Residuals -4.5% to +3.3%; held out
+# (5 plans on 8 and 64 devices): -5.3% to +3.2%. Feature sets tried: per block or once, of
+# widths embed, expert_mlp, mlp and the routing tensors' E·C and k·E·C; this one fits best
+# and its per-block count matches the buffer assignment's six. A model with one scanned
+# group (layers = moe_every) compiles far smaller (XLA unrolls the one-trip loop):
+# over-predicted (1.4-1.5x), not fitted.
+
+
+def moe_saved_elements(ctx: Context) -> float:
+    """Elements an MoE block's expert half saves per token (replaces the dense MLP's)."""
+    w, p = ctx.w, ctx.p
+    return MOE_SLOT_HIDDEN * w.slots_per_token * w.cfg.expert_mlp / p.tensor
+
+
+def moe_working_bytes(ctx: Context, micro_batch: int) -> float:
+    """One MoE block's backward working set, live once."""
+    w, p = ctx.w, ctx.p
+    if not w.experts:
+        return 0.0
+    tokens = micro_batch * ctx.local_seq
+    hidden = w.slots_per_token * w.cfg.expert_mlp / p.tensor
+    return MOE_WORK_HIDDEN * tokens * hidden * w.compute_bytes
+
+
+def dispatched_elements(ctx: Context, micro_batch: int) -> float:
+    """Elements of one device's dispatched buffer [groups, experts, capacity, embed]."""
+    w = ctx.w
+    groups = micro_batch * w.seq / w.group_tokens
+    return groups * w.experts * w.capacity * w.embed
 
 
 def expert(ctx: Context) -> Contribution:
     p, w = ctx.p, ctx.w
-    if p.expert <= 1 or not w.experts:
+    if not w.experts:
         return Contribution()
-    tokens = ctx.micro_batch * ctx.local_seq
-    buffer = CAPACITY_FACTOR * w.top_k * tokens * w.embed * w.compute_bytes
-    count = 4 * ctx.layers_per_device * p.microbatches
-    return Contribution(
-        comms=(
-            Comm(
-                "expert",
-                "tokens",
-                "all-to-all",
-                (str(Axis.EXPERT),),
-                p.expert,
-                buffer,
-                count,
-                False,
-            ),
-        ),
-        notes=("expert: formula-only until issue 5 lands",),
-    )
+    buffer = dispatched_elements(ctx, ctx.micro_batch) * w.compute_bytes
+    runs = ctx.layers_per_device / w.moe_every * p.microbatches  # MoE layer executions
+    comms = []
+    if p.expert > 1:
+        axes = (str(Axis.EXPERT),)
+        comms.append(
+            Comm("expert", "tokens", "all-to-all", axes, p.expert, buffer, 4 * runs, False)
+        )
+    if p.tensor > 1:
+        # the experts' hidden width is split by tensor: the w_down product's output buffer is
+        # all-reduced in forward (again when full remat recomputes it), and in backward the
+        # input gradients of w_gate and w_up (two einsums, one all-reduce of both)
+        axes, t = (str(Axis.TENSOR),), p.tensor
+        forward = 2 if p.remat == "full" else 1
+        comms += [
+            Comm("expert", "expert output", "all-reduce", axes, t, buffer, forward * runs, False),
+            Comm("expert", "expert input grad", "all-reduce", axes, t, 2 * buffer, runs, False),
+        ]
+    return Contribution(comms=tuple(comms))

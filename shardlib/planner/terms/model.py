@@ -7,18 +7,22 @@ per layer, per token, some elements of width h (norm inputs, residual: not split
 parallelism), some of the q/k/v and MLP widths (split by tensor), and the attention scores
 (a·s per token, split by tensor). The element counts are fitted to compiled programs
 (``planner.calibration``) instead of assumed, because XLA's fusion decides what is saved.
+Ring attention (context parallelism) keeps no score matrix: its own counts live in
+``terms.context``; an MoE block saves its dispatched buffers instead of the dense MLP's
+(``terms.expert``).
 """
 
 from __future__ import annotations
 
-from shardlib.planner.terms import remat
+from shardlib.planner.terms import context, expert, remat
 from shardlib.planner.terms.base import Context, Contribution
 
 
 def flops(ctx: Context) -> Contribution:
     w, p = ctx.w, ctx.p
     tokens = w.tokens / (p.batch_ways * p.context)
-    layer = w.layer_matmul_flops_per_token / p.tensor
+    unsplit = w.layer_unsplit_flops_per_token  # MoE routing: not split by tensor
+    layer = (w.layer_matmul_flops_per_token - unsplit) / p.tensor + unsplit
     attn = w.attention_flops_per_token(w.seq) / p.tensor
     forward = tokens * (ctx.layers_per_device * (layer + attn) + w.head_flops_per_token / p.tensor)
     extra = remat.recompute_flops(ctx, tokens, layer, attn)
@@ -32,13 +36,18 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
     tokens = micro_batch * ctx.local_seq
     k = remat.saved_coefficients(p.remat if policy is None else policy, c)
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    keys = ctx.local_seq  # with context parallelism a ring step holds one block of keys
-    elems = (
-        k["h"] * w.embed
-        + k["qkv"] * qkv / p.tensor
-        + k["mlp"] * cfg.mlp * (w.top_k if w.experts else 1) / p.tensor
-        + k["scores"] * cfg.heads * keys / p.tensor
-    )
+    if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
+        attention = context.RING_SAVED_QKV * qkv / p.tensor if k["scores"] else 0.0
+    else:
+        attention = k["scores"] * cfg.heads * w.seq / p.tensor
+    elems = k["h"] * w.embed + k["qkv"] * qkv / p.tensor + attention
+    if not w.experts:
+        elems += k["mlp"] * cfg.mlp / p.tensor
+    else:  # dense blocks between MoE blocks; an MoE block saves its routed buffers
+        moe = 1.0 / w.moe_every
+        if k["mlp"]:
+            elems += (1 - moe) * (k["mlp"] + expert.MOE_DENSE_MLP) * cfg.mlp / p.tensor
+            elems += moe * expert.moe_saved_elements(ctx)
     return tokens * elems * w.compute_bytes
 
 
@@ -55,10 +64,12 @@ def activations(ctx: Context, in_flight: int = 1) -> Contribution:
     per_layer = layer_activation_bytes(ctx, b)
     saved = per_layer * ctx.layers_per_device * in_flight
     working = 0.0
-    if ctx.p.remat != "none":  # one layer's recomputed attention probabilities are live again
+    if ctx.p.remat != "none" and ctx.p.context == 1:  # the recomputed probabilities
+        # of one layer are live again (ring attention keeps no score matrix)
         w, p = ctx.w, ctx.p
         scores = w.cfg.heads * ctx.local_seq / p.tensor
         working = ctx.calib["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
+    working += context.ring_working_bytes(ctx, b) + expert.moe_working_bytes(ctx, b)
     return Contribution(
         memory={
             "activations": saved + working,

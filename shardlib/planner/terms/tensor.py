@@ -31,6 +31,8 @@ def tensor(ctx: Context) -> Contribution:
     # MLP's output all-reduce is not needed for the backward pass)
     forward = FORWARD_PER_LAYER + (1 if p.remat == "full" else 0)
     per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
+    if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
+        per_layer -= (forward // 2 + 1) * ctx.layers_per_device / w.moe_every
     return Contribution(
         comms=(
             Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer * m, False),
