@@ -35,6 +35,11 @@ COEFFICIENTS: dict[str, float] = {
     "full_h": 2.931,  # remat=full: elements of width h saved per token per layer (the input)
     "remat_scores": 2.359,  # remat: heads x seq elements per token of the layer recomputed
     "update_live": 0.321,  # fp32 parameter-sized temporaries of the update, per optimizer shard
+    "ring_saved_qkv": 5.770,  # ring attention: elements of the q/k/v width saved per token/layer
+    "ring_working_qkv": 5.843,  # ... live once (one layer's ring working set)
+    "moe_slot_hidden": 6.531,  # MoE: elements of width expert_mlp saved per slot per MoE block
+    "moe_working_hidden": 6.163,  # ... live once (one MoE block's backward)
+    "moe_dense_mlp": 7.522,  # MoE models: extra elements of width mlp per dense block
 }
 # Fit residuals on the 34 probes: memory within 5.1% (max), collective bytes exact.
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
@@ -78,6 +83,35 @@ PROBES: tuple[tuple[dict[str, int], str], ...] = (
     ({"data": 4, "tensor": 2}, "batch=8 model.layers=4 model.mlp=2048"),
     ({"data": 8}, "batch=16 model.layers=4 model.heads=16 model.kv_heads=8 model.head_dim=16"),
 )
+_MOE = "model=moe-tiny model.embed=256 model.mlp=1024 model.heads=8 model.kv_heads=4"
+_MOE += " model.head_dim=32 model.layers=4 model.moe_every=2 model.expert_mlp=512"
+MOE_PROBES: tuple[tuple[dict[str, int], str], ...] = (
+    ({"expert": 8}, f"{_MOE}"),
+    ({"expert": 8}, f"{_MOE} seq=256"),
+    ({"expert": 8}, f"{_MOE} model.expert_mlp=1024"),
+    ({"expert": 8}, f"{_MOE} model.moe_every=1"),
+    ({"expert": 8}, f"{_MOE} model.top_k=1"),
+    ({"data": 2, "expert": 4}, f"{_MOE} model.experts=16"),
+    ({"data": 2, "expert": 4}, f"{_MOE} model.moe_every=1 model.layers=2"),
+    ({"data": 2, "expert": 4}, f"{_MOE}"),
+    ({"data": 2, "expert": 4}, f"{_MOE} model.moe_every=3 model.layers=6"),
+    ({"expert": 4, "tensor": 2}, f"{_MOE}"),
+    ({"expert": 4, "tensor": 2}, f"{_MOE} model.capacity_factor=1.0 model.expert_mlp=768"),
+    ({"fsdp": 2, "expert": 4}, f"{_MOE}"),
+    ({"fsdp": 2, "expert": 4}, f"{_MOE} model.embed=128 model.moe_every=1 seq=64 batch=32"),
+    ({"data": 8}, f"{_MOE}"),
+)
+CONTEXT_PROBES: tuple[tuple[dict[str, int], str], ...] = (
+    ({"data": 4, "context": 2}, "batch=16 model.layers=2"),
+    ({"data": 4, "context": 2}, "batch=16 model.layers=4"),
+    ({"data": 4, "context": 2}, "batch=16 model.layers=2 seq=256"),
+    ({"data": 4, "context": 2}, "batch=16 model.layers=2 microbatches=2"),
+    ({"data": 2, "context": 4}, "batch=16 model.layers=2"),
+    ({"data": 2, "context": 4}, "batch=16 model.layers=4"),
+    ({"data": 2, "context": 4}, "batch=16 model.layers=2 seq=512"),
+    ({"data": 4, "context": 2}, "batch=16 model.layers=2 model.heads=16 model.head_dim=16"),
+)
+PROBES += CONTEXT_PROBES + MOE_PROBES
 PROBE_BASE = "model=llama-small seq=128"
 
 

@@ -28,16 +28,10 @@ GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dt
 # not on how they split into batch and sequence, nor on heads x keys (llama-small: d4c2 and
 # d2c4 at the same b·s/c compile to the same bytes; 8 or 16 heads alike): no score matrix
 # is kept, only q, k, v, the output and its log-sum-exp per layer, and one ring step's
-# blocks at a time. So per token, in units of the q/k/v width (heads + 2 kv_heads)·d/t:
-RING_SAVED_QKV = 5.770
-"""Elements saved per token per layer (replaces the dense ``layer_scores`` term)."""
-RING_WORK_QKV = 5.843
-"""Elements per token live once (one layer's ring forward/backward working set)."""
-# Fitted (least squares on the relative error, with calibration.COEFFICIENTS fixed and
-# layer_scores dropped) on 8 probes, 8 CPU devices, llama-small, batch 16, fp32: d4c2 at
-# layers 2 and 4, seq 128 and 256 (and m=2); d2c4 at layers 2 and 4, seq 128, 256, 512;
-# d4c2 with 16 heads of 16. Residuals -0.7%..+0.7%. Not fitted on FSDP meshes (their
-# base terms are off by themselves: fsdp=2 x data=4 without context reads 0.934).
+# blocks at a time. So per token, in units of the q/k/v width (heads + 2 kv_heads)·d/t, the
+# calibration fits ``ring_saved_qkv`` (saved per layer, replacing the dense ``layer_scores``)
+# and ``ring_working_qkv`` (live once: one layer's ring forward/backward working set), on
+# the context probes of ``planner.calibration.PROBES``.
 
 
 def context(ctx: Context) -> Contribution:
@@ -76,4 +70,4 @@ def ring_working_bytes(ctx: Context, micro_batch: int) -> float:
     if p.context <= 1:
         return 0.0
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim / p.tensor
-    return RING_WORK_QKV * micro_batch * ctx.local_seq * qkv * ctx.w.compute_bytes
+    return ctx.calib["ring_working_qkv"] * micro_batch * ctx.local_seq * qkv * ctx.w.compute_bytes

@@ -25,32 +25,20 @@ from shardlib.planner.terms.base import Comm, Context, Contribution
 # SwiGLU product and what its backward needs), two dispatched buffers [.., capacity, embed],
 # routing tensors (three of k·E·C and two of E·C per token) and the attention's. Those
 # stacked residuals fill the temp allocation, and the gradients and loss buffers reuse their
-# space as the backward pass frees it, so the counts are fitted rather than added up:
-MOE_SLOT_HIDDEN = 6.531
-"""Elements of width expert_mlp / tensor saved per expert slot per MoE block (replaces the
-dense MLP's ``layer_mlp`` count in an MoE block; the buffer assignment shows 6)."""
-MOE_WORK_HIDDEN = 6.163
-"""Elements of width expert_mlp / tensor per expert slot live once (one block's backward)."""
-MOE_DENSE_MLP = 7.522
-"""Extra elements of width mlp / tensor per dense block of an MoE model, on top of the
-Llama fit's ``layer_mlp`` (they run unrolled inside the scanned group of moe_every)."""
-# Fitted (least squares on the relative error, calibration.COEFFICIENTS fixed) on 15 probes,
-# 8 CPU devices, fp32, moe-tiny with embed 256, mlp 1024, 8 heads of 32 (4 kv), batch 16,
-# capacity factor 2, top_k 2 unless said: expert=8 (seq 128 and 256; expert_mlp 512 and
-# 1024; moe_every 1 and 2; top_k 1), data=2 x expert=4 (16 experts; moe_every 1, 2, 3 at
-# layers 2, 4, 6), expert=4 x tensor=2 (and capacity factor 1 with expert_mlp 768),
-# fsdp=2 x expert=4 (and embed 128, seq 64), data=8. Residuals -4.5% to +3.3%; held out
-# (5 plans on 8 and 64 devices): -5.3% to +3.2%. Feature sets tried: per block or once, of
-# widths embed, expert_mlp, mlp and the routing tensors' E·C and k·E·C; this one fits best
-# and its per-block count matches the buffer assignment's six. A model with one scanned
-# group (layers = moe_every) compiles far smaller (XLA unrolls the one-trip loop):
-# over-predicted (1.4-1.5x), not fitted.
+# space as the backward pass frees it, so the counts are fitted rather than added up, on the
+MoE probes of ``planner.calibration.PROBES`` (``moe_slot_hidden``: elements of width
+expert_mlp / tensor saved per expert slot per MoE block, in place of the dense MLP's
+``layer_mlp``: the buffer assignment shows six; ``moe_working_hidden``: the same, live once
+for one block's backward; ``moe_dense_mlp``: extra elements of width mlp / tensor per dense
+block of an MoE model, which runs unrolled inside the scanned group of ``moe_every``).
+A model with one scanned group (layers = moe_every) compiles far smaller (XLA unrolls the
+one-trip loop): over-predicted (1.4-1.5x), not fitted, and not searched differently.
 
 
 def moe_saved_elements(ctx: Context) -> float:
     """Elements an MoE block's expert half saves per token (replaces the dense MLP's)."""
     w, p = ctx.w, ctx.p
-    return MOE_SLOT_HIDDEN * w.slots_per_token * w.cfg.expert_mlp / p.tensor
+    return ctx.calib["moe_slot_hidden"] * w.slots_per_token * w.cfg.expert_mlp / p.tensor
 
 
 def moe_working_bytes(ctx: Context, micro_batch: int) -> float:
@@ -60,7 +48,7 @@ def moe_working_bytes(ctx: Context, micro_batch: int) -> float:
         return 0.0
     tokens = micro_batch * ctx.local_seq
     hidden = w.slots_per_token * w.cfg.expert_mlp / p.tensor
-    return MOE_WORK_HIDDEN * tokens * hidden * w.compute_bytes
+    return ctx.calib["moe_working_hidden"] * tokens * hidden * w.compute_bytes
 
 
 def dispatched_elements(ctx: Context, micro_batch: int) -> float:

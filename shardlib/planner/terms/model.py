@@ -34,10 +34,11 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
     w, p, c = ctx.w, ctx.p, ctx.calib
     cfg = w.cfg
     tokens = micro_batch * ctx.local_seq
-    k = remat.saved_coefficients(p.remat if policy is None else policy, c)
+    policy = p.remat if policy is None else policy
+    k = remat.saved_coefficients(policy, c)
     qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
-        attention = context.RING_SAVED_QKV * qkv / p.tensor if k["scores"] else 0.0
+        attention = c["ring_saved_qkv"] * qkv / p.tensor if policy == "none" else 0.0
     else:
         attention = k["scores"] * cfg.heads * w.seq / p.tensor
     elems = k["h"] * w.embed + k["qkv"] * qkv / p.tensor + attention
@@ -45,8 +46,8 @@ def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = 
         elems += k["mlp"] * cfg.mlp / p.tensor
     else:  # dense blocks between MoE blocks; an MoE block saves its routed buffers
         moe = 1.0 / w.moe_every
-        if k["mlp"]:
-            elems += (1 - moe) * (k["mlp"] + expert.MOE_DENSE_MLP) * cfg.mlp / p.tensor
+        if policy != "full":
+            elems += (1 - moe) * (k["mlp"] + c["moe_dense_mlp"]) * cfg.mlp / p.tensor
             elems += moe * expert.moe_saved_elements(ctx)
     return tokens * elems * w.compute_bytes
 
