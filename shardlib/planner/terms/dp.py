@@ -14,6 +14,7 @@ import math
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import gradient_reductions
 
 
 def replica_axes(ctx: Context) -> tuple[tuple[str, int], ...]:
@@ -32,8 +33,8 @@ def gradient_reduction(ctx: Context) -> Contribution:
     # leave together inside the layer loop, the rest after it
     layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
     outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
-    m = p.microbatches if p.stage == 1 else 1
-    parts = ((layer * MASTER_BYTES, ctx.layers_per_device * m), (outer * MASTER_BYTES, m))
+    layer_count, outer_count = gradient_reductions(ctx)  # with stages: the schedule's loop
+    parts = ((layer * MASTER_BYTES, layer_count), (outer * MASTER_BYTES, outer_count))
     kind = "reduce-scatter" if p.zero else "all-reduce"
     comms = tuple(Comm("dp", "grads", kind, names, group, b, c, True) for b, c in parts)
     if p.zero:  # the updated parameters come back

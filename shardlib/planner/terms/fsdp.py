@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import gradient_reductions
 
 _GATHERS_OUTSIDE = {"embedding": 1, "lm_head": 2, "final_norm.scale": 2}
 _GATHERS_OUTSIDE_NO_TENSOR = {**_GATHERS_OUTSIDE, "lm_head": 1}
@@ -27,6 +28,10 @@ def fsdp(ctx: Context) -> Contribution:
         return Contribution()
     axes, n = (str(Axis.FSDP),), p.fsdp
     m = p.microbatches if p.stage == 1 else 1
+    # with stages a device's L/p blocks are the same every loop trip: XLA hoists their
+    # gathers out of the pipeline loop (once forward, once backward), while gradients are
+    # reduced inside it (``pipeline.gradient_reductions``)
+    layer_grads, outer_grads = gradient_reductions(ctx)
     grad_kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
     weight_bytes = w.compute_bytes
     outside = _GATHERS_OUTSIDE if p.tensor > 1 else _GATHERS_OUTSIDE_NO_TENSOR
@@ -53,7 +58,7 @@ def fsdp(ctx: Context) -> Contribution:
             axes,
             n,
             sum(layer) * MASTER_BYTES,
-            ctx.layers_per_device * m,
+            layer_grads,
             True,
         ),
     ]
@@ -76,7 +81,9 @@ def fsdp(ctx: Context) -> Contribution:
                 True,
             )
         )
-        comms.append(Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, m, True))
+        comms.append(
+            Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, outer_grads, True)
+        )
     c = ctx.calib
     transient = c["fsdp_layers_live"] * gathered_layer + c["fsdp_outer_live"] * gathered_outer
     if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live

@@ -27,11 +27,13 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    forward = FORWARD_PER_LAYER * (2 if p.remat == "full" else 1)  # recompute repeats it
-    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
+    # recompute repeats the forward's (remat full; the 1F1B pipeline's backward always)
+    again = p.remat == "full" or (p.stage > 1 and p.schedule == "1f1b")
+    forward = FORWARD_PER_LAYER * (2 if again else 1)
+    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
     return Contribution(
         comms=(
-            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer * m, False),
+            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False),
             Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
             Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
         )
