@@ -40,7 +40,10 @@ def state(ctx: Context) -> Contribution:
     accumulator = grads if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
     in_flight = sum(param.numel / ways for param, _, ways in ctx.table if param.per_layer)
-    in_flight *= ctx.calib["grad_layers_live"] * MASTER_BYTES
+    live = ctx.calib["grad_layers_live"]
+    if p.stage > 1 and p.schedule == "1f1b":  # a stage's vjp returns all its L/p layers' at once
+        live += ctx.layers_per_device - 1
+    in_flight *= live * MASTER_BYTES
     return Contribution(
         memory={"params": params, "optimizer": opt, "grads": grads + accumulator + in_flight}
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import iterations
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
@@ -27,6 +28,8 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
+    if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run in every loop trip
+        m = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
     # recompute repeats the forward's (remat full; the 1F1B pipeline's backward always)
     again = p.remat == "full" or (p.stage > 1 and p.schedule == "1f1b")
     forward = FORWARD_PER_LAYER * (2 if again else 1)
