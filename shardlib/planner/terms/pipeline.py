@@ -41,18 +41,24 @@ BACKWARD_PERMUTES = {"gpipe": 3, "interleaved": 3, "1f1b": 0}
 STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
 
-# Memory, fitted (least squares by hand) on 8 CPU devices, llama-small (vocab 8192, embed
-# 256), batch 16, seq 128, fp32, jax 0.10.2, after every formula part was in place:
-#   GPipe: data=2 x stage=4 m=4 L=4; data=4 x stage=2 m=2 L=4; fsdp=2 x stage=4 m=4 L=4;
-#          tensor=2 x stage=4 m=4 L=4: the compiled temp exceeds the formula parts by a
-#          near-constant 22.8-25.3 MiB = 2.8-3.2 unsharded fp32 vocab x embed tables
-#          (whatever the data/tensor/fsdp split: the embedding's scatter-add gradient and
-#          the head's around the pipeline loop); fitted 3.0, residuals within 6% of it.
-#   circular: data=2 x stage=4 v=2 m=4 L=8; data=4 x stage=2 v=4 m=2 L=8: beyond that,
-#          3.3 and 3.2 b·s·h per loop trip *and stage*: the checkpointed round's saved
-#          input is kept unsplit over ``stage``; fitted 3.25.
-PIPE_TABLES = 3.0
-PIPE_CIRCULAR_SAVED = 3.25
+# Memory of GPipe/circular beyond the formula parts, fitted by least squares (MiB residuals
+# of the compiled total) on 8 CPU devices, llama-small (vocab 8192, embed 256), fp32, jax
+# 0.10.2: data=2 x stage=4 m=4 and m=2, data=4 x stage=2 m=2, fsdp=2 x stage=4 m=4,
+# tensor=2 x stage=4 m=4, data=2 x tensor=2 x stage=2 m=2 (batch 16 and 32), vocab 16384,
+# and data=8 x tensor=2 x stage=4 on 64 devices; residuals within +-11 MiB (<= 4%). The
+# memory report shows why: the head runs after the loop on the whole data shard while every
+# trip's residuals are live, so its fp32 logits and their gradient do not share buffers
+# with anything (the non-pipelined fit's ``head_vocab`` counts 0.76 of them), and the
+# embedding/head tables' gradients are live there too (vocab x embed / tensor, fp32).
+PIPE_LOGITS = 0.73
+"""Extra fp32 logits-sized buffers (whole data shard, vocab / tensor), beyond ``head_vocab``."""
+PIPE_TABLES = 0.85
+"""Extra fp32 vocab x embed / tensor tables."""
+# circular: ``save_anything_except_these_names`` still saves, per loop trip, the layout
+# copies XLA derives from the picked round weights (stacked [trips, ...] buffers of w1/w3,
+# w2, wq/wk/wv, wo in the memory report): about 0.7 of a round's weights per trip, fitted
+# on data=2 x stage=4 v=2 (8 devices) and data=8 x tensor=2 x stage=4 v=2 (64 devices).
+PIPE_CIRCULAR_WEIGHTS = 0.7
 
 
 def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...]:
@@ -199,9 +205,12 @@ def pipeline(ctx: Context) -> Contribution:
     if p.schedule == "1f1b":
         buffers = (2 * p.stage - 1) * bsh
     else:
-        buffers = PIPE_TABLES * w.cfg.vocab * w.embed * MASTER_BYTES
+        tokens = head_batch(ctx) * ctx.local_seq
+        buffers = (PIPE_LOGITS * tokens + PIPE_TABLES * w.embed) * w.cfg.vocab / p.tensor * 4
         if p.schedule == "interleaved":
-            buffers += PIPE_CIRCULAR_SAVED * trips * p.stage * bsh
+            layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+            per_round = layer * ctx.layers_per_device / p.virtual * w.compute_bytes
+            buffers += PIPE_CIRCULAR_WEIGHTS * trips * per_round
     return Contribution(
         memory={"pipeline buffers": buffers}, comms=tuple(comms), flops=bubble + recompute
     )
