@@ -38,6 +38,17 @@ def test_every_stage_holds_its_blocks_and_embedding_and_head():
             {"all-reduce data": 197.53, "all-reduce stage": 7.5, "collective-permute stage": 7.5},
         ),
         (
+            dict(fsdp=2, stage=4, microbatches=4, schedule="gpipe"),
+            {
+                "all-gather fsdp": 7.75,
+                "all-gather stage": 6.0,
+                "all-reduce fsdp": 38.26,
+                "all-reduce stage": 5.25,
+                "collective-permute stage": 8.75,
+                "collective-permute stage,fsdp": 6.0,
+            },
+        ),
+        (
             dict(data=4, stage=2, microbatches=2, schedule="interleaved", virtual=4),
             {
                 "all-reduce data": 74.65,
@@ -70,6 +81,21 @@ def test_schedules_and_trainer_constraints():
         estimate(_w(6), Plan(stage=4, microbatches=4, schedule="gpipe"))
     with pytest.raises(ShardingError):  # bounded has no virtual stages
         estimate(w, Plan(stage=2, microbatches=4, schedule="1f1b", virtual=2))
+
+
+def test_bubble_is_computed_and_reported_as_bubble_time():
+    from shardlib.planner import load_cluster
+
+    w = Workload.from_preset("llama-7b", 64, 4096)
+    cluster = load_cluster("h100-8")
+    est = estimate(w, Plan(fsdp=2, stage=4, microbatches=8, schedule="1f1b"), cluster)
+    # lockstep 1F1B: every stage runs m + 2(p-1) trips of forward, recompute and backward
+    assert est.bubble_s == pytest.approx(6 / 8 * est.compute_s)
+    plan = Plan(fsdp=2, stage=4, microbatches=8, schedule="interleaved", virtual=2)
+    est = estimate(w, plan, cluster)
+    # the head runs outside the loop, so the bubble is (p-1)/(m·v) of the blocks' compute only
+    assert 0 < est.bubble_s < 3 / 16 * est.compute_s
+    assert est.bubble_s == pytest.approx(3 / 16 * est.compute_s, rel=0.1)
 
 
 def test_compiled_gpipe_matches_prediction():
