@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+# moe-tiny widened so that its buffers are not dwarfed by the runtime's fixed bytes
+MOE = {"embed": 256, "mlp": 1024, "heads": 8, "kv_heads": 4, "head_dim": 32}
+
 # (model, global batch, seq, model overrides, plan kwargs)
 CASES = {
     8: [
@@ -46,6 +49,61 @@ CASES = {
             {"layers": 3},
             dict(data=8, zero=2, offload="optimizer", remat="full"),
         ),
+        # context parallelism (ring attention)
+        ("llama-small", 16, 256, {"layers": 3}, dict(data=2, context=2, tensor=2)),
+        ("llama-small", 8, 512, {"layers": 2}, dict(context=8)),
+        ("llama-small", 16, 256, {"layers": 2}, dict(fsdp=2, context=4)),
+        # expert parallelism (MoE)
+        (
+            "moe-tiny",
+            16,
+            128,
+            {**MOE, "expert_mlp": 256, "layers": 6, "moe_every": 3},
+            dict(data=2, expert=4),
+        ),
+        (
+            "moe-tiny",
+            16,
+            128,
+            {**MOE, "expert_mlp": 256, "layers": 6, "moe_every": 3},
+            dict(fsdp=2, expert=4),
+        ),
+        # pipelines: GPipe, 1F1B, interleaved
+        (
+            "llama-small",
+            32,
+            64,
+            {"layers": 8},
+            dict(data=2, stage=4, microbatches=8, schedule="gpipe"),
+        ),
+        (
+            "llama-small",
+            16,
+            128,
+            {"layers": 8},
+            dict(tensor=2, stage=4, microbatches=4, schedule="1f1b"),
+        ),
+        (
+            "llama-small",
+            16,
+            256,
+            {"layers": 4},
+            dict(data=2, tensor=2, stage=2, microbatches=4, schedule="interleaved", virtual=2),
+        ),
+        (
+            "llama-small",
+            16,
+            128,
+            {"layers": 8, "mlp": 2048},
+            dict(data=4, stage=2, microbatches=4, schedule="1f1b"),
+        ),
+        (
+            "llama-small",
+            16,
+            128,
+            {"layers": 8},
+            dict(fsdp=2, stage=2, microbatches=2, schedule="interleaved", virtual=2),
+        ),
     ],
     64: [
         ("llama-small", 64, 128, {"layers": 4}, dict(data=64)),
@@ -66,6 +124,30 @@ CASES = {
         ),
         ("llama-small", 64, 256, {"layers": 4}, dict(fsdp=16, tensor=4, remat="full")),
         ("llama-small", 64, 256, {"layers": 4}, dict(data=8, fsdp=8, remat="selective")),
+        # context, expert, pipelines
+        ("llama-small", 64, 256, {"layers": 2}, dict(data=8, context=8)),
+        ("llama-small", 32, 256, {"layers": 2}, dict(fsdp=4, context=4, tensor=4)),
+        (
+            "moe-tiny",
+            64,
+            128,
+            {**MOE, "layers": 4, "moe_every": 2, "expert_mlp": 768},
+            dict(fsdp=8, expert=8),
+        ),
+        (
+            "llama-small",
+            64,
+            128,
+            {"layers": 16},
+            dict(data=4, stage=8, fsdp=2, microbatches=8, schedule="gpipe"),
+        ),
+        (
+            "llama-small",
+            128,
+            128,
+            {"layers": 8},
+            dict(data=16, stage=2, fsdp=2, microbatches=4, schedule="interleaved", virtual=2),
+        ),
     ],
 }
 

@@ -100,8 +100,19 @@ def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
         )
     if w.seq % p.context or (p.context > 1 and (w.seq // p.context) % 2):
         raise ShardingError(f"plan {p.mesh_text()}: seq {w.seq} does not split {p.context} ways")
-    if p.stage > w.layers or (p.virtual > 1 and w.layers % (p.stage * p.virtual)):
-        raise ShardingError(f"plan {p.mesh_text()}: {w.layers} layers, {p.stage}x{p.virtual}")
+    # the trainer's pipelines (strategies/pipeline*.py): equal stages of L/(p·v) blocks,
+    # circular needs m >= p, bounded (1F1B) has no virtual stages
+    if p.stage > 1 and w.layers % (p.stage * p.virtual):
+        raise ShardingError(
+            f"plan {p.mesh_text()}: {w.layers} layers do not split into {p.stage} stages x "
+            f"{p.virtual} virtual stages"
+        )
+    if p.stage > 1 and p.schedule == "interleaved" and p.microbatches < p.stage:
+        raise ShardingError(
+            f"plan {p.mesh_text()}: interleaved needs micro-batches >= stages ({p.microbatches})"
+        )
+    if p.virtual > 1 and p.schedule != "interleaved":
+        raise ShardingError(f"plan {p.mesh_text()}: virtual stages need the interleaved schedule")
     if p.expert > 1 and (not w.experts or w.experts % p.expert):
         raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
     if w.experts and (p.stage > 1 or p.context > 1):
@@ -129,13 +140,12 @@ def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
 
 def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
     """Every term's share, in one visible place (the order does not matter: they add)."""
-    p = ctx.p
     held = state.state(ctx)
     host_bw = cluster.host_link_bw if cluster else 25e9
     return [
         held,
         model.flops(ctx),
-        model.activations(ctx, pipeline.in_flight(p.schedule, p.stage, p.microbatches)),
+        model.activations(ctx, pipeline.layer_sets_saved(ctx), pipeline.head_batch(ctx)),
         dp.gradient_reduction(ctx),
         fsdp.fsdp(ctx),
         tensor.tensor(ctx),
@@ -172,13 +182,14 @@ def estimate(
     memory["runtime"] = ctx.calib["fixed_bytes"]
     if cluster is None:
         return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
-    compute_s = flops / (cluster.peak_flops * cluster.compute_efficiency)
+    rate = cluster.peak_flops * cluster.compute_efficiency
+    # the SPMD pipeline computes its bubble (every stage, every iteration): those FLOPs are
+    # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
+    bubble_s = pipeline.extra_flops(ctx)[0] / rate
+    compute_s = flops / rate - bubble_s
     hidden = sum(collective_seconds(c, cluster, plan) for c in comms if c.overlap)
     exposed = sum(collective_seconds(c, cluster, plan) for c in comms if not c.overlap)
     exposed_s = exposed + max(0.0, hidden - OVERLAP * compute_s)
-    bubble_s = pipeline.bubble_fraction(
-        plan.schedule, plan.stage, plan.microbatches, plan.virtual
-    ) * (compute_s + exposed)
     step_s = compute_s + exposed_s + bubble_s + host_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
     total = sum(v for k, v in memory.items() if not k.startswith("host"))

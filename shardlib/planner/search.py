@@ -113,9 +113,10 @@ def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Itera
     for zero, (schedule, virtual), m in itertools.product(zeros, scheds, space.microbatches):
         if per_replica % m:
             continue
-        if schedule == "interleaved" and (
-            m % mesh["stage"] or workload.layers % (mesh["stage"] * virtual)
-        ):
+        # the trainer's constraints (strategies/pipeline.py): equal stages; circular m >= p
+        if mesh["stage"] > 1 and workload.layers % (mesh["stage"] * virtual):
+            continue
+        if schedule == "interleaved" and m < mesh["stage"]:
             continue
         base = Plan(**mesh, zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
         yield [replace(base, remat=r, offload=o) for r in space.remat for o in space.offload]
@@ -143,14 +144,18 @@ def _estimate(workload, plan, cluster) -> Estimate | None:
 def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, space: Space) -> float:
     """No plan on ``mesh`` is faster: compute without recompute or bubble, plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
-    latency only grows with m). Interleaving changes the layers per device, so every
-    schedule is bounded and the smallest bound kept."""
-    options = [("none", 1)]
+    latency only grows with m). With stages the pipeline loop's bubble trips also move
+    bytes, fewest at the most micro-batches: GPipe and interleaved there bound every
+    schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
+    options = [("none", 1, 1)]
     if mesh["stage"] > 1:
-        options = [("1f1b", 1)] + [("interleaved", v) for v in space.virtual]
+        per_replica = workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+        m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
+        options = [("gpipe", 1, m)] + [("interleaved", v, m) for v in space.virtual]
     bound = math.inf
-    for schedule, virtual in options:
-        est = _estimate(workload, Plan(**mesh, schedule=schedule, virtual=virtual), cluster)
+    for schedule, virtual, m in options:
+        plan = Plan(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
+        est = _estimate(workload, plan, cluster)
         if est is not None:
             bound = min(bound, est.compute_s + _critical_s(est, cluster))
     return bound

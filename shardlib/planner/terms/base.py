@@ -108,16 +108,29 @@ class Context:
 
     @cached_property
     def layers_per_device(self) -> int:
-        """Blocks on the busiest device: all of them, or the largest pipeline stage's."""
-        w, p = self.w, self.p
-        if p.stage == 1:
-            return w.layers
-        if p.virtual > 1:  # interleaved: v chunks of L/(p·v) blocks per device
-            return math.ceil(w.layers / (p.stage * p.virtual)) * p.virtual
-        from shardlib.planner.terms.pipeline import stage_layers
+        """Blocks each device holds: all of them, or L/p with p pipeline stages.
 
-        layer = w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)
-        return max(stage_layers(w.layers, layer, w.head_flops_per_token, p.stage))
+        The trainer splits the stacked ``layers`` dim evenly over ``stage`` (interleaved: v
+        groups of L/(p·v)); embedding and head stay outside the pipeline on every stage.
+        """
+        w, p = self.w, self.p
+        return w.layers if p.stage == 1 else math.ceil(w.layers / p.stage)
+
+    @cached_property
+    def layer_runs(self) -> float:
+        """Block executions on one micro-batch per device and step (forward, say).
+
+        L·m without stages; with them the pipeline loop's trips times the L/(p·v) blocks a
+        trip runs (``terms.pipeline.iterations``): the bubble's trips compute too.
+        """
+        p = self.p
+        if p.stage == 1:
+            return self.layers_per_device * p.microbatches
+        from shardlib.planner.terms.pipeline import iterations
+
+        v = p.virtual if p.schedule == "interleaved" else 1
+        trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+        return self.layers_per_device / v * trips
 
     @property
     def micro_batch(self) -> int:

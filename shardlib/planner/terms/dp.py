@@ -29,6 +29,7 @@ from collections import defaultdict
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import gradient_reductions
 
 _SEPARATE_WITH_FSDP = "lm_head"
 """The matrix whose context all-reduce runs unsliced under FSDP (equal in size to the
@@ -47,6 +48,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
     if not replica_axes(ctx) and p.expert <= 1:
         return Contribution()
     m = p.microbatches if p.stage == 1 else 1
+    layer_count, outer_count = gradient_reductions(ctx)  # with stages: the schedule's loop
     data, context = str(Axis.DATA), str(Axis.CONTEXT)
     sizes = {data: p.data, context: p.context, expert: p.expert}
     scatter = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
@@ -74,7 +76,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
             axes,
             math.prod(sizes[a] for a in axes),
             size,
-            ctx.layers_per_device * m if per_layer else m,
+            layer_count if per_layer else outer_count,
             True,
         )
         for (axes, per_layer), size in buffers.items()

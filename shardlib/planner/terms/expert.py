@@ -26,13 +26,13 @@ from shardlib.planner.terms.base import Comm, Context, Contribution
 # routing tensors (three of k·E·C and two of E·C per token) and the attention's. Those
 # stacked residuals fill the temp allocation, and the gradients and loss buffers reuse their
 # space as the backward pass frees it, so the counts are fitted rather than added up, on the
-MoE probes of ``planner.calibration.PROBES`` (``moe_slot_hidden``: elements of width
-expert_mlp / tensor saved per expert slot per MoE block, in place of the dense MLP's
-``layer_mlp``: the buffer assignment shows six; ``moe_working_hidden``: the same, live once
-for one block's backward; ``moe_dense_mlp``: extra elements of width mlp / tensor per dense
-block of an MoE model, which runs unrolled inside the scanned group of ``moe_every``).
-A model with one scanned group (layers = moe_every) compiles far smaller (XLA unrolls the
-one-trip loop): over-predicted (1.4-1.5x), not fitted, and not searched differently.
+# MoE probes of ``planner.calibration.PROBES`` (``moe_slot_hidden``: elements of width
+# expert_mlp / tensor saved per expert slot per MoE block, in place of the dense MLP's
+# ``layer_mlp``: the buffer assignment shows six; ``moe_working_hidden``: the same, live once
+# for one block's backward; ``moe_dense_mlp``: extra elements of width mlp / tensor per dense
+# block of an MoE model, which runs unrolled inside the scanned group of ``moe_every``).
+# A model with one scanned group (layers = moe_every) compiles far smaller (XLA unrolls the
+# one-trip loop): over-predicted (1.4-1.5x), not fitted, and not searched differently.
 
 
 def moe_saved_elements(ctx: Context) -> float:

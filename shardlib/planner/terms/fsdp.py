@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import gradient_reductions
 
 _GATHERS_OUTSIDE = {"embedding": 1, "lm_head": 2, "final_norm.scale": 2}
 _GATHERS_OUTSIDE_NO_TENSOR = {**_GATHERS_OUTSIDE, "lm_head": 1}
@@ -27,6 +28,19 @@ def fsdp(ctx: Context) -> Contribution:
         return Contribution()
     axes, n = (str(Axis.FSDP),), p.fsdp
     m = p.microbatches if p.stage == 1 else 1
+    # gradients: per layer and micro-batch, or inside the pipeline loop with stages
+    # (``pipeline.gradient_reductions``). Gathers with stages: each trip runs its L/(p·v)
+    # blocks in an inner scan and gathers per block and trip, unless that is one block of
+    # fixed weights (v = 1): then XLA hoists the gather out of the loop. GPipe/circular
+    # gather forward and backward, 1F1B forward, recomputed forward and backward.
+    layer_grads, outer_grads = gradient_reductions(ctx)
+    passes = 3 if p.stage > 1 and p.schedule == "1f1b" else 2
+    if p.stage == 1:
+        layer_gathers = 2 * ctx.layers_per_device * m
+    elif p.virtual == 1 and ctx.layers_per_device == 1:
+        layer_gathers = passes * ctx.layers_per_device
+    else:
+        layer_gathers = passes * ctx.layer_runs
     grad_kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
     weight_bytes = w.compute_bytes
     outside = _GATHERS_OUTSIDE if p.tensor > 1 else _GATHERS_OUTSIDE_NO_TENSOR
@@ -41,7 +55,7 @@ def fsdp(ctx: Context) -> Contribution:
             axes,
             n,
             gathered_layer,
-            2 * ctx.layers_per_device * m,
+            layer_gathers,
             True,
             len(layer),
         ),
@@ -53,7 +67,7 @@ def fsdp(ctx: Context) -> Contribution:
             axes,
             n,
             sum(layer) * MASTER_BYTES,
-            ctx.layers_per_device * m,
+            layer_grads,
             True,
         ),
     ]
@@ -63,6 +77,11 @@ def fsdp(ctx: Context) -> Contribution:
             continue
         full = param.numel / ways  # after the gather
         gathered_outer += full * weight_bytes
+        if param.name == "lm_head" and _head_over_stage(ctx):
+            comms += _head_over_stage_comms(ctx, full, outer_grads)
+            if p.schedule == "1f1b":  # inside its loop: the gathered head and its gradient
+                gathered_outer += full * MASTER_BYTES  # (fsdp=2 x stage=4: 0.88 with it)
+            continue
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
         comms.append(
             Comm(
@@ -76,9 +95,39 @@ def fsdp(ctx: Context) -> Contribution:
                 True,
             )
         )
-        comms.append(Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, m, True))
+        comms.append(
+            Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, outer_grads, True)
+        )
     c = ctx.calib
     transient = c["fsdp_layers_live"] * gathered_layer + c["fsdp_outer_live"] * gathered_outer
     if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live
         transient += gathered_outer / weight_bytes * MASTER_BYTES
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
+
+
+def _head_over_stage(ctx: Context) -> bool:
+    """FSDP x stage (stage >= fsdp, no tensor): XLA splits the head's vocab over ``stage``.
+
+    The head runs outside the pipeline, replicated over ``stage``; observed on jax 0.10.2,
+    CPU (fsdp=2 x stage=4 and 2, data=2 x fsdp=2 x stage=2; fsdp=4 x stage=2 does not).
+    """
+    p = ctx.p
+    return p.stage > 1 and p.stage >= p.fsdp and p.tensor == 1
+
+
+def _head_over_stage_comms(ctx: Context, full: float, grads: float) -> list[Comm]:
+    """The head [embed/fsdp, vocab] goes to [embed, vocab/stage] (a permute of full/p),
+    is all-gathered over ``stage``; its gradient comes back by a permute of full/fsdp
+    (every trip inside the 1F1B loop) and is reduced over ``fsdp`` at full/fsdp."""
+    p, w = ctx.p, ctx.w
+    axes = (str(Axis.STAGE), str(Axis.FSDP))
+    stage = (str(Axis.STAGE),)
+    back = grads if p.schedule == "1f1b" else 1
+    kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
+    wb = w.compute_bytes
+    return [
+        Comm("fsdp", "weights", "collective-permute", axes, p.stage, full * wb / p.stage, 1, True),
+        Comm("fsdp", "weights", "all-gather", stage, p.stage, full * wb, 1, True),
+        Comm("fsdp", "grads", "collective-permute", axes, p.stage, full * 4 / p.fsdp, back, True),
+        Comm("fsdp", "grads", kind, (str(Axis.FSDP),), p.fsdp, full * 4 / p.fsdp, grads, True),
+    ]

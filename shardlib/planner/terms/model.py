@@ -59,8 +59,12 @@ def head_activation_bytes(ctx: Context, micro_batch: int) -> float:
     return tokens * (c["head_vocab"] * w.cfg.vocab / p.tensor * 4 + c["head_h"] * w.embed * 4)
 
 
-def activations(ctx: Context, in_flight: int = 1) -> Contribution:
-    """Saved activations of ``in_flight`` micro-batches (1, or a pipeline's), per device."""
+def activations(ctx: Context, in_flight: float = 1, head_batch: int | None = None) -> Contribution:
+    """Saved activations of ``in_flight`` micro-batches (1, or a pipeline's), per device.
+
+    ``head_batch``: sequences the loss head runs on at once (a pipeline runs it outside its
+    loop, on the whole data shard); one micro-batch when None.
+    """
     b = ctx.micro_batch
     per_layer = layer_activation_bytes(ctx, b)
     saved = per_layer * ctx.layers_per_device * in_flight
@@ -74,6 +78,6 @@ def activations(ctx: Context, in_flight: int = 1) -> Contribution:
     return Contribution(
         memory={
             "activations": saved + working,
-            "logits": head_activation_bytes(ctx, b),
+            "logits": head_activation_bytes(ctx, b if head_batch is None else head_batch),
         }
     )

@@ -1,23 +1,56 @@
-"""Pipeline parallelism: layers split into stages, micro-batches flow through them.
+"""Pipeline parallelism: the stacked layers split over the ``stage`` axis, micro-batches
+streamed through them (``strategies/pipeline.py``, ``strategies/pipeline_1f1b.py``).
 
-Formula-only until pipeline parallelism (issue 6) lands. Costs (Narayanan et al. 2021,
-REFERENCE.md): the bubble is (p-1)/m of the ideal compute for GPipe and 1F1B and
-(p-1)/(m·v) for the interleaved schedule with v virtual stages per device; GPipe keeps the
-activations of all m micro-batches, 1F1B (and interleaved) at most p. Each stage boundary
-sends one micro-batch's b·s·h activations forward and its gradient back (2·m·v permutes).
+What the trainer compiles, and so what this term predicts (p stages, m micro-batches,
+v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a device):
 
-Stages are cut where the per-layer costs balance (``partition``): dynamic programming over
-contiguous splits minimising the slowest stage, as PipeDream and Alpa do, so a model whose
-layers differ (the output projection on the last stage) gets fewer blocks there.
+* every stage holds L/p blocks (``Context.layers_per_device``); the embedding and the
+  output head run *outside* the pipeline, replicated over ``stage`` (every stage device
+  holds them and, for GPipe/circular, computes the head on its whole data shard);
+* the pipeline is one SPMD loop in which every stage computes every iteration, so the
+  bubble is real compute: GPipe runs m+p-1 iterations of L/p blocks (FLOPs x (m+p-1)/m),
+  circular v·m+p-1 iterations of L/(p·v) blocks (x (v·m+p-1)/(v·m): REFERENCE.md's
+  (p-1)/(m·v) bubble, Narayanan et al. 2021), the bounded (1F1B-like) schedule m+2(p-1)
+  iterations of one forward, one recomputed forward and one backward of L/p blocks plus the
+  head's forward and backward on the micro-batch that left the last stage;
+* per iteration the stage state (b·s·h, not split by tensor: activations between blocks
+  are replicated over ``tensor``) moves along ``stage``: GPipe and circular compile 2
+  collective-permutes forward and 3 backward (the roll and the hand-over to the micro-batch
+  buffer), and 2 all-reduces over ``stage`` (reading the last stage's output into the
+  buffer, and its transpose); bounded compiles 3 permutes (activations up, cotangents down,
+  the last stage's output to the head) and the same 2 all-reduces. Measured on jax 0.10.2,
+  CPU, p = 2, 4, 8, with data, FSDP and tensor axes (``tests/test_planner_pipeline.py``);
+* circular regroups its weights once forward (compute dtype) and once backward (fp32
+  gradients) from the stored contiguous layout to the round-robin one: an all-to-all over
+  min(v, p) devices of the device's L/p blocks, and when v < p a collective-permute of them.
+
+``partition`` is kept for plans whose layers differ in cost (dynamic programming over
+contiguous splits minimising the slowest stage, as PipeDream and Alpa do); the trainer
+needs equal stages (L divisible by p·v), which is what the terms cost.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+
+FORWARD_PERMUTES = {"gpipe": 2, "interleaved": 2, "1f1b": 3}
+BACKWARD_PERMUTES = {"gpipe": 3, "interleaved": 3, "1f1b": 0}
+STAGE_ALL_REDUCES = 2
+"""Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
+
+# Memory of GPipe/circular beyond the formula parts, fitted with the other coefficients on
+# the pipeline probes of ``planner.calibration.PROBES``. The memory report shows why: the
+# head runs after the loop on the whole data shard while every trip's residuals are live,
+# so its fp32 logits and their gradient do not share buffers with anything
+# (``pipe_logits``: extra fp32 logits-sized buffers, vocab / tensor, beyond ``head_vocab``),
+# and the embedding/head tables' gradients are live there too (``pipe_tables``: extra fp32
+# vocab x embed / tensor tables). Circular: ``save_anything_except_these_names`` still
+# saves, per loop trip, the layout copies XLA derives from the picked round weights (stacked
+# [trips, ...] buffers of w1/w3, w2, wq/wk/wv, wo in the memory report):
+# ``pipe_circular_weights`` of a round's weights per trip (about 0.7).
 
 
 def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...]:
@@ -51,49 +84,128 @@ def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...
     return tuple(reversed(bounds))
 
 
-@functools.lru_cache(maxsize=256)
-def stage_layers(layers: int, layer_cost: float, head_cost: float, stages: int) -> tuple:
-    """Blocks per stage when the last stage also runs the output projection."""
-    if stages == 1:
-        return (layers,)
-    costs = [layer_cost] * layers + [head_cost]
-    bounds = partition(costs, stages)
-    return tuple(min(end, layers) - start for start, end in bounds)
+def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+    """Loop trips (``PipelineSpec.iterations``): m+p-1, v·m+p-1, or m+2(p-1) for 1F1B."""
+    p, m = stages, microbatches
+    if p == 1:
+        return 1
+    if schedule == "1f1b":
+        return m + 2 * (p - 1)
+    return (virtual if schedule == "interleaved" else 1) * m + p - 1
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+    """Idle (here: computed and discarded) stage work over the ideal: (p-1)/m GPipe,
+    (p-1)/(m·v) interleaved, 2(p-1)/m for the lockstep 1F1B."""
     if stages == 1:
         return 0.0
-    if schedule == "interleaved":
-        return (stages - 1) / (microbatches * virtual)
-    return (stages - 1) / microbatches
+    v = virtual if schedule == "interleaved" else 1
+    return iterations(schedule, stages, microbatches, virtual) / (microbatches * v) - 1
 
 
-def in_flight(schedule: str, stages: int, microbatches: int) -> int:
-    """Micro-batches whose activations the first stage holds at once."""
-    if stages == 1:
-        return 1
-    return microbatches if schedule == "gpipe" else min(microbatches, stages)
+def layer_sets_saved(ctx: Context) -> float:
+    """How many times its L/p blocks' residuals a device keeps for the backward pass.
+
+    GPipe and circular differentiate the whole loop: every iteration's residuals stay, i.e.
+    (m+p-1) and (v·m+p-1)/v sets of L/p blocks. Bounded recomputes a stage inside its
+    backward: one stage's residuals at a time (its ring of saved inputs is ``pipeline``'s).
+    """
+    p = ctx.p
+    if p.stage == 1:
+        return 1.0
+    if p.schedule == "1f1b":
+        return 1.0
+    v = p.virtual if p.schedule == "interleaved" else 1
+    return iterations(p.schedule, p.stage, p.microbatches, p.virtual) / v
+
+
+def gradient_reductions(ctx: Context) -> tuple[float, float]:
+    """Times per step (per-layer gradients: per layer; the rest) gradients are reduced.
+
+    Without stages: once per accumulation micro-batch. GPipe/circular: the backward loop
+    reduces each iteration's L/(p·v) layer gradients inside the loop (m+p-1 or v·m+p-1
+    iterations), embedding and head once after it. Bounded: its loop carries all gradients
+    and reduces every one of them every iteration (m+2(p-1) times).
+    """
+    p = ctx.p
+    if p.stage == 1:
+        return ctx.layers_per_device * p.microbatches, p.microbatches
+    trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+    if p.schedule == "1f1b":
+        return ctx.layers_per_device * trips, trips
+    return ctx.layer_runs, 1
+
+
+def head_batch(ctx: Context) -> int:
+    """Sequences the output head runs on at once on one device: the whole data shard
+    (outside the pipeline), or one micro-batch for 1F1B (inside its loop)."""
+    p = ctx.p
+    if p.stage > 1 and p.schedule != "1f1b":
+        return ctx.w.global_batch // p.batch_ways
+    return ctx.micro_batch
+
+
+def extra_flops(ctx: Context) -> tuple[float, float]:
+    """(bubble FLOPs, recompute FLOPs) per device the schedule adds to the ideal step."""
+    p, w = ctx.p, ctx.w
+    if p.stage == 1:
+        return 0.0, 0.0
+    tokens = w.tokens / (p.batch_ways * p.context)
+    layer = (w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)) / p.tensor
+    stage_fwd = tokens * ctx.layers_per_device * layer  # one forward over all micro-batches
+    frac = bubble_fraction(p.schedule, p.stage, p.microbatches, p.virtual)
+    if p.schedule != "1f1b":
+        return 3 * stage_fwd * frac, 0.0
+    # 1F1B: fwd + recomputed fwd + bwd (4 units) per stage, head fwd + bwd (3) per iteration
+    head = tokens * w.head_flops_per_token / p.tensor
+    bubble = frac * (4 * stage_fwd + 3 * head)
+    return bubble, stage_fwd
 
 
 def pipeline(ctx: Context) -> Contribution:
     p, w = ctx.p, ctx.w
     if p.stage <= 1:
         return Contribution()
-    bsh = ctx.micro_batch * ctx.local_seq * w.embed / p.tensor * w.compute_bytes
-    count = 2 * p.microbatches * p.virtual
-    return Contribution(
-        comms=(
-            Comm(
-                "pipeline",
-                "activations",
-                "collective-permute",
-                (str(Axis.STAGE),),
-                p.stage,
-                bsh,
-                count,
-                True,
-            ),
+    axes, n = (str(Axis.STAGE),), p.stage
+    trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+    bsh = ctx.micro_batch * ctx.local_seq * w.embed * w.compute_bytes
+    permutes = FORWARD_PERMUTES[p.schedule] + BACKWARD_PERMUTES[p.schedule]
+    comms = [
+        Comm("pipeline", "activations", "collective-permute", axes, n, bsh, permutes * trips, True),
+        Comm(
+            "pipeline", "activations", "all-reduce", axes, n, bsh, STAGE_ALL_REDUCES * trips, True
         ),
-        notes=("pipeline: formula-only until issue 6 lands",),
+    ]
+    if p.schedule == "interleaved" and p.virtual > 1:
+        layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+        held = layer * ctx.layers_per_device
+        group = min(p.virtual, p.stage)
+        for nbytes in (w.compute_bytes, MASTER_BYTES):  # weights forward, gradients back
+            # explain's all-to-all M is the device's own share (wire (g-1)/g of it)
+            comms.append(
+                Comm("pipeline", "weights", "all-to-all", axes, group, held * nbytes, 1, True)
+            )
+            if p.virtual < p.stage:
+                comms.append(
+                    Comm(
+                        "pipeline", "weights", "collective-permute", axes, 2, held * nbytes, 1, True
+                    )
+                )
+    bubble, recompute = extra_flops(ctx)
+    # 1F1B keeps its ring of 2p-1 saved stage inputs (its accumulated gradients: ``state``);
+    # GPipe/circular the fitted parts above
+    if p.schedule == "1f1b":
+        buffers = (2 * p.stage - 1) * bsh
+    else:
+        c = ctx.calib
+        tokens = head_batch(ctx) * ctx.local_seq
+        buffers = (
+            (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.cfg.vocab / p.tensor * 4
+        )
+        if p.schedule == "interleaved":
+            layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+            per_round = layer * ctx.layers_per_device / p.virtual * w.compute_bytes
+            buffers += c["pipe_circular_weights"] * trips * per_round
+    return Contribution(
+        memory={"pipeline buffers": buffers}, comms=tuple(comms), flops=bubble + recompute
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.pipeline import iterations
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
@@ -27,15 +28,22 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    # full remat recomputes the forward up to the MLP: its attention all-reduce again (the
-    # MLP's output all-reduce is not needed for the backward pass)
-    forward = FORWARD_PER_LAYER + (1 if p.remat == "full" else 0)
-    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layers_per_device
+    if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run in every loop trip
+        m = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+    # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
+    # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
+    # all-reduce is not needed for the backward pass)
+    forward = FORWARD_PER_LAYER
+    if p.stage > 1 and p.schedule == "1f1b":
+        forward += FORWARD_PER_LAYER
+    elif p.remat == "full":
+        forward += 1
+    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
     if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
-        per_layer -= (forward // 2 + 1) * ctx.layers_per_device / w.moe_every
+        per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
     return Contribution(
         comms=(
-            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer * m, False),
+            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False),
             Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
             Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
         )
