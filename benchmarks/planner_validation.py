@@ -247,9 +247,15 @@ def main() -> int:
     console = Console(width=200)
     console.print(table)
     ok = worst_mem <= 0.10 and worst_wire <= 0.05
+    within = sum(
+        abs(r["predicted_memory"] / r["compiled_memory"] - 1) <= 0.10
+        and (not r["compiled_wire"] or abs(r["predicted_wire"] / r["compiled_wire"] - 1) <= 0.05)
+        for r in rows
+    )
     console.print(
-        f"{len(rows)} plans; worst memory error {worst_mem:.1%} (target 10%), worst collective "
-        f"bytes error {worst_wire:.1%} (target 5%): {'OK' if ok else 'MISSED'}"
+        f"{len(rows)} plans, {within} within both targets; worst memory error {worst_mem:.1%} "
+        f"(target 10%), worst collective bytes error {worst_wire:.1%} (target 5%): "
+        f"{'OK' if ok else 'MISSED'}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -77,10 +77,10 @@ def _prepare(args) -> tuple:
         devices = spec.fixed_size // processes
     if devices:
         simulate_cpu_devices(devices)
-    from shardlib.train.config import TrainConfig, apply_overrides, parse_overrides
+    from shardlib.train.config import TrainConfig, parse_overrides
 
-    preset = {k: str(v) for k, v in spec.train.items()}
-    base = apply_overrides(TrainConfig(), preset, "mesh [train]")
+    # the preset's [train] table, model.NAME fields included (the planner writes them)
+    base = parse_overrides([f"{k}={v}" for k, v in spec.train.items()], TrainConfig())
     overrides = list(args.overrides)
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")

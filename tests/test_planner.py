@@ -158,27 +158,28 @@ def test_zero_remat_and_offload_terms_match_the_compiled_step():
 
 
 def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_path, capsys):
-    """A 6 MB device: llama-tiny needs ~10 MB with plain DP; the written plan must fit (per
-    the compiled memory) and `shardlib train --mesh plan.toml` must run it."""
+    """An 80 MB device: two-layer llama-small needs ~110 MB per device with plain DP; the
+    written plan must fit (per the compiled memory) and `shardlib train --mesh plan.toml`
+    must run it, whatever strategies the search chose."""
     from shardlib.planner.validate import validate
 
-    cluster_file = tmp_path / "tiny.toml"
+    cluster_file = tmp_path / "small.toml"
     cluster_file.write_text(
         '# Use this when: testing.\nplatform = "cpu"\n[cluster]\ndevices_per_host = 8\n'
-        "hosts = 1\nmemory_gb = 0.006\npeak_tflops = 0.1\nintra_host_gbps = 10\n"
+        "hosts = 1\nmemory_gb = 0.08\npeak_tflops = 0.1\nintra_host_gbps = 10\n"
         "inter_host_gbps = 10\n"
     )
     out = tmp_path / "plan.toml"
-    args = ["--model", "llama-tiny", "--cluster", str(cluster_file), "--global-batch", "16"]
-    args += ["--seq", "64", "--precision", "fp32", "--out", str(out)]
+    args = ["--model", "llama-small", "--cluster", str(cluster_file), "--global-batch", "16"]
+    args += ["--seq", "64", "--precision", "fp32", "--out", str(out), "model.layers=2"]
     assert main(["plan", *args]) == 0
     assert "Plain data parallelism needs" in capsys.readouterr().err
     spec = load_mesh(out)
     cluster: Cluster = load_cluster(cluster_file)
-    w = Workload.from_preset("llama-tiny", 16, 64, "fp32")
+    w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2)
     assert not estimate(w, Plan(data=8), cluster).fits
     plan = Plan.from_train(dict(spec.axes), spec.train)
     check = validate(w, plan)
     assert check.compiled_memory <= cluster.memory_bytes
     assert abs(check.memory_ratio - 1) <= 0.10 and abs(check.wire_ratio - 1) <= 0.05, check
-    assert main(["train", "--mesh", str(out), "steps=2"]) == 0
+    assert main(["train", "--mesh", str(out), "steps=2", "model.layers=2"]) == 0

@@ -20,32 +20,32 @@ import numpy as np
 
 # Fitted on the CPU backend (fp32, jax 0.10.2) with `python -m shardlib.planner.calibration`.
 COEFFICIENTS: dict[str, float] = {
-    "layer_h": 7.992,  # elements of width h saved per token per layer (norms, residual)
-    "layer_qkv": 0.936,  # ... of width (heads + 2 kv_heads) x head_dim, split by tensor
-    "layer_mlp": 6.293,  # ... of width mlp, split by tensor
-    "layer_scores": 3.52,  # ... of width heads x seq (scores, probabilities)
-    "head_vocab": 0.745,  # fp32 logits-sized buffers of the loss (logits, softmax, gradient)
-    "head_h": 4.58,  # fp32 h-sized buffers around the head
+    "layer_h": 3.123,  # elements of width h saved per token per layer (norms, residual)
+    "layer_qkv": 3.654,  # ... of width (heads + 2 kv_heads) x head_dim, split by tensor
+    "layer_mlp": 6.552,  # ... of width mlp, split by tensor
+    "layer_scores": 2.891,  # ... of width heads x seq (scores, probabilities)
+    "head_vocab": 0.975,  # fp32 logits-sized buffers of the loss (logits, softmax, gradient)
+    "head_h": 12.654,  # fp32 h-sized buffers around the head
     "fsdp_layers_live": 0.0,  # gathered layers live at once under FSDP (beyond the grads')
-    "fsdp_outer_live": 1.282,  # gathered embedding/head copies live at once
-    "grad_layers_live": 1.084,  # a layer's unreduced gradient in flight
-    "fixed_bytes": 379177.738,  # runtime scratch independent of the model
-    "selective_h": 5.348,  # remat=selective: elements of width h saved per token per layer
-    "selective_qkv": 0.0,  # ... of the q/k/v width
-    "selective_mlp": 1.406,  # ... of the MLP width
-    "full_h": 2.688,  # remat=full: elements of width h saved per token per layer (the input)
-    "remat_scores": 2.115,  # remat: heads x seq elements per token of the layer recomputed
-    "update_live": 0.251,  # fp32 parameter-sized temporaries of the update, per optimizer shard
-    "ring_saved_qkv": 0.01,  # ring attention: elements of the q/k/v width saved per token/layer
-    "ring_working_qkv": 12.922,  # ... live once (one layer's ring working set)
-    "moe_slot_hidden": 6.263,  # MoE: elements of width expert_mlp saved per slot per MoE block
-    "moe_working_hidden": 7.581,  # ... live once (one MoE block's backward)
-    "moe_dense_mlp": 3.346,  # MoE models: extra elements of width mlp per dense block
-    "pipe_logits": 0.475,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
-    "pipe_tables": 0.706,  # ... extra fp32 vocab x embed tables (their gradients)
-    "pipe_circular_weights": 0.684,  # circular: a round's weights saved again per loop trip
+    "fsdp_outer_live": 1.192,  # gathered embedding/head copies live at once
+    "grad_layers_live": 0.177,  # a layer's unreduced gradient in flight
+    "fixed_bytes": 540544.59,  # runtime scratch independent of the model
+    "selective_h": 3.403,  # remat=selective: elements of width h saved per token per layer
+    "selective_qkv": 0.531,  # ... of the q/k/v width
+    "selective_mlp": 1.061,  # ... of the MLP width
+    "full_h": 1.8,  # remat=full: elements of width h saved per token per layer (the input)
+    "remat_scores": 1.256,  # remat: heads x seq elements per token of the layer recomputed
+    "update_live": 0.311,  # fp32 parameter-sized temporaries of the update, per optimizer shard
+    "ring_saved_qkv": 2.266,  # ring attention: elements of the q/k/v width saved per token/layer
+    "ring_working_qkv": 1.133,  # ... live once (one layer's ring working set)
+    "moe_slot_hidden": 6.469,  # MoE: elements of width expert_mlp saved per slot per MoE block
+    "moe_working_hidden": 6.591,  # ... live once (one MoE block's backward)
+    "moe_dense_mlp": 5.969,  # MoE models: extra elements of width mlp per dense block
+    "pipe_logits": 0.295,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
+    "pipe_tables": 0.236,  # ... extra fp32 vocab x embed tables (their gradients)
+    "pipe_circular_weights": 0.645,  # circular: a round's weights saved again per loop trip
 }
-# Fit residuals on the 65 probes: memory within 6.7% (max), collective bytes exact.
+# Fit residuals on the 74 probes: memory within 5.7% (max), collective bytes exact.
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
 
@@ -86,6 +86,16 @@ PROBES: tuple[tuple[dict[str, int], str], ...] = (
     ({"data": 8}, "batch=16 model.layers=4 model.mlp=2048"),
     ({"data": 4, "tensor": 2}, "batch=8 model.layers=4 model.mlp=2048"),
     ({"data": 8}, "batch=16 model.layers=4 model.heads=16 model.kv_heads=8 model.head_dim=16"),
+    ({"fsdp": 4, "tensor": 2}, "batch=16 model.layers=6 model.kv_heads=8"),
+    ({"fsdp": 2, "tensor": 4}, "batch=16 model.layers=2 model.kv_heads=8 seq=256"),
+    ({"fsdp": 8}, "batch=16 model.layers=4 seq=64 microbatches=2"),
+    ({"fsdp": 8}, "batch=32 model.layers=2 microbatches=4"),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, "batch=16 model.layers=4 seq=256"),
+    # one sequence per device, as on large meshes
+    ({"fsdp": 4, "tensor": 2}, "batch=4 model.layers=4 seq=256 remat=full"),
+    ({"data": 2, "fsdp": 4}, "batch=8 model.layers=4 seq=256 remat=selective"),
+    ({"fsdp": 8}, "batch=8 model.layers=4 seq=256 remat=selective"),
+    ({"data": 8}, "batch=8 model.layers=4 seq=256 remat=full"),
 )
 _MOE = "model=moe-tiny model.embed=256 model.mlp=1024 model.heads=8 model.kv_heads=4"
 _MOE += " model.head_dim=32 model.layers=4 model.moe_every=2 model.expert_mlp=512"
@@ -178,8 +188,14 @@ def predicted_memory(mesh_sizes, overrides, calib) -> float:
     return estimate(workload, plan, backend="cpu", calib=calib).memory_bytes
 
 
-def fit(records: list[dict]) -> dict[str, float]:
-    """Least squares (relative error) of compiled memory on the model's free coefficients."""
+def fit(records: list[dict], rounds: int = 60) -> dict[str, float]:
+    """Fit the free coefficients to compiled memory, minimising the *worst* relative error.
+
+    The target is a bound on every plan (the issue's "within 10%"), not a good average, so
+    the least-squares fit is reweighted the way Lawson's algorithm approaches the minimax
+    solution: each round multiplies a probe's weight by its current error, so the probes
+    the fit serves worst pull hardest in the next round.
+    """
     zero = dict.fromkeys(FREE, 0.0)
     rows, target = [], []
     for r in records:
@@ -188,8 +204,17 @@ def fit(records: list[dict]) -> dict[str, float]:
         rows.append([c / r["memory"] for c in cols])
         target.append((r["memory"] - base) / r["memory"])
     a, b = np.array(rows), np.array(target)
-    coef = _nonnegative_lstsq(a, b)
-    return {k: round(float(v), 3) for k, v in zip(FREE, coef, strict=True)}
+    weights = np.full(len(b), 1.0 / len(b))
+    best, best_err = None, np.inf
+    for _ in range(rounds):
+        root = np.sqrt(weights)[:, None]
+        coef = _nonnegative_lstsq(a * root, b * root[:, 0])
+        err = np.abs(a @ coef - b)
+        if err.max() < best_err:
+            best, best_err = coef, err.max()
+        weights = weights * np.maximum(err, 1e-9)
+        weights /= weights.sum()
+    return {k: round(float(v), 3) for k, v in zip(FREE, best, strict=True)}
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:

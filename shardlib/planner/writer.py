@@ -36,7 +36,15 @@ def train_settings(workload: Workload, est: Estimate) -> dict:
         "seq": workload.seq,
         "precision": workload.precision,
         **est.plan.train_overrides(),
+        **{
+            name: getattr(workload.cfg, name.removeprefix("model."))
+            for name in (word.split("=", 1)[0] for word in model_overrides(workload))
+        },
     }
+
+
+def _toml_key(k: str) -> str:
+    return f'"{k}"' if "." in k else k
 
 
 def _toml_value(v) -> str:
@@ -52,18 +60,17 @@ def _toml_value(v) -> str:
 def plan_toml(workload: Workload, est: Estimate, cluster: Cluster) -> str:
     p = est.plan
     train = train_settings(workload, est)
-    extra = " ".join(model_overrides(workload))
     lines = [
         f"# Use this when: training {workload.model} (global batch {workload.global_batch}, seq "
         f"{workload.seq}) on {cluster.name}.",
         "# Written by `shardlib plan`; predicted per device: "
         f"{format_bytes(est.memory_bytes)}, step {est.step_s:.4g} s, MFU {est.mfu:.1%}.",
-        f"# Run: shardlib train --mesh <this file>{' ' + extra if extra else ''}",
+        "# Run: shardlib train --mesh <this file>",
     ]
     if cluster.platform:
         lines.append(f'platform = "{cluster.platform}"')
     lines += ["", "[mesh]"] + [f"{name} = {size}" for name, size in p.axes]
-    lines += ["", "[train]"] + [f"{k} = {_toml_value(v)}" for k, v in train.items()]
+    lines += ["", "[train]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in train.items()]
     lines += [
         "",
         "[plan]",
