@@ -152,5 +152,5 @@ def test_prediction_matches_the_compiled_step(workload, plan):
     from shardlib.planner.validate import validate
 
     check = validate(workload, plan)
-    assert abs(check.memory_ratio - 1) <= 0.05, check
-    assert abs(check.wire_ratio - 1) <= 0.02, check
+    assert abs(check.memory_ratio - 1) <= 0.10, check  # the target
+    assert abs(check.wire_ratio - 1) <= 0.02, check  # the collective terms are exact formulas
