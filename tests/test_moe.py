@@ -287,3 +287,13 @@ def test_moe_with_a_stage_axis_is_refused_before_compiling():
     cfg = parse_overrides(["model=moe-tiny", "model.layers=4", "batch=8", "seq=16"])
     with pytest.raises(ShardingError, match="not pipelined"):
         make_setup(cfg, mesh_spec(stage=2, data=4).build())
+
+
+def test_moe_with_a_context_axis_is_refused_before_compiling():
+    from shardlib import ShardingError, mesh_spec
+    from shardlib.train.config import parse_overrides
+    from shardlib.train.setup import make_setup
+
+    cfg = parse_overrides(["model=moe-tiny", "batch=8", "seq=16"])
+    with pytest.raises(ShardingError, match="context axis"):
+        make_setup(cfg, mesh_spec(context=2, data=4).build())

@@ -58,11 +58,17 @@ def check(cfg, model_cfg, mesh, rules) -> None:
     """Validate remat, pipeline and offload settings against model and mesh (no compiling)."""
     parse_remat(cfg.remat, model_checkpoint_names(model_cfg))
     axes = mesh_axes(mesh)
+    from models.moe import MoeConfig
+
+    if isinstance(model_cfg, MoeConfig) and axes.get(Axis.CONTEXT, 1) > 1:
+        raise ShardingError(  # ring/all-gather attention hand the blocks token positions
+            f"model {cfg.model}: a context axis splits the sequence for ring attention, which "
+            "the MoE model's blocks do not take (they route whole sequences). Fix: drop the "
+            "context axis (use expert/data/fsdp/tensor axes) for MoE models."
+        )
     spec = pipeline_spec(cfg, axes)
     if spec is None:
         return
-    from models.moe import MoeConfig
-
     if isinstance(model_cfg, MoeConfig):  # its layer loop carries router statistics
         raise ShardingError(
             f"model {cfg.model}: pipeline stages need one stack of identical blocks; the MoE "
