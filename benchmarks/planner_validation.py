@@ -104,6 +104,16 @@ CASES = {
             {"layers": 8},
             dict(fsdp=2, stage=2, microbatches=2, schedule="interleaved", virtual=2),
         ),
+        # published widths: the plan `shardlib plan` writes for llama-7b on 8 H100s, and more
+        ("llama-7b", 64, 2048, {}, dict(fsdp=8, microbatches=4, remat="selective")),
+        ("llama-7b", 32, 4096, {"layers": 4}, dict(fsdp=4, context=2)),
+        (
+            "llama-1b",
+            32,
+            2048,
+            {"layers": 8},
+            dict(data=2, stage=4, microbatches=8, schedule="1f1b"),
+        ),
     ],
     64: [
         ("llama-small", 64, 128, {"layers": 4}, dict(data=64)),
@@ -148,6 +158,8 @@ CASES = {
             {"layers": 8},
             dict(data=16, stage=2, fsdp=2, microbatches=4, schedule="interleaved", virtual=2),
         ),
+        ("llama-7b", 128, 2048, {"layers": 8}, dict(data=8, fsdp=8, remat="full")),
+        ("llama-7b", 64, 4096, {"layers": 4}, dict(fsdp=16, context=2, tensor=2)),
     ],
 }
 
