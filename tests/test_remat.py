@@ -18,7 +18,14 @@ from shardlib.train.setup import make_setup
 from shardlib.train.step import make_loss_fn
 
 BASE = TrainConfig(steps=3, batch=8, seq=16, warmup=1, model_overrides=(("layers", 8),))
-POLICIES = ("none", "full", "dots", "names:mlp_hidden,attn_context", "offload:mlp_hidden")
+POLICIES = (
+    "none",
+    "full",
+    "dots",
+    "selective",
+    "names:mlp_hidden,attn_context",
+    "offload:mlp_hidden",
+)
 
 
 def _cfg(**overrides) -> TrainConfig:
@@ -69,9 +76,12 @@ def test_remat_policy_trains_exactly_like_none(policy, runs):
 
 
 def test_remat_memory_and_the_extra_forward(runs):
-    """temp bytes: full < dots < none; full remat costs about one more forward (~1.33x)."""
+    """temp bytes: full < dots < none and full < selective < none (selective drops the
+    attention scores that dots keeps); full remat costs about one more forward (~1.33x)."""
     none, dots, full = (runs(remat=p) for p in ("none", "dots", "full"))
+    selective = runs(remat="selective")
     assert full[1] < dots[1] < none[1], (none[1], dots[1], full[1])
+    assert full[1] < selective[1] < none[1], (none[1], selective[1], full[1])
     assert 1.2 <= full[2] / none[2] <= 1.4, full[2] / none[2]
 
 
