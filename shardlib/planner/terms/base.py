@@ -102,6 +102,16 @@ class Context:
         p = self.p
         return param_table(self.w, p.data, p.fsdp, p.tensor, p.expert)
 
+    @cached_property
+    def layer_elements(self) -> float:
+        """One layer's parameter elements on one device (every axis's split)."""
+        return sum(param.numel / ways for param, ways, _ in self.table if param.per_layer)
+
+    @cached_property
+    def layer_elements_gathered(self) -> float:
+        """... as FSDP gathers them (every split but the fsdp axis's)."""
+        return sum(param.numel / ways for param, _, ways in self.table if param.per_layer)
+
     def param_copies(self, param: ParamInfo) -> int:
         """How many copies of a per-layer parameter one device's program holds (its layers)."""
         return self.layers_per_device if param.per_layer else 1

@@ -83,7 +83,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
     ]
     names = tuple(a for a, _ in replica_axes(ctx))
     if p.zero and names:  # the updated parameters come back
-        layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+        layer = ctx.layer_elements
         outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
         total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
         group = p.data * p.context

@@ -177,7 +177,7 @@ def pipeline(ctx: Context) -> Contribution:
         ),
     ]
     if p.schedule == "interleaved" and p.virtual > 1:
-        layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+        layer = ctx.layer_elements
         held = layer * ctx.layers_per_device
         group = min(p.virtual, p.stage)
         for nbytes in (w.compute_bytes, MASTER_BYTES):  # weights forward, gradients back
@@ -203,7 +203,7 @@ def pipeline(ctx: Context) -> Contribution:
             (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.cfg.vocab / p.tensor * 4
         )
         if p.schedule == "interleaved":
-            layer = sum(param.numel / ways for param, ways, _ in ctx.table if param.per_layer)
+            layer = ctx.layer_elements
             per_round = layer * ctx.layers_per_device / p.virtual * w.compute_bytes
             buffers += c["pipe_circular_weights"] * trips * per_round
     return Contribution(

@@ -43,7 +43,7 @@ def state(ctx: Context) -> Contribution:
     accumulates = p.microbatches > 1 if p.stage == 1 else p.schedule == "1f1b"
     accumulator = grads / (p.data if p.zero >= 2 else 1) if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
-    in_flight = sum(param.numel / ways for param, _, ways in ctx.table if param.per_layer)
+    in_flight = ctx.layer_elements_gathered
     live = ctx.calib["grad_layers_live"]
     if p.stage > 1 and p.schedule == "1f1b":  # a stage's vjp returns all its L/p layers' at once
         live += ctx.layers_per_device - 1
