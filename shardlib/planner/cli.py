@@ -84,12 +84,14 @@ def _validate(result, workload: Workload, k: int, console: Console) -> None:
 
     simulate_cpu_devices(result.best[0].plan.size)
     table = Table(title="predicted (cpu backend, fp32) vs compiled, per device and step")
-    for col in ("mesh", "memory pred", "compiled", "ratio", "wire pred", "compiled", "ratio"):
-        table.add_column(col, justify="left" if col == "mesh" else "right")
+    cols = ("mesh", "knobs", "memory pred", "compiled", "ratio", "wire pred", "compiled", "ratio")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("mesh", "knobs") else "right")
     for est in result.best[:k]:
         check = validate(workload, est.plan)
         table.add_row(
             est.plan.mesh_text(),
+            est.plan.knobs_text(),
             format_bytes(check.predicted_memory),
             format_bytes(check.compiled_memory),
             f"{check.memory_ratio:.3f}",
