@@ -100,9 +100,14 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
                         )
 
 
+def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
+    """Sequences per batch replica (data, FSDP and expert replicas each get their own rows)."""
+    return workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+
+
 def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Iterator[list[Plan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
-    per_replica = workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+    per_replica = _per_replica(workload, mesh)
     # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
     # merges and places the reductions in ways the cost model does not follow (compiled:
     # HSDP + ZeRO-2 memory 1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those
@@ -157,7 +162,7 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
     options = [("none", 1, 1)]
     if mesh["stage"] > 1:
-        per_replica = workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+        per_replica = _per_replica(workload, mesh)
         m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
         options = [("gpipe", 1, m)] + [("interleaved", v, m) for v in space.virtual]
     bound = math.inf

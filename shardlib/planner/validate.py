@@ -52,19 +52,13 @@ class Check:
 
 
 def train_config(workload: Workload, plan: Plan, precision: str = "fp32"):
-    """The ``TrainConfig`` that runs ``plan`` (what ``plan_toml`` writes, as overrides)."""
-    from shardlib.planner.writer import model_overrides
+    """The ``TrainConfig`` that runs ``plan``: the [train] table ``plan_toml`` writes, read
+    the way ``shardlib train --mesh`` reads it (at ``precision``)."""
+    from shardlib.planner.writer import train_table
     from shardlib.train.config import parse_overrides
 
-    words = [
-        f"model={workload.model}",
-        f"batch={workload.global_batch}",
-        f"seq={workload.seq}",
-        f"precision={precision}",
-        *(f"{k}={v}" for k, v in plan.train_overrides().items()),
-        *model_overrides(workload),
-    ]
-    return parse_overrides(words)
+    table = {**train_table(workload, plan), "precision": precision}
+    return parse_overrides([f"{k}={v}" for k, v in table.items()])
 
 
 def validate(workload: Workload, plan: Plan) -> Check:

@@ -11,35 +11,34 @@ from __future__ import annotations
 import dataclasses
 
 from shardlib.explain.report import format_bytes
+from shardlib.planner.candidate import Plan
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate
 from shardlib.planner.workload import Workload
 
 
-def model_overrides(workload: Workload) -> list[str]:
-    """``model.NAME=VALUE`` words for the fields that differ from the preset."""
+def model_fields(workload: Workload) -> dict[str, object]:
+    """``model.NAME`` -> value for the model fields that differ from the preset."""
     import models
 
     preset = models.config(workload.model)
-    return [
-        f"model.{f.name}={getattr(workload.cfg, f.name)}"
+    return {
+        f"model.{f.name}": getattr(workload.cfg, f.name)
         for f in dataclasses.fields(preset)
         if getattr(workload.cfg, f.name) != getattr(preset, f.name)
-    ]
+    }
 
 
-def train_settings(workload: Workload, est: Estimate) -> dict:
-    """The [train] table: the workload, and every knob of the plan as its TrainConfig field."""
+def train_table(workload: Workload, plan: Plan) -> dict[str, object]:
+    """The [train] table that runs ``plan``: the workload, every knob of the plan as its
+    ``TrainConfig`` field (``Plan.train_overrides``) and the model fields that differ."""
     return {
         "model": workload.model,
         "batch": workload.global_batch,
         "seq": workload.seq,
         "precision": workload.precision,
-        **est.plan.train_overrides(),
-        **{
-            name: getattr(workload.cfg, name.removeprefix("model."))
-            for name in (word.split("=", 1)[0] for word in model_overrides(workload))
-        },
+        **plan.train_overrides(),
+        **model_fields(workload),
     }
 
 
@@ -59,7 +58,7 @@ def _toml_value(v) -> str:
 
 def plan_toml(workload: Workload, est: Estimate, cluster: Cluster) -> str:
     p = est.plan
-    train = train_settings(workload, est)
+    train = train_table(workload, p)
     lines = [
         f"# Use this when: training {workload.model} (global batch {workload.global_batch}, seq "
         f"{workload.seq}) on {cluster.name}.",

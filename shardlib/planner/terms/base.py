@@ -112,6 +112,27 @@ class Context:
         """... as FSDP gathers them (every split but the fsdp axis's)."""
         return sum(param.numel / ways for param, _, ways in self.table if param.per_layer)
 
+    @cached_property
+    def held_elements(self) -> float:
+        """Parameter elements on one device: its layers, and the embedding, final norm and
+        head (the trainer runs those outside the pipeline: every stage holds them)."""
+        outer = sum(param.numel / ways for param, ways, _ in self.table if not param.per_layer)
+        return self.layer_elements * self.layers_per_device + outer
+
+    @property
+    def scatter_kind(self) -> str:
+        """How a reduce-scatter compiles: the CPU backend emits an all-reduce + slice (2x the
+        wire bytes; what compiled validation measures), the GPU/TPU pipelines a reduce-scatter."""
+        return "all-reduce" if self.backend == "cpu" else "reduce-scatter"
+
+    @cached_property
+    def trips(self) -> int:
+        """Pipeline loop iterations (``terms.pipeline.iterations``); 1 without stages."""
+        from shardlib.planner.terms.pipeline import iterations
+
+        p = self.p
+        return iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+
     def param_copies(self, param: ParamInfo) -> int:
         """How many copies of a per-layer parameter one device's program holds (its layers)."""
         return self.layers_per_device if param.per_layer else 1
@@ -136,11 +157,8 @@ class Context:
         p = self.p
         if p.stage == 1:
             return self.layers_per_device * p.microbatches
-        from shardlib.planner.terms.pipeline import iterations
-
         v = p.virtual if p.schedule == "interleaved" else 1
-        trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
-        return self.layers_per_device / v * trips
+        return self.layers_per_device / v * self.trips
 
     @property
     def micro_batch(self) -> int:

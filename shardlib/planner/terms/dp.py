@@ -51,8 +51,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
     layer_count, outer_count = gradient_reductions(ctx)  # with stages: the schedule's loop
     data, context = str(Axis.DATA), str(Axis.CONTEXT)
     sizes = {data: p.data, context: p.context, expert: p.expert}
-    scatter = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
-    kind = scatter if p.zero else "all-reduce"
+    kind = ctx.scatter_kind if p.zero else "all-reduce"
 
     # bytes per (axes of one all-reduce, inside the layer loop or not)
     buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
@@ -83,9 +82,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
     ]
     names = tuple(a for a, _ in replica_axes(ctx))
     if p.zero and names:  # the updated parameters come back
-        layer = ctx.layer_elements
-        outer = sum(param.numel / ways for param, ways, _ in ctx.table if not param.per_layer)
-        total = (layer * ctx.layers_per_device + outer) * MASTER_BYTES
+        total = ctx.held_elements * MASTER_BYTES
         group = p.data * p.context
         comms.append(Comm("dp", "params", "all-gather", names, group, total, 1, True))
         if p.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch

@@ -41,7 +41,7 @@ def fsdp(ctx: Context) -> Contribution:
         layer_gathers = passes * ctx.layers_per_device
     else:
         layer_gathers = passes * ctx.layer_runs
-    grad_kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
+    grad_kind = ctx.scatter_kind
     weight_bytes = w.compute_bytes
     outside = _GATHERS_OUTSIDE if p.tensor > 1 else _GATHERS_OUTSIDE_NO_TENSOR
     # the per-layer tensors travel as separate collectives: listed once, ``ops`` of them
@@ -123,11 +123,10 @@ def _head_over_stage_comms(ctx: Context, full: float, grads: float) -> list[Comm
     axes = (str(Axis.STAGE), str(Axis.FSDP))
     stage = (str(Axis.STAGE),)
     back = grads if p.schedule == "1f1b" else 1
-    kind = "all-reduce" if ctx.backend == "cpu" else "reduce-scatter"
-    wb = w.compute_bytes
+    kind, wb, grad = ctx.scatter_kind, w.compute_bytes, full * MASTER_BYTES / p.fsdp
     return [
         Comm("fsdp", "weights", "collective-permute", axes, p.stage, full * wb / p.stage, 1, True),
         Comm("fsdp", "weights", "all-gather", stage, p.stage, full * wb, 1, True),
-        Comm("fsdp", "grads", "collective-permute", axes, p.stage, full * 4 / p.fsdp, back, True),
-        Comm("fsdp", "grads", kind, (str(Axis.FSDP),), p.fsdp, full * 4 / p.fsdp, grads, True),
+        Comm("fsdp", "grads", "collective-permute", axes, p.stage, grad, back, True),
+        Comm("fsdp", "grads", kind, (str(Axis.FSDP),), p.fsdp, grad, grads, True),
     ]

@@ -116,7 +116,7 @@ def layer_sets_saved(ctx: Context) -> float:
     if p.schedule == "1f1b":
         return 1.0
     v = p.virtual if p.schedule == "interleaved" else 1
-    return iterations(p.schedule, p.stage, p.microbatches, p.virtual) / v
+    return ctx.trips / v
 
 
 def gradient_reductions(ctx: Context) -> tuple[float, float]:
@@ -130,9 +130,8 @@ def gradient_reductions(ctx: Context) -> tuple[float, float]:
     p = ctx.p
     if p.stage == 1:
         return ctx.layers_per_device * p.microbatches, p.microbatches
-    trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
     if p.schedule == "1f1b":
-        return ctx.layers_per_device * trips, trips
+        return ctx.layers_per_device * ctx.trips, ctx.trips
     return ctx.layer_runs, 1
 
 
@@ -167,7 +166,7 @@ def pipeline(ctx: Context) -> Contribution:
     if p.stage <= 1:
         return Contribution()
     axes, n = (str(Axis.STAGE),), p.stage
-    trips = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+    trips = ctx.trips
     bsh = ctx.micro_batch * ctx.local_seq * w.embed * w.compute_bytes
     permutes = FORWARD_PERMUTES[p.schedule] + BACKWARD_PERMUTES[p.schedule]
     comms = [

@@ -17,22 +17,9 @@ from __future__ import annotations
 from shardlib.planner.terms.base import ADAM_BYTES, MASTER_BYTES, Context, Contribution
 
 
-def held_elements(ctx: Context) -> float:
-    """Parameter elements on one device (the heaviest pipeline stage)."""
-    total, outer = 0.0, []
-    for param, ways, _ in ctx.table:
-        n = param.numel / ways
-        if param.per_layer:
-            total += n * ctx.layers_per_device
-        else:
-            outer.append(n)
-    # the trainer runs embedding and head outside the pipeline: every stage holds both
-    return total + sum(outer)
-
-
 def state(ctx: Context) -> Contribution:
     p = ctx.p
-    n = held_elements(ctx)
+    n = ctx.held_elements
     params = n * MASTER_BYTES
     opt = n * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
     # the step's computed gradients are whole before they are reduced, at every ZeRO stage

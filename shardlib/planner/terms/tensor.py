@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution
-from shardlib.planner.terms.pipeline import iterations
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
@@ -29,7 +28,7 @@ def tensor(ctx: Context) -> Contribution:
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
     if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run in every loop trip
-        m = iterations(p.schedule, p.stage, p.microbatches, p.virtual)
+        m = ctx.trips
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
     # all-reduce is not needed for the backward pass)
