@@ -169,6 +169,14 @@ class LayoutReport:
     warnings: tuple[str, ...] = ()
 
     @property
+    def host_argument_bytes(self) -> int:
+        """Per device, the arguments whose sharding places them in host memory. The CPU
+        backend's ``memory_analysis`` counts them with the device arguments (jax 0.10)."""
+        from shardlib.train.layouts import HOST_KINDS
+
+        return sum(t.bytes_per_device for t in self.tensors if t.memory_kind in HOST_KINDS)
+
+    @property
     def collective_totals(self) -> dict[str, dict[str, float]]:
         """Per collective kind: executions, buffer bytes and wire bytes per step."""
         return _totals(self.collectives, lambda op: op.kind)

@@ -81,7 +81,7 @@ def zero_figures(setup, devices: int) -> ZeroFigures:
     report = explain(
         setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=setup.mesh
     )
-    host = sum(t.bytes_per_device for t in report.tensors if t.memory_kind in HOST_KINDS)
+    host = report.host_argument_bytes
     device = sum(t.bytes_per_device for t in report.tensors if t.memory_kind not in HOST_KINDS)
     totals = report.collective_totals
     wire = sum(v["wire_bytes"] for v in totals.values())

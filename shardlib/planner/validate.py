@@ -16,7 +16,6 @@ from shardlib.errors import ShardingError
 from shardlib.planner.candidate import Plan
 from shardlib.planner.cost import estimate
 from shardlib.planner.workload import Workload
-from shardlib.train.layouts import HOST_KINDS
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,7 @@ def validate(workload: Workload, plan: Plan) -> Check:
     setup = make_setup(cfg, mesh)
     report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
     pred = estimate(fp32, plan, backend="cpu")
-    # the CPU backend counts pinned_host arguments as device arguments: move them apart
-    host = sum(t.bytes_per_device for t in report.tensors if t.memory_kind in HOST_KINDS)
+    host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     return Check(
         plan=plan,
         predicted_memory=pred.memory_bytes,
