@@ -55,6 +55,8 @@ class MeshSpec:
     """Optional ``[train]`` overrides carried by the preset (e.g. written by the planner)."""
     platform: str | None = None
     """``"cpu"``: a preset for simulated CPU devices (the CLI creates as many as it needs)."""
+    parallel: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The preset's ``[parallel.*]`` strategy tables (read by ``ParallelPlan``)."""
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.axes]
@@ -75,7 +77,7 @@ class MeshSpec:
                 "'the devices that are left'. Fix: give all but one a size."
             )
         for n, s in self.axes:
-            if not isinstance(s, int) or (s < 1 and s != -1):
+            if not isinstance(s, int) or isinstance(s, bool) or (s < 1 and s != -1):
                 raise ShardingError(
                     f"mesh {self.source}: axis {n!r} has size {s!r}; sizes are positive "
                     "integers or -1."
@@ -160,6 +162,7 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         source=str(path),
         train=doc.get("train", {}),
         platform=doc.get("platform"),
+        parallel=doc.get("parallel", {}),
     )
 
 

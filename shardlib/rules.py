@@ -41,6 +41,8 @@ LOGICAL_NAMES = (
     "expert",  # experts of a mixture-of-experts layer
     "batch_no_expert",  # groups dim of dispatched MoE tokens: batch axes minus the expert axis
 )
+MEGATRON_DIMS = ("heads", "kv_heads", "mlp", "vocab")
+"""The dims Megatron tensor parallelism splits (1D, and the column axis of 2D/3D)."""
 
 
 def _freeze(table: Mapping[str, tuple[str, ...] | str | None]) -> Mapping[str, tuple[str, ...]]:

@@ -18,13 +18,16 @@ positions travel with the tokens (``positions_L``) into RoPE and the causal mask
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from shardlib.attention import AttentionPlan, check_ulysses
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.rules import Rules
+from shardlib.target import Target
 
 
 def context_parallel(*, axis: str = Axis.CONTEXT) -> Rules:
@@ -45,39 +48,66 @@ def reorder_tokens(tokens_BL1, plan: AttentionPlan):
     return inputs_BL[:, order], targets_BL[:, order], jnp.asarray(order, jnp.int32)
 
 
-def attention_plan(cfg, mesh_axes: Mapping[str, int], rules: Rules, model_cfg) -> AttentionPlan:
-    """The attention plan of a train config on a mesh, checked before anything compiles."""
-    size = mesh_axes.get(Axis.CONTEXT)
-    plan = AttentionPlan(
-        context=cfg.attention if size is not None else "none",
-        impl=cfg.attention_impl,
-        chunk=cfg.attention_chunk,
-        load_balance=cfg.load_balance,
-        axis=Axis.CONTEXT,
-        axis_size=size or 1,
-    )
-    if size is None:
-        return plan
-    if plan.context == "none":
-        raise ShardingError(
-            "the mesh has a context axis but attention=none. Fix: attention=ring, all_to_all "
-            "or all_gather, or drop the context axis."
-        )
-    if plan.impl == "cudnn" and plan.context != "all_to_all":
-        raise ShardingError(
-            f"attention_impl=cudnn with attention={plan.context}: cuDNN's fused kernel takes "
-            "whole, naturally ordered sequences only. Fix: attention=all_to_all, or "
-            "attention_impl=dense|chunked."
-        )
-    plan.token_order(cfg.seq)  # raises when seq does not split into 2N zig-zag chunks
-    if plan.context == "all_to_all":
-        from jax.sharding import PartitionSpec as P
+@dataclass(frozen=True)
+class ContextParallel:
+    """``[parallel.context]``: the sequence over a ``context`` axis, and the attention kernel."""
 
-        def spec(name):
-            axes = rules.activations.get(name, ())
-            return P(None, None, axes or None)
+    attention: str = "ring"
+    """Attention across the ``context`` axis: ring | all_to_all (Ulysses) | all_gather."""
+    attention_impl: str = "dense"
+    """Attention on each device: dense | chunked (online softmax) | cudnn (GPU only)."""
+    attention_chunk: int = 512
+    """Query/key block length of chunked attention (and of ring attention's inner blocks)."""
+    load_balance: bool = True
+    """Ring/all-gather attention: zig-zag token order so causal work is equal per device."""
 
-        heads, kv_heads = model_cfg.heads, model_cfg.kv_heads
-        axes = dict(mesh_axes)
-        check_ulysses(heads, kv_heads, spec("heads"), spec("kv_heads"), axes, Axis.CONTEXT)
-    return plan
+    def __post_init__(self) -> None:
+        self.attention_plan({})  # unknown kinds and bad chunks fail when the plan is made
+
+    def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
+        return [context_parallel(axis=Axis.CONTEXT)] if Axis.CONTEXT in mesh_axes else []
+
+    def attention_plan(self, mesh_axes: Mapping[str, int]) -> AttentionPlan:
+        """How ``shardlib.ops.attention`` runs on this mesh."""
+        size = mesh_axes.get(Axis.CONTEXT)
+        return AttentionPlan(
+            context=self.attention if size is not None else "none",
+            impl=self.attention_impl,
+            chunk=self.attention_chunk,
+            load_balance=self.load_balance,
+            axis=Axis.CONTEXT,
+            axis_size=size or 1,
+        )
+
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target: Target) -> None:
+        """Kernel, token order and Ulysses head counts, before anything compiles."""
+        plan = self.attention_plan(mesh_axes)
+        if plan.impl == "cudnn" and plan.context not in ("none", "all_to_all"):
+            raise ShardingError(
+                f"attention_impl=cudnn with attention={plan.context}: cuDNN's fused kernel takes "
+                "whole, naturally ordered sequences only. Fix: attention=all_to_all, or "
+                "attention_impl=dense|chunked."
+            )
+        if Axis.CONTEXT not in mesh_axes:
+            return
+        if plan.context == "none":
+            raise ShardingError(
+                "the mesh has a context axis but attention=none. Fix: attention=ring, "
+                "all_to_all or all_gather, or drop the context axis."
+            )
+        if target.experts and mesh_axes.get(Axis.CONTEXT, 1) > 1:
+            raise ShardingError(  # routing priorities follow token order within a sequence
+                "a context axis splits and reorders each sequence, while the MoE router ranks "
+                "a sequence's tokens in their natural order (capacity drops would change). "
+                "Fix: drop the context axis (use expert/data/fsdp/tensor axes) for MoE models."
+            )
+        plan.token_order(target.seq)  # raises when seq does not split into 2N zig-zag chunks
+        if plan.context == "all_to_all":
+
+            def spec(name):
+                axes = rules.activations.get(name, ())
+                return P(None, None, axes or None)
+
+            heads, kv_heads = target.dims.get("heads", 1), target.dims.get("kv_heads", 1)
+            axes = dict(mesh_axes)
+            check_ulysses(heads, kv_heads, spec("heads"), spec("kv_heads"), axes, Axis.CONTEXT)

@@ -4,10 +4,63 @@ Gradients of replicated parameters are summed across the axis by XLA (one all-re
 step, 2(N-1)/N of the gradient bytes on the wire); no communication is written here.
 """
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
-from shardlib.rules import Rules
+from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.fsdp import fsdp
 
 
 def data_parallel(*, axis: str = Axis.DATA) -> Rules:
     """Activations' ``batch`` dim over ``axis``; parameters stay replicated."""
     return Rules(activations={"batch": (axis,)})
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """``[parallel.data]``: batch splitting over ``data`` and ``fsdp``, and the ZeRO stage."""
+
+    zero: int = 0
+    """ZeRO stage over the ``data`` axis: 0 replicated, 1 + optimizer state sharded,
+    2 + gradients sharded, 3 + parameters sharded (FSDP). An ``fsdp`` axis is always ZeRO-3."""
+    microbatches: int = 1
+    """Gradient accumulation: the batch is split into this many sequential micro-batches
+    (under a pipeline, each of them is split again into the pipeline's micro-batches)."""
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ShardingError(f"zero={self.zero}. Fix: use a ZeRO stage 0, 1, 2 or 3.")
+        if self.microbatches < 1:
+            raise ShardingError(f"microbatches={self.microbatches}. Fix: use 1 or more.")
+
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
+        """The batch splits into micro-batches, and each one over the batch's mesh axes."""
+        if target.batch % self.microbatches:
+            raise ShardingError(
+                f"batch={target.batch} is not divisible by microbatches={self.microbatches}. "
+                "Fix: choose a batch that is a multiple of microbatches."
+            )
+        mb = target.micro_batch
+        resolve_spec(
+            f"batch (one micro-batch of {mb} sequences)",
+            (mb, target.seq + 1),
+            ("batch", None),
+            rules,
+            mesh_axes,
+            "activations",
+        )
+        resolve_spec(
+            "activations [batch, seq, embed]",
+            (mb, target.seq, 1),
+            ("batch", "seq", None),
+            rules,
+            mesh_axes,
+            "activations",
+        )
+
+    def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
+        """Data parallel over ``data``, FSDP over ``fsdp`` (outer axis first)."""
+        parts = [data_parallel(axis=Axis.DATA)] if Axis.DATA in mesh_axes else []
+        return parts + ([fsdp(axis=Axis.FSDP)] if Axis.FSDP in mesh_axes else [])

@@ -19,6 +19,8 @@ wire, once to dispatch and once to combine in forward, and twice more in backwar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import jax
@@ -38,6 +40,30 @@ def expert_parallel(*, axis: str = Axis.EXPERT) -> Rules:
         params={"expert": (axis,)},
         activations={"expert": (axis,), "batch": (axis,)},
     )
+
+
+DISPATCHES = ("einsum", "shard_map")
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """``[parallel.expert]``: experts over the ``expert`` axis and how tokens reach them."""
+
+    dispatch: str = "einsum"
+    """einsum: XLA derives the all-to-all; shard_map: shardlib writes it explicitly."""
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCHES:
+            raise ShardingError(
+                f"dispatch={self.dispatch!r}. Fix: use one of {', '.join(DISPATCHES)}."
+            )
+
+    def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
+        return [expert_parallel(axis=Axis.EXPERT)] if Axis.EXPERT in mesh_axes else []
+
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
+        if self.dispatch == "shard_map":
+            expert_axis(rules, dict(mesh_axes))  # the explicit all-to-all's layout needs
 
 
 def with_dispatched_batch(rules: Rules) -> Rules:

@@ -105,6 +105,61 @@ class PipelineSpec:
             )
 
 
+@dataclass(frozen=True)
+class PipelineParallel:
+    """``[parallel.pipeline]``: how the stacked layers run when the mesh has a ``stage`` axis."""
+
+    schedule: str = "gpipe"
+    """gpipe | circular | bounded (1F1B-like); used when the mesh has a stage axis > 1."""
+    microbatches: int = 0
+    """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
+    virtual_stages: int = 1
+    """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ShardingError(
+                f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
+            )
+
+    def rules(self, mesh_axes) -> list[Rules]:
+        return [pipeline_rules(axis=Axis.STAGE)] if Axis.STAGE in mesh_axes else []
+
+    def spec(self, mesh_axes) -> PipelineSpec | None:
+        """The pipeline on this mesh, or None when it has no ``stage`` axis of size > 1."""
+        p = mesh_axes.get(Axis.STAGE, 1)
+        if p == 1:
+            return None
+        return PipelineSpec(
+            stages=p,
+            microbatches=self.microbatches or p,
+            virtual_stages=self.virtual_stages,
+            schedule=self.schedule,
+        )
+
+    def check(self, mesh_axes, rules: Rules, target) -> None:
+        """Schedule, divisibility and what a pipeline cannot carry, before compiling."""
+        spec = self.spec(mesh_axes)
+        if spec is None:
+            return
+        if target.block_stats:  # the stage loop carries only the residual stream
+            raise ShardingError(
+                "pipeline stages carry only the residual stream between blocks; this model's "
+                "blocks also return statistics (an MoE router's). Fix: drop the stage axis "
+                "(use expert/data/fsdp/tensor axes) for this model."
+            )
+        if target.precision == "fp16" and spec.schedule == "bounded":
+            raise ShardingError(
+                "precision=fp16 with pipeline_schedule=bounded: the bounded schedule computes "
+                "its own gradients and does not apply the loss scale. Fix: use precision=bf16, "
+                "or pipeline_schedule=gpipe or circular."
+            )
+        spec.check(target.layers, target.micro_batch)
+        b = target.micro_batch // spec.microbatches
+        what = f"pipeline micro-batch ({target.micro_batch} sequences / {spec.microbatches})"
+        resolve_spec(what, (b, target.seq), ("batch", "seq"), rules, mesh_axes, "activations")
+
+
 def stage_axes():
     """Mesh axes of the activation ``stage`` dim under the active layout (for vmap)."""
     active = active_layout()

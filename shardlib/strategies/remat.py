@@ -90,6 +90,24 @@ def parse_remat(text: str, known_names: tuple[str, ...] = ()) -> RematSpec:
     return RematSpec(mode=mode, names=names)
 
 
+@dataclass(frozen=True)
+class Remat:
+    """``[parallel.remat]``: what each block keeps for the backward pass."""
+
+    policy: str = "none"
+    """none | full | dots | selective | names:<a,b> | offload:<a,b> (module docstring)."""
+
+    def __post_init__(self) -> None:
+        parse_remat(self.policy)  # unknown modes fail when the plan is made
+
+    def spec(self, target=None) -> RematSpec:
+        """The parsed policy; names are checked against the model's tagged intermediates."""
+        return parse_remat(self.policy, target.checkpoint_names if target else ())
+
+    def check(self, mesh_axes, rules, target) -> None:
+        self.spec(target)
+
+
 def remat_block(block_fn: Callable, spec: RematSpec, never_save: tuple[str, ...] = ()) -> Callable:
     """``block_fn`` under ``jax.checkpoint`` with the spec's policy (unchanged for none).
 

@@ -8,13 +8,53 @@ are vocab-parallel. The activations' head and mlp dims follow the weights so tha
 the intermediate results split instead of gathering them.
 """
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
-from shardlib.rules import Rules
-
-_SPLIT = ("heads", "kv_heads", "mlp", "vocab")
-
+from shardlib.rules import MEGATRON_DIMS, Rules
+from shardlib.strategies.sequence import sequence_parallel
+from shardlib.strategies.tensor2d import tensor_2d
+from shardlib.strategies.tensor3d import tensor_3d
 
 def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
     """Heads, kv-heads, MLP hidden and vocab dims over ``axis``, for weights and activations."""
-    table = {name: (axis,) for name in _SPLIT}
+    table = {name: (axis,) for name in MEGATRON_DIMS}
     return Rules(params=table, activations=table)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """``[parallel.tensor]``: Megatron 1D over ``tensor``, 2D/3D when the mesh also has
+    ``tensor2`` (and ``tensor3``), and Megatron sequence parallelism on top of 1D."""
+
+    sequence_parallel: bool = False
+    """Megatron-SP: split the residual stream's tokens over the tensor axis."""
+
+    def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
+        if Axis.TENSOR3 in mesh_axes:
+            parts = [tensor_3d()]
+        elif Axis.TENSOR2 in mesh_axes:
+            parts = [tensor_2d()]
+        elif Axis.TENSOR in mesh_axes:
+            parts = [tensor_parallel(axis=Axis.TENSOR)]
+        else:
+            parts = []
+        if self.sequence_parallel:
+            self._check_sequence_parallel(mesh_axes)
+            parts.append(sequence_parallel(axis=Axis.TENSOR))
+        return parts
+
+    @staticmethod
+    def _check_sequence_parallel(mesh_axes: Mapping[str, int]) -> None:
+        if Axis.TENSOR not in mesh_axes:
+            raise ShardingError(
+                "sequence_parallel=true splits the residual stream over the tensor axis, which "
+                "the mesh lacks. Fix: add a tensor axis, or set sequence_parallel=false."
+            )
+        if Axis.TENSOR2 in mesh_axes or Axis.TENSOR3 in mesh_axes:
+            raise ShardingError(
+                "sequence_parallel=true with 2D/3D tensor parallelism: both split the residual "
+                "stream over the tensor axis (tokens vs width). Fix: drop one of them."
+            )

@@ -19,14 +19,13 @@ to Colossal-AI's figures.
 """
 
 from shardlib.mesh import Axis
-from shardlib.rules import Rules
-from shardlib.strategies.tensor import tensor_parallel
+from shardlib.rules import MEGATRON_DIMS, Rules
 
 
 def tensor_2d(*, column: str = Axis.TENSOR, row: str = Axis.TENSOR2) -> Rules:
     """Megatron's splits over ``column``; weights' embed dim and the batch over ``row``."""
-    megatron = tensor_parallel(axis=column)
+    megatron = {name: (column,) for name in MEGATRON_DIMS}
     return Rules(
-        params={**megatron.params, "embed": (row,)},
-        activations={**megatron.activations, "batch": (row,), "res_embed": (column,)},
+        params={**megatron, "embed": (row,)},
+        activations={**megatron, "batch": (row,), "res_embed": (column,)},
     )

@@ -11,16 +11,15 @@ cube's broadcast-reduce schedule. benchmarks/attention.py prints the measured fi
 """
 
 from shardlib.mesh import Axis
-from shardlib.rules import Rules
-from shardlib.strategies.tensor import tensor_parallel
+from shardlib.rules import MEGATRON_DIMS, Rules
 
 
 def tensor_3d(
     *, column: str = Axis.TENSOR, row: str = Axis.TENSOR2, depth: str = Axis.TENSOR3
 ) -> Rules:
     """Megatron's splits over ``column``; weights' embed and the batch over ``row x depth``."""
-    megatron = tensor_parallel(axis=column)
+    megatron = {name: (column,) for name in MEGATRON_DIMS}
     return Rules(
-        params={**megatron.params, "embed": (row, depth)},
-        activations={**megatron.activations, "batch": (row, depth), "res_embed": (column,)},
+        params={**megatron, "embed": (row, depth)},
+        activations={**megatron, "batch": (row, depth), "res_embed": (column,)},
     )

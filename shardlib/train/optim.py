@@ -12,43 +12,30 @@ import jax.numpy as jnp
 import optax
 
 from shardlib.errors import ShardingError
-from shardlib.train.config import TrainConfig
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor")
-LOSS_SCALE_LIMITS = "initial_scale_power >= 0, loss_scale_window >= 1, hysteresis >= 1"
 
 
-def check_names(cfg: TrainConfig) -> None:
-    """Unknown optimizer, schedule or ZeRO settings fail when the config is made."""
-    if cfg.optimizer not in OPTIMIZERS:
+def check_optimizer(opt) -> None:
+    """Unknown optimizer or schedule names fail when the config is made."""
+    if opt.name not in OPTIMIZERS:
         raise ShardingError(
-            f"config: optimizer={cfg.optimizer!r}. Fix: use one of {', '.join(OPTIMIZERS)}."
+            f"config: optimizer={opt.name!r}. Fix: use one of {', '.join(OPTIMIZERS)}."
         )
-    if cfg.schedule not in SCHEDULES:
+    if opt.schedule not in SCHEDULES:
         raise ShardingError(
-            f"config: schedule={cfg.schedule!r}. Fix: use one of {', '.join(SCHEDULES)}."
-        )
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ShardingError(f"config: zero={cfg.zero}. Fix: use a ZeRO stage 0, 1, 2 or 3.")
-    if cfg.initial_scale_power < 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
-        raise ShardingError(
-            f"config: loss-scaling settings out of range; need {LOSS_SCALE_LIMITS}."
-        )
-    if cfg.min_loss_scale <= 0 or cfg.min_loss_scale > 2.0**cfg.initial_scale_power:
-        raise ShardingError(
-            f"config: min_loss_scale={cfg.min_loss_scale} must be > 0 and <= the initial scale "
-            f"2**{cfg.initial_scale_power}."
+            f"config: schedule={opt.schedule!r}. Fix: use one of {', '.join(SCHEDULES)}."
         )
 
 
-def schedule(cfg: TrainConfig) -> optax.Schedule:
+def schedule(cfg, steps: int) -> optax.Schedule:
     """The learning rate at each step; warm-up (where there is one) is linear from 0.
 
     warmup_cosine / warmup_linear decay to ``lr * min_lr_ratio`` at the last step;
     inverse_sqrt decays as ``lr * sqrt(warmup / step)`` after the warm-up (Vaswani et al.).
     """
-    warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
+    warmup = min(cfg.warmup, max(steps - 1, 0))
     end = cfg.lr * cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return optax.constant_schedule(cfg.lr)
@@ -57,10 +44,10 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
             init_value=0.0 if warmup else cfg.lr,
             peak_value=cfg.lr,
             warmup_steps=warmup,
-            decay_steps=max(cfg.steps, warmup + 1),
+            decay_steps=max(steps, warmup + 1),
             end_value=end,
         )
-    decay_steps = max(cfg.steps - warmup, 1)
+    decay_steps = max(steps - warmup, 1)
     if cfg.schedule == "warmup_linear":
         after = optax.linear_schedule(cfg.lr, end, decay_steps)
     else:  # inverse_sqrt
@@ -88,18 +75,18 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def _optimizer(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     wd, mask = cfg.weight_decay, decay_mask
-    if cfg.optimizer == "adamw":
+    if cfg.name == "adamw":
         return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
-    if cfg.optimizer == "adam":  # no decay at all: that is what distinguishes it from adamw
+    if cfg.name == "adam":  # no decay at all: that is what distinguishes it from adamw
         return optax.adam(lr, b1=cfg.b1, b2=cfg.b2)
-    if cfg.optimizer == "sgd":
+    if cfg.name == "sgd":
         sgd = optax.sgd(lr, momentum=cfg.momentum)
         return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
-    if cfg.optimizer == "lamb":
+    if cfg.name == "lamb":
         return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
-    if cfg.optimizer == "lars":
+    if cfg.name == "lars":
         # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
         return optax.lars(
             lr, weight_decay=wd, weight_decay_mask=mask, trust_ratio_mask=mask,
@@ -113,10 +100,10 @@ def _optimizer(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransforma
     )
 
 
-def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def build_optimizer(cfg, steps: int) -> optax.GradientTransformation:
     """Global-norm clipping (if set), then the named optimizer with the named schedule."""
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(_optimizer(cfg, schedule(cfg)))
+    parts.append(_optimizer(cfg, schedule(cfg, steps)))
     return optax.chain(*parts)

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.errors import ShardingError
-from shardlib.train.config import TrainConfig
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -32,15 +31,31 @@ class LossScaleError(ShardingError):
     """fp16 training overflowed at the minimum loss scale: it cannot make progress."""
 
 
-def compute_dtype(cfg: TrainConfig):
-    return DTYPES[cfg.precision]
+def check_precision(cfg) -> None:
+    """Unknown dtypes and out-of-range loss-scaling settings fail when the config is made."""
+    if cfg.compute not in DTYPES:
+        raise ShardingError(f"config: precision={cfg.compute!r}; use fp32, bf16 or fp16.")
+    if cfg.initial_scale_power < 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
+        raise ShardingError(
+            "config: loss-scaling settings out of range; need initial_scale_power >= 0, "
+            "loss_scale_window >= 1, hysteresis >= 1."
+        )
+    if cfg.min_loss_scale <= 0 or cfg.min_loss_scale > 2.0**cfg.initial_scale_power:
+        raise ShardingError(
+            f"config: min_loss_scale={cfg.min_loss_scale} must be > 0 and <= the initial scale "
+            f"2**{cfg.initial_scale_power}."
+        )
 
 
-def uses_loss_scale(cfg: TrainConfig) -> bool:
-    return cfg.precision == "fp16"
+def compute_dtype(cfg):
+    return DTYPES[cfg.compute]
 
 
-def init_loss_scale(cfg: TrainConfig) -> dict:
+def uses_loss_scale(cfg) -> bool:
+    return cfg.compute == "fp16"
+
+
+def init_loss_scale(cfg) -> dict:
     """The scaler's state: scalars, replicated on every device."""
     return {
         "scale": jnp.asarray(2.0**cfg.initial_scale_power, jnp.float32),
@@ -51,7 +66,7 @@ def init_loss_scale(cfg: TrainConfig) -> dict:
     }
 
 
-def abstract_loss_scale(cfg: TrainConfig) -> dict:
+def abstract_loss_scale(cfg) -> dict:
     return jax.eval_shape(lambda: init_loss_scale(cfg))
 
 
@@ -59,7 +74,7 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def update_loss_scale(cfg: TrainConfig, ls: dict, finite: jax.Array) -> dict:
+def update_loss_scale(cfg, ls: dict, finite: jax.Array) -> dict:
     """The scaler after one step whose gradients were (not) finite."""
     scale, good, hyst = ls["scale"], ls["good_steps"], ls["hysteresis"]
     min_scale = jnp.float32(cfg.min_loss_scale)
@@ -97,7 +112,7 @@ def metrics(ls: dict, finite: jax.Array) -> dict:
     }
 
 
-def check_record(record: dict, cfg: TrainConfig) -> None:
+def check_record(record: dict, cfg) -> None:
     """Raise on the host when the step overflowed at the minimum scale (called by the loop)."""
     if record.get("loss_scale_exhausted"):
         raise LossScaleError(
