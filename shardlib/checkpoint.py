@@ -127,8 +127,8 @@ def build_meta(setup, state: dict, step: int) -> dict:
         "config": jsonable(setup.cfg),
         "model": jsonable(setup.model_cfg),
         "mesh": {"axes": mesh_axes(setup.mesh), "processes": jax.process_count()},
-        "data": {"seed": setup.cfg.seed, "next_step": step, "source": setup.cfg.data},
-        "rng": {"seed": setup.cfg.seed, "impl": str(jax.config.jax_default_prng_impl)},
+        "data": {"seed": setup.cfg.run.seed, "next_step": step, "source": setup.cfg.data.path},
+        "rng": {"seed": setup.cfg.run.seed, "impl": str(jax.config.jax_default_prng_impl)},
         "tensors": {
             name: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": fp}
             for name, x, fp in zip(names, leaves, fingerprints(state), strict=True)

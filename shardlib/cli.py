@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
             "overrides",
             nargs="*",
             metavar="NAME=VALUE",
-            help="training settings, e.g. steps=50 model.layers=4",
+            help="settings as section.field=VALUE (or a short form), e.g. run.steps=50 model.layers=4",
         )
         return c
 
@@ -52,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True, help="a run's checkpoint_dir")
     x.add_argument("--out", required=True, help="PATH.safetensors, PATH.npz, or a directory")
     x.add_argument("--step", type=int, default=None, help="default: the latest complete step")
-    # --- issue 9: the auto-parallel planner ---
     from shardlib.planner.cli import add_plan_command
 
     add_plan_command(sub)
@@ -77,15 +76,19 @@ def _prepare(args) -> tuple:
         devices = spec.fixed_size // processes
     if devices:
         simulate_cpu_devices(devices)
-    from shardlib.train.config import TrainConfig, parse_overrides
+    import jax
 
-    # the preset's [train] table, model.NAME fields included (the planner writes them)
-    base = parse_overrides([f"{k}={v}" for k, v in spec.train.items()], TrainConfig())
+    from shardlib.parallel import ParallelPlan
+    from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
+
+    # [mesh] and [parallel.*] make the plan; [train] holds typed settings (the planner's too)
+    plan = ParallelPlan.from_mesh_spec(spec)
+    base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
     overrides = list(args.overrides)
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
     cfg = parse_overrides(overrides, base)
-    return spec.build(), cfg
+    return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
 
 
 def cmd_train(args, console: Console) -> int:
@@ -105,7 +108,7 @@ def cmd_train(args, console: Console) -> int:
     result = run(setup, console=console)
     losses = result.losses
     if not losses:
-        console.print(f"nothing to do: the checkpoint is already at step {cfg.steps}")
+        console.print(f"nothing to do: the checkpoint is already at step {cfg.run.steps}")
         return 0
     steady = [r["tokens_per_s"] for r in result.records if not r["compiled"]]
     tps = sum(steady) / len(steady) if steady else float("nan")
@@ -113,8 +116,8 @@ def cmd_train(args, console: Console) -> int:
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps, "
         f"{tps:,.0f} tokens/s after compilation"
     )
-    if cfg.metrics:
-        console.print(f"metrics: {cfg.metrics}")
+    if cfg.run.metrics:
+        console.print(f"metrics: {cfg.run.metrics}")
     return 0
 
 
@@ -139,7 +142,7 @@ def cmd_parity(args, console: Console) -> int:
 
     mesh, cfg = _prepare(args)
     result = check_parity(cfg, mesh)
-    table = Table(title=f"parity: {args.mesh} vs one device, {cfg.steps} steps")
+    table = Table(title=f"parity: {args.mesh} vs one device, {cfg.run.steps} steps")
     for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
         table.add_column(col, justify="right")
     for i, (a, b) in enumerate(zip(result.losses, result.reference_losses, strict=True), 1):
@@ -164,7 +167,7 @@ def cmd_export(args, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
-    from shardlib.planner.cli import cmd_plan  # issue 9
+    from shardlib.planner.cli import cmd_plan
 
     handler = {
         "train": cmd_train,

@@ -123,7 +123,7 @@ class MeshSpec:
         sizes = self.sizes(len(devices))
         shape = tuple(sizes[n] for n in self.names)
         if len(devices) == len(jax.devices()) and jax.process_count() > 1:
-            # Several hosts: process boundaries on the outermost axes (issue 7).
+            # Several hosts: process boundaries on the outermost axes.
             from shardlib.distributed import hybrid_device_grid
 
             grid = hybrid_device_grid(list(shape), devices)
@@ -150,7 +150,7 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         raise ShardingError(f"mesh preset {str(path_or_name)!r} not found. Presets: {known}.")
     with path.open("rb") as f:
         doc = tomllib.load(f)
-    if "mesh" not in doc and "cluster" in doc:  # issue 9: hardware, not a layout
+    if "mesh" not in doc and "cluster" in doc:  # hardware, not a layout
         raise ShardingError(
             f"mesh {path}: a cluster description ([cluster]), not a mesh. Fix: "
             f"`shardlib plan --cluster {path}` writes a mesh for it."

@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 
 from shardlib.layout import use_layout
 from shardlib.mesh import MeshSpec
-from shardlib.rules import Rules
 from shardlib.train.config import TrainConfig
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
@@ -49,11 +48,11 @@ def reference_mesh(mesh: Mesh) -> Mesh:
 def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
     """Gradients of the first batch at initialisation (or at ``params``), gathered to host."""
     tokens = global_batch(
-        load_tokens(setup.cfg.data),
+        load_tokens(setup.cfg.data.path),
         0,
-        setup.cfg.batch,
-        setup.cfg.seq,
-        setup.cfg.seed,
+        setup.cfg.data.batch,
+        setup.cfg.data.seq,
+        setup.cfg.run.seed,
         setup.batch_sharding,
     )
     if params is None:
@@ -121,7 +120,7 @@ def compare(
     )
 
 
-def check_parity(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> ParityResult:
-    """Parity of ``cfg`` on ``mesh`` (with ``rules``) against one device."""
-    # The same rules on size-1 axes lay everything out on the one device.
-    return compare(make_setup(cfg, mesh, rules), make_setup(cfg, reference_mesh(mesh), rules))
+def check_parity(cfg: TrainConfig, mesh: Mesh) -> ParityResult:
+    """Parity of ``cfg`` on ``mesh`` against one device."""
+    # The same plan on size-1 axes lays everything out on the one device.
+    return compare(make_setup(cfg, mesh), make_setup(cfg, reference_mesh(mesh)))

@@ -1,8 +1,8 @@
 """The training loop's side of checkpoints: resume at the start, save on schedule and at the end.
 
-``cfg.checkpoint_dir`` names the run's directory. At start-up ``resume`` decides between the
-latest complete checkpoint and a fresh initialisation (``cfg.resume``); during the run a save
-starts every ``cfg.checkpoint_every`` steps, at the last step and when the run is told to
+``cfg.checkpoint.dir`` names the run's directory. At start-up ``resume`` decides between the
+latest complete checkpoint and a fresh initialisation (``checkpoint.resume``); during the run a
+save starts every ``checkpoint.every`` steps, at the last step and when the run is told to
 stop (SIGTERM/SIGINT). The writer is created only after a successful restore, so a run that
 fails to read its checkpoint (damaged, another model) has not touched the directory.
 """
@@ -14,15 +14,17 @@ from pathlib import Path
 
 from shardlib.checkpoint import Saver, complete_steps, jsonable, restore
 from shardlib.errors import ShardingError
+from shardlib.train.config import flatten_table
 from shardlib.train.setup import TrainSetup
 
 RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
-NOT_TRAJECTORY = {"steps", "metrics", "checkpoint_dir", "checkpoint_every", "keep", "resume"}
+NOT_TRAJECTORY = {"run.steps", "run.metrics", "checkpoint.dir", "checkpoint.every",
+                  "checkpoint.keep", "checkpoint.resume"}  # fmt: skip
 
 
 def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
-    now = jsonable(setup.cfg)
+    now, saved = flatten_table(jsonable(setup.cfg)), flatten_table(saved)
     return [
         f"{k} {saved.get(k)!r} -> {v!r}"
         for k, v in now.items()
@@ -34,15 +36,15 @@ class RunCheckpoints:
     """Resume, then save: used by ``loop.run`` as a context manager around the steps."""
 
     def __init__(self, setup: TrainSetup, say: Callable[[str], None]) -> None:
-        cfg = setup.cfg
+        cfg = setup.cfg.checkpoint
         if cfg.resume not in RESUME_MODES:
             raise ShardingError(
                 f"config: resume={cfg.resume!r}; use one of {', '.join(RESUME_MODES)}."
             )
-        if cfg.checkpoint_every < 0 or cfg.keep < 0:
-            raise ShardingError("config: checkpoint_every and keep must be >= 0.")
+        if cfg.every < 0 or cfg.keep < 0:
+            raise ShardingError("config: checkpoint.every and checkpoint.keep must be >= 0.")
         self.setup = setup
-        self.directory = Path(cfg.checkpoint_dir)
+        self.directory = Path(cfg.dir)
         self.say = say
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
@@ -50,7 +52,7 @@ class RunCheckpoints:
 
     def resume(self) -> dict | None:
         """The restored state, or None to start from initialisation."""
-        mode, steps = self.setup.cfg.resume, complete_steps(self.directory)
+        mode, steps = self.setup.cfg.checkpoint.resume, complete_steps(self.directory)
         if mode == "never":
             if steps:
                 raise ShardingError(
@@ -69,8 +71,8 @@ class RunCheckpoints:
         return restored.state
 
     def __enter__(self) -> RunCheckpoints:
-        cfg = self.setup.cfg
-        self._saver = Saver(self.directory, every=cfg.checkpoint_every, keep=cfg.keep)
+        cfg = self.setup.cfg.checkpoint
+        self._saver = Saver(self.directory, every=cfg.every, keep=cfg.keep)
         return self
 
     def after_step(self, state: dict, step: int, *, final: bool) -> None:

@@ -22,9 +22,8 @@ from jax.sharding import PartitionSpec as P
 from shardlib.errors import ShardingError
 from shardlib.layout import mesh_axes, path_str, resolve_specs
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.offload import DEVICE_MEMORY
 
-HOST_MEMORY = "pinned_host"
-DEVICE_MEMORY = "device"
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 

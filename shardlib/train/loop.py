@@ -27,7 +27,7 @@ class RunResult:
     records: list[dict] = field(default_factory=list)
     state: dict | None = None
     stopped_by: str | None = None
-    """Why the run stopped before ``cfg.steps`` (a signal, or ``stop_after``); None if not."""
+    """Why the run stopped before ``cfg.run.steps`` (a signal, or ``stop_after``); None if not."""
     checkpoint: Path | None = None
     """The last checkpoint this run saved (None without ``checkpoint_dir``)."""
 
@@ -38,10 +38,11 @@ class RunResult:
 
 def batches(setup: TrainSetup, start: int = 0) -> Iterator[tuple[int, jax.Array]]:
     cfg = setup.cfg
-    tokens = load_tokens(cfg.data)
-    check_vocab(tokens, setup.model_cfg.vocab, cfg.data)
-    for step in range(start, cfg.steps):
-        yield step, global_batch(tokens, step, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding)
+    tokens = load_tokens(cfg.data.path)
+    check_vocab(tokens, setup.target.dims.get("vocab", 0), cfg.data.path)
+    b, s, seed = cfg.data.batch, cfg.data.seq, cfg.run.seed
+    for step in range(start, cfg.run.steps):
+        yield step, global_batch(tokens, step, b, s, seed, setup.batch_sharding)
 
 
 def _progress(console: Console) -> Progress:
@@ -66,8 +67,8 @@ def run(
     console: Console | None = None,
     stop_after: int | None = None,
 ) -> RunResult:
-    """Train for ``setup.cfg.steps`` steps from ``state`` (None: the latest checkpoint in
-    ``cfg.checkpoint_dir`` if there is one, else a fresh initialisation).
+    """Train for ``setup.cfg.run.steps`` steps from ``state`` (None: the latest checkpoint in
+    ``cfg.checkpoint.dir`` if there is one, else a fresh initialisation).
 
     Step times exclude nothing: the first step includes compilation and is marked so.
     Only process 0 prints and writes metrics. SIGTERM/SIGINT, or reaching step
@@ -81,26 +82,26 @@ def run(
         if leader:
             console.print(message, highlight=False)
 
-    ckpt = RunCheckpoints(setup, say) if cfg.checkpoint_dir else None
+    ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
     if state is None and ckpt is not None:
         state = ckpt.resume()
     state = setup.init_state() if state is None else state
     start = int(jax.device_get(state["step"]))
-    tokens_per_step = cfg.batch * cfg.seq
+    tokens_per_step = cfg.data.batch * cfg.data.seq
     result = RunResult()
     with ExitStack() as stack:
         preempt = stack.enter_context(Preemption())
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
         sink = None
-        if cfg.metrics and leader:
-            Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(cfg.metrics, "a" if start else "w"))
+        if cfg.run.metrics and leader:
+            Path(cfg.run.metrics).parent.mkdir(parents=True, exist_ok=True)
+            sink = stack.enter_context(open(cfg.run.metrics, "a" if start else "w"))
         progress = None
         if show and leader:
             progress = stack.enter_context(_progress(console))
             task = progress.add_task(
-                "train", total=cfg.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0
+                "train", total=cfg.run.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0
             )
         for step, tokens in batches(setup, start):
             t0 = time.perf_counter()
@@ -117,7 +118,7 @@ def run(
                 "compiled": step == start,
             }
             record.update({k: float(v) for k, v in metrics.items() if k not in record})
-            check_record(record, cfg)  # issue 3: fp16 overflow at the minimum loss scale
+            check_record(record, cfg.precision)  # fp16 overflow at the minimum loss scale
             result.records.append(record)
             if sink:
                 sink.write(json.dumps(record) + "\n")
@@ -127,10 +128,10 @@ def run(
                     task, advance=1, loss=record["loss"], tps=record["tokens_per_s"], dt=dt
                 )
             done = step + 1
-            if done < cfg.steps and (preempt.should_stop(done) or done == stop_after):
+            if done < cfg.run.steps and (preempt.should_stop(done) or done == stop_after):
                 result.stopped_by = preempt.reason or f"stop_after={stop_after}"
             if ckpt is not None:
-                ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.steps)
+                ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.run.steps)
             if result.stopped_by:
                 break
     result.state = state

@@ -2,8 +2,9 @@
 
 Order of work, so that mistakes surface before anything is compiled or allocated:
 1. trace the model abstractly (``nnx.eval_shape``) to get shapes and logical names;
-2. resolve every parameter, optimizer-state and batch layout through the rules (this is
-   where bad meshes, rules and configs raise ShardingError);
+2. run every strategy's checks (``ParallelPlan.check``) and resolve every parameter,
+   optimizer-state and batch layout through the plan's rules (this is where bad meshes,
+   rules and configs raise ShardingError);
 3. only then build ``jit(init, out_shardings=...)`` so that no device ever holds a full copy.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +20,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
-from shardlib.attention import AttentionPlan
-from shardlib.layout import abstract_state, mesh_axes, named_shardings, resolve_specs
-from shardlib.plan import rules_for_mesh
-from shardlib.rules import Rules, resolve_spec
-from shardlib.strategies.context import attention_plan
-from shardlib.strategies.zero import StateRules, zero
+from shardlib.layout import mesh_axes, named_shardings, resolve_specs
+from shardlib.model import Inventory, ModelFactory, inventory, resolve_model
+from shardlib.parallel import ParallelPlan
+from shardlib.rules import Rules
+from shardlib.strategies.offload import HOST_MEMORY
+from shardlib.target import Target
 from shardlib.train import layouts, precision
-from shardlib.train.config import TrainConfig, apply_overrides
+from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, schedule
 
 BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never split on input
@@ -36,33 +35,56 @@ BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never sp
 
 @dataclass(frozen=True)
 class TrainSetup:
-    """Everything derived from (config, mesh, rules); built by ``make_setup``."""
+    """Everything derived from (config, mesh); built by ``make_setup``."""
 
     cfg: TrainConfig
-    model_cfg: Any
+    plan: ParallelPlan
+    """``cfg.parallel`` with the mesh's axis sizes."""
+    model: ModelFactory
+    """Builds the model (``model.make(rngs)``); ``model.config`` is its preset config."""
+    inventory: Inventory
+    """The model's parameters: graphdef, shapes and logical names (nothing allocated)."""
+    target: Target
+    """What the plan was checked against (model facts, batch, sequence)."""
     mesh: Mesh
-    rules: Rules
-    graphdef: nnx.GraphDef
-    param_shapes: dict
     param_specs: dict
     tx: optax.GradientTransformation
-    # --- issue 3: per-role layouts (ZeRO), offload, loss scaling ---
-    param_names: dict | None = None
-    """Logical names of every parameter (for gradient and optimizer-state layouts)."""
-    state_rules: StateRules | None = None
-    """Rules per state role (ZeRO stage); None: everything follows ``rules``."""
-    attention: AttentionPlan = AttentionPlan()
-    """How the model's attention runs on this mesh (issue 4: context parallel, chunked)."""
+
+    @property
+    def rules(self) -> Rules:
+        """Parameter and activation rules (with the ZeRO stage's parameter layout)."""
+        return self.plan.state_rules.params
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        return self.inventory.graphdef
+
+    @property
+    def param_shapes(self) -> dict:
+        return self.inventory.shapes
+
+    @property
+    def param_names(self) -> dict:
+        return self.inventory.names
+
+    @property
+    def model_cfg(self):
+        """The model's preset config; for a plain factory, its name and keyword settings."""
+        if self.model.config is not None:
+            return self.model.config
+        return {"factory": self.model.name, **dict(self.cfg.model_overrides)}
 
     @property
     def compute_dtype(self):
-        return precision.compute_dtype(self.cfg)
+        return precision.compute_dtype(self.cfg.precision)
 
     @cached_property
     def param_shardings(self) -> dict:
-        from shardlib.train import staging  # issue 6: pinned_host blocks with offload_params
-
-        return staging.param_shardings(named_shardings(self.param_specs, self.mesh), self.cfg)
+        shardings = named_shardings(self.param_specs, self.mesh)
+        if not self.plan.offload.params:
+            return shardings
+        host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings["blocks"])
+        return {**shardings, "blocks": host}  # fetched one layer at a time (staging.py)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -72,41 +94,34 @@ class TrainSetup:
     def _abstract_opt_state(self):
         return jax.eval_shape(self.tx.init, self.param_shapes)
 
-    @cached_property
-    def _roles(self) -> StateRules:
-        rules = self.rules
-        return self.state_rules or StateRules(params=rules, grads=rules, opt_state=rules)
+    def _grad_like_shardings(self, rules: Rules) -> dict:
+        specs = layouts.grad_specs(self.param_shapes, self.param_names, self.mesh, rules)
+        return named_shardings(specs, self.mesh)
 
     @cached_property
     def grad_shardings(self) -> dict:
         """The gradient buffer's layout (ZeRO-2/3: sharded, else the parameters')."""
-        specs = layouts.grad_specs(
-            self.param_shapes, self.param_names, self.mesh, self._roles.grads
-        )
-        return named_shardings(specs, self.mesh)
+        return self._grad_like_shardings(self.plan.state_rules.grads)
 
     @cached_property
     def update_shardings(self) -> dict:
         """The layout in which gradients enter the optimizer: the optimizer state's."""
-        specs = layouts.grad_specs(
-            self.param_shapes, self.param_names, self.mesh, self._roles.opt_state
-        )
-        return named_shardings(specs, self.mesh)
+        return self._grad_like_shardings(self.plan.state_rules.opt_state)
 
     @cached_property
     def opt_state_shardings(self):
         """Each state tensor laid out like its parameter under the optimizer-state rules
         (factored statistics keep their remaining dims' splits); counters replicated; in
-        pinned host memory with ``offload_optimizer``."""
+        pinned host memory with ``offload.optimizer``."""
         specs = layouts.opt_state_specs(
             self.tx,
             self._abstract_opt_state,
             self.param_shapes,
             self.param_names,
             self.mesh,
-            self._roles.opt_state,
+            self.plan.state_rules.opt_state,
         )
-        kind = layouts.HOST_MEMORY if self.cfg.offload_optimizer else None
+        kind = HOST_MEMORY if self.plan.offload.optimizer else None
         return layouts.shardings(specs, self.mesh, kind)
 
     @cached_property
@@ -117,9 +132,9 @@ class TrainSetup:
             "opt_state": self.opt_state_shardings,
             "step": replicated,
         }
-        if precision.uses_loss_scale(self.cfg):
+        if precision.uses_loss_scale(self.cfg.precision):
             out["loss_scale"] = jax.tree.map(
-                lambda _: replicated, precision.abstract_loss_scale(self.cfg)
+                lambda _: replicated, precision.abstract_loss_scale(self.cfg.precision)
             )
         return out
 
@@ -130,8 +145,8 @@ class TrainSetup:
             "opt_state": self._abstract_opt_state,
             "step": jax.ShapeDtypeStruct((), jnp.int32),
         }
-        if precision.uses_loss_scale(self.cfg):
-            shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg)
+        if precision.uses_loss_scale(self.cfg.precision):
+            shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
@@ -139,25 +154,24 @@ class TrainSetup:
         )
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(
-            (self.cfg.batch, self.cfg.seq + 1), jnp.int32, sharding=self.batch_sharding
-        )
+        shape = (self.cfg.data.batch, self.cfg.data.seq + 1)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
     @cached_property
     def _init(self):
-        model_cfg, tx, cfg = self.model_cfg, self.tx, self.cfg
+        make, tx, prec = self.model.make, self.tx, self.cfg.precision
 
         def init(key):
             with nnx.use_eager_sharding(False):
-                model = models.build(model_cfg, nnx.Rngs(params=key))
+                model = make(nnx.Rngs(params=key))
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             state = {
                 "params": params,
                 "opt_state": tx.init(params),
                 "step": jnp.zeros((), jnp.int32),
             }
-            if precision.uses_loss_scale(cfg):
-                state["loss_scale"] = precision.init_loss_scale(cfg)
+            if precision.uses_loss_scale(prec):
+                state["loss_scale"] = precision.init_loss_scale(prec)
             return state
 
         return jax.jit(init, out_shardings=self.state_shardings)
@@ -165,11 +179,11 @@ class TrainSetup:
     def init_state(self) -> dict:
         """Parameters initialised straight into their shards (jit with out_shardings)."""
         with jax.set_mesh(self.mesh):
-            return self._init(jax.random.key(self.cfg.seed))
+            return self._init(jax.random.key(self.cfg.run.seed))
 
     @cached_property
     def schedule(self) -> optax.Schedule:
-        return schedule(self.cfg)
+        return schedule(self.cfg.optimizer, self.cfg.run.steps)
 
     @cached_property
     def train_step(self):
@@ -178,48 +192,39 @@ class TrainSetup:
         return build_train_step(self)
 
 
-def make_setup(cfg: TrainConfig, mesh: Mesh, rules: Rules | None = None) -> TrainSetup:
-    """Validate the config against the mesh and derive every layout (nothing is compiled)."""
-    model_cfg = apply_overrides(
-        models.config(cfg.model), dict(cfg.model_overrides), f"model {cfg.model}"
-    )
-    axes = mesh_axes(mesh)
-    if rules is None:
-        rules = rules_for_mesh(axes, sequence_parallel=cfg.sequence_parallel)
-    rules.check_mesh(axes)
-    roles = zero(rules, stage=cfg.zero, mesh_axes=axes)  # issue 3: ZeRO stage per state role
-    rules = roles.params
-    graphdef, shapes, names = abstract_state(lambda: models.build(model_cfg, nnx.Rngs(0)))
-    specs = resolve_specs(shapes, names, mesh, rules, "params")
-    resolve_spec(
-        f"batch (one micro-batch of {cfg.microbatch} sequences)",
-        (cfg.microbatch, cfg.seq + 1),
-        BATCH_NAMES,
-        rules,
-        axes,
-        "activations",
-    )
-    resolve_spec(
-        "activations [batch, seq, embed]",
-        (cfg.microbatch, cfg.seq, 1),
-        ("batch", "seq", None),
-        rules,
-        axes,
-        "activations",
-    )
-    from shardlib.train import staging  # issue 6: remat, pipeline and offload settings
+def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
+    """Validate the config against the mesh and derive every layout (nothing is compiled).
 
-    staging.check(cfg, model_cfg, mesh, rules)
+    The plan is ``cfg.parallel``; a given ``mesh`` supplies the axis sizes (tests build
+    meshes over a few of the simulated devices), otherwise the plan's mesh is built over
+    every device.
+    """
+    if mesh is None:
+        plan = cfg.parallel.with_devices(len(jax.devices()))
+        mesh = plan.build_mesh()
+    else:
+        plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
+    model = resolve_model(cfg.model, dict(cfg.model_overrides))
+    inv = inventory(model)
+    target = Target.from_names(
+        inv.shapes,
+        inv.names,
+        checkpoint_names=inv.checkpoint_names,
+        block_stats=inv.block_stats,
+        batch=cfg.data.batch,
+        microbatches=plan.data.microbatches,
+        seq=cfg.data.seq,
+        precision=cfg.precision.compute,
+    )
+    plan.check(target)
+    specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(
         cfg=cfg,
-        model_cfg=model_cfg,
+        plan=plan,
+        model=model,
+        inventory=inv,
+        target=target,
         mesh=mesh,
-        rules=rules,
-        graphdef=graphdef,
-        param_shapes=shapes,
         param_specs=specs,
-        tx=build_optimizer(cfg),
-        param_names=names,
-        state_rules=roles,
-        attention=attention_plan(cfg, axes, rules, model_cfg),
+        tx=build_optimizer(cfg.optimizer, cfg.run.steps),
     )

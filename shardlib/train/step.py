@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardlib.attention import use_attention
 from shardlib.layout import constrain, use_layout
+from shardlib.ops import use_ops
 from shardlib.strategies.context import reorder_tokens
+from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.train import layouts, precision, staging
 from shardlib.train.setup import BATCH_NAMES, TrainSetup
 
@@ -26,22 +27,46 @@ def global_norm(tree) -> jax.Array:
 def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens.
 
-    A model may return ``(logits, aux)``: ``aux["loss"]`` is added to the objective (an MoE
-    router's balancing losses) and every entry is reported. ``with_metrics`` returns
-    ``(loss, metrics)`` for ``jax.value_and_grad(..., has_aux=True)``.
+    The model is driven through the decoder protocol: ``embed``, the plan's layer loop over
+    the stacked ``blocks`` (remat, pipeline, offload) and ``head``. Blocks that return
+    statistics besides the residual (an MoE router's) have them summed over the layers and
+    handed to the model's ``aux``; its ``"loss"`` entry joins the objective and every entry
+    is reported. ``with_metrics`` returns ``(loss, metrics)`` for
+    ``jax.value_and_grad(..., has_aux=True)``.
     """
-    graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.attention
+    graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
+    attention, dispatch = plan.attention_plan(), plan.expert.dispatch
     layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
+    stats = setup.target.block_stats
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = staging.cast_params(setup, params)
         model = nnx.merge(graphdef, params)
-        inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, plan)
-        moved = {} if positions_L is None else {"positions_L": positions_L}  # context parallel
-        with use_attention(plan):
-            out = model(inputs_BL, dtype=dtype, layers=layers, **moved)
-        logits_BLV, aux = out if isinstance(out, tuple) else (out, {})
+        inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, attention)
+        block_graph, blocks_state = nnx.split(model.blocks)
+
+        def block_fn(layer_state, carry):
+            block = nnx.merge(block_graph, layer_state)
+            if not stats:
+                return block(carry, positions_L)
+            x_BLD, totals = carry
+            x_BLD, found = block(x_BLD, positions_L)
+            return x_BLD, jax.tree.map(jnp.add, totals, found)
+
+        with use_ops(attention=attention, dispatch=dispatch):
+            x_BLD = model.embed(inputs_BL, dtype=dtype)
+            if stats:  # the statistics' structure, from one block traced abstractly
+                first = jax.tree.map(lambda w: w[0], blocks_state)
+                found = jax.eval_shape(
+                    lambda w, x: nnx.merge(block_graph, w)(x, positions_L)[1], first, x_BLD
+                )
+                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), found)
+                x_BLD, totals = layers(block_fn, blocks_state, (x_BLD, zeros))
+            else:
+                x_BLD = layers(block_fn, blocks_state, x_BLD)
+            logits_BLV = model.head(x_BLD, dtype=dtype)
+        aux = model.aux(totals, inputs_BL.size) if stats else {}
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
@@ -99,8 +124,8 @@ def build_train_step(setup: TrainSetup):
     step with non-finite gradients changes neither parameters nor optimizer state.
     """
     loss_fn = make_loss_fn(setup, with_metrics=True)
-    tx, sched, cfg = setup.tx, setup.schedule, setup.cfg
-    scaled = precision.uses_loss_scale(cfg)
+    tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
+    scaled = precision.uses_loss_scale(cfg.precision)
 
     def train_step(state, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
@@ -117,7 +142,7 @@ def build_train_step(setup: TrainSetup):
                 fn,
                 params,
                 tokens_BL1,
-                cfg.microbatches,
+                plan.data.microbatches,
                 setup.grad_shardings,
                 grad_fn,
                 has_aux=True,
@@ -126,12 +151,12 @@ def build_train_step(setup: TrainSetup):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
-            if cfg.offload_params:  # the update runs in device memory (grads too: d/d host)
+            if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
                 grads, opt_state, params = staging.on_device((grads, opt_state, params))
             grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
-            if cfg.offload_optimizer:
+            if plan.offload.optimizer:
                 opt_state = layouts.to_memory(
-                    opt_state, setup.opt_state_shardings, layouts.DEVICE_MEMORY
+                    opt_state, setup.opt_state_shardings, DEVICE_MEMORY
                 )
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -142,7 +167,9 @@ def build_train_step(setup: TrainSetup):
             finite = precision.all_finite(grads)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
-            new_state["loss_scale"] = precision.update_loss_scale(cfg, state["loss_scale"], finite)
+            new_state["loss_scale"] = precision.update_loss_scale(
+                cfg.precision, state["loss_scale"], finite
+            )
             metrics.update(precision.metrics(new_state["loss_scale"], finite))
         return new_state, metrics
 
