@@ -9,13 +9,16 @@ that hold it; beside it the device mesh, every device coloured by the tile it ho
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from rich.console import Group
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from shardlib.picture import ShardingPicture, Tile
+if TYPE_CHECKING:
+    from shardlib.picture import ShardingPicture, Tile
+
 
 _PALETTES = ("Set3", "Pastel1", "Pastel2")
 

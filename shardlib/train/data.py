@@ -19,6 +19,7 @@ import numpy as np
 from shardlib.errors import ShardingError
 
 DEFAULT_CORPUS_BYTES = 4 << 20
+BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never split on input
 
 
 @cache

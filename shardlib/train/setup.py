@@ -28,10 +28,8 @@ from shardlib.strategies.offload import HOST_MEMORY
 from shardlib.target import Target
 from shardlib.train import layouts, precision
 from shardlib.train.config import TrainConfig
+from shardlib.train.data import BATCH_NAMES
 from shardlib.train.optim import build_optimizer, schedule
-
-BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never split on input
-
 
 @dataclass(frozen=True)
 class TrainSetup:

@@ -7,6 +7,8 @@ propagation fills in the rest.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,7 +19,10 @@ from shardlib.ops import use_ops
 from shardlib.strategies.context import reorder_tokens
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.train import layouts, precision, staging
-from shardlib.train.setup import BATCH_NAMES, TrainSetup
+from shardlib.train.data import BATCH_NAMES
+
+if TYPE_CHECKING:
+    from shardlib.train.setup import TrainSetup
 
 
 def global_norm(tree) -> jax.Array:
