@@ -19,12 +19,7 @@ wire, once to dispatch and once to combine in forward, and twice more in backwar
 
 from __future__ import annotations
 
-from typing import Literal
-
-import jax
-
 from shardlib.errors import ShardingError
-from shardlib.layout import active_layout, constrain, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules
 
@@ -73,34 +68,3 @@ def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
             "expert_parallel() after the other batch strategies, or use model.dispatch=einsum."
         )
     return axes[0] if mesh_sizes.get(axes[0], 1) > 1 else None
-
-
-def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> jax.Array:
-    """Move the expert axis between the groups dim and the expert dim with an all-to-all.
-
-    ``dispatch``: [groups, experts, capacity, embed] split by groups -> split by experts.
-    ``combine``: the reverse. Written with ``jax.shard_map`` over the whole mesh and specs
-    resolved from the active rules, so the collective is exactly the one written here.
-    Outside ``use_layout`` (or with no expert axis) it only constrains the layout.
-    """
-    active = active_layout()
-    src, dst = (DISPATCH_NAMES, EXPERT_NAMES)
-    if direction == "combine":
-        src, dst = dst, src
-    if active is None:
-        return x_GECD
-    mesh, rules = active
-    axis = expert_axis(rules, mesh_axes(mesh))
-    if axis is None:
-        return constrain(x_GECD, dst, what=f"moe {direction}")
-    x_GECD = constrain(x_GECD, src, what=f"moe {direction} input")
-    split, concat = (1, 0) if direction == "dispatch" else (0, 1)
-
-    def body(x_local):
-        return jax.lax.all_to_all(x_local, axis, split, concat, tiled=True)
-
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # pragma: no cover - jax < 0.6
-        from jax.experimental.shard_map import shard_map
-    out = shard_map(body, mesh=mesh, in_specs=rules.spec(src), out_specs=rules.spec(dst))(x_GECD)
-    return constrain(out, dst, what=f"moe {direction} output")
