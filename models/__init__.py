@@ -1,6 +1,8 @@
 """Model definitions (Flax NNX), annotated with logical axis names only.
 
-``config(name, **overrides)`` returns a preset's config; ``build(cfg, rngs)`` the module.
+``registry()`` is the ``shardlib.models`` entry point (see pyproject.toml): shardlib finds
+these presets through it and never imports this package. ``config(name, **overrides)`` and
+``build(cfg, rngs)`` are the direct way in for code that does import it.
 """
 
 from __future__ import annotations
@@ -10,11 +12,21 @@ from dataclasses import fields, replace
 from flax import nnx
 
 from models import llama, moe
+from shardlib.model import ModelEntry
 
 _FAMILIES = {
     "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),
     "moe": (moe.PRESETS, moe.MoeConfig, moe.Moe),
 }
+
+
+def registry() -> dict[str, ModelEntry]:
+    """Every preset with the model class that builds it (``model(config, rngs)``)."""
+    return {
+        name: ModelEntry(config=cfg, model=module)
+        for presets, _, module in _FAMILIES.values()
+        for name, cfg in presets.items()
+    }
 
 
 def presets() -> dict:

@@ -2,8 +2,10 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP. The blocks
 are created with ``nnx.vmap`` so every weight has a leading ``layers`` dim, and applied with
-``jax.lax.scan``: compile time stays flat as depth grows. Nothing here names a mesh axis or
-a strategy; shardlib's rules decide where each logical dim lives.
+``jax.lax.scan``: compile time stays flat as depth grows. The model follows shardlib's
+``Decoder`` protocol (``embed``, ``blocks``, ``head``), so a trainer can drive the layer loop
+itself. Nothing here names a mesh axis or a strategy; shardlib's rules decide where each
+logical dim lives, and ``shardlib.ops`` which attention kernel runs.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shardlib.attention import attention
 from shardlib.layout import constrain
+from shardlib.ops import attention, run_blocks, scan_blocks
 
 init_normal = nnx.initializers.normal
 # The residual stream between blocks (and the norms on it) has its own logical dims, so that
@@ -222,49 +224,50 @@ class Block(nnx.Module):
         return constrain(x_BLD, RESIDUAL)
 
 
-LayerFn = Callable[[Callable, object, jax.Array], jax.Array]
+scan_layers = scan_blocks  # the old name of ``shardlib.ops.scan_blocks``
 
 
-def scan_layers(block_fn, blocks_state, x_BLD):
-    """Apply stacked blocks with a scan: one compiled body, any depth."""
+def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs):
+    """``count`` blocks as one module whose every weight has a leading ``layers`` dim."""
 
-    def body(x, layer_state):
-        return block_fn(layer_state, x), None
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(rngs)
 
-    x_BLD, _ = jax.lax.scan(body, x_BLD, blocks_state)
-    return x_BLD
+    return make(rngs)
 
 
 class Llama(nnx.Module):
+    """Embedding, ``layers`` stacked ``Block``s, final norm and LM head (``Decoder``)."""
+
+    checkpoint_names = CHECKPOINT_NAMES
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)  # [V, E]
-
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)  # every weight: [layers, ...]
+        self.blocks = self.make_blocks(cfg, rngs)  # every weight: [layers, ...]
         self.final_norm = RMSNorm(cfg)
         self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
 
-    def __call__(
-        self, tokens_BL, *, positions_L=None, dtype=jnp.float32, layers: LayerFn = scan_layers
-    ):
-        """Logits [batch, seq, vocab] in fp32; ``dtype`` is the compute dtype.
+    def make_blocks(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+        """The stack a subclass replaces (the MoE model stacks groups of blocks)."""
+        return stack_blocks(lambda r: Block(cfg, r), cfg.layers, rngs)
 
-        ``positions_L`` are the tokens' true positions when the sequence arrives reordered
-        (default 0..L-1). ``layers`` applies the stacked blocks; strategies that restructure
-        the layer loop (rematerialisation, pipelining) pass their own with the same signature.
+    def __call__(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
+        """Logits [batch, seq, vocab] in fp32 (and ``aux`` when the blocks report stats).
+
+        ``dtype`` is the compute dtype; ``positions_L`` the tokens' true positions when the
+        sequence arrives reordered (default 0..L-1). This is the one-device path: a trainer
+        that remats, pipelines or offloads drives ``embed``, ``blocks`` and ``head`` itself.
         """
-        graphdef, blocks_state = nnx.split(self.blocks)
-
-        def block_fn(layer_state, x):
-            return nnx.merge(graphdef, layer_state)(x, positions_L)
-
-        x_BLD = layers(block_fn, blocks_state, self.embed(tokens_BL, dtype=dtype))
-        return self.head(x_BLD, dtype=dtype)
+        block_graph, blocks_state = nnx.split(self.blocks)
+        x_BLD = self.embed(tokens_BL, dtype=dtype)
+        x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L)
+        logits_BLV = self.head(x_BLD, dtype=dtype)
+        if totals is None:
+            return logits_BLV
+        return logits_BLV, self.aux(totals, tokens_BL.size)
 
     def embed(self, tokens_BL, *, dtype=jnp.float32):
         """Token ids [batch, seq] -> residual stream [batch, seq, embed] (before the blocks)."""

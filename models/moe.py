@@ -7,11 +7,12 @@ that is dropped: its expert output is zero and it passes on through the residual
 priorities (all first choices before any second choice, then token order) depend only on
 the data, never on the mesh, so the same tokens drop on one device and on a thousand.
 
-The blocks are stored as two stacks (dense ``[layers - moe_layers, ...]`` and MoE
-``[moe_layers, ...]``) and scanned in groups of ``moe_every`` layers: one compiled body
-whatever the depth. ``__call__`` returns ``(logits, aux)``: ``aux["loss"]`` is added to the
-training objective, the other entries are reported as metrics. Model code names logical axes
-only; the expert parallel layout and its all-to-all come from shardlib's rules.
+The blocks are one stack of identical *groups* (``moe_every - 1`` dense Llama blocks, then one
+MoE block), ``[moe_layers, ...]``, scanned like Llama's blocks: one compiled body whatever
+the depth. A group returns ``(x, router statistics)``; the layer loop sums the statistics and
+``aux`` turns them into ``aux["loss"]`` (added to the training objective) and metrics.
+``__call__`` returns ``(logits, aux)``. Model code names logical axes only; the expert
+layout comes from shardlib's rules and the form of its all-to-all from ``shardlib.ops``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import Attention, Block, LayerFn, LlamaConfig, RMSNorm, _param, scan_layers
+from models.llama import Attention, Block, Llama, LlamaConfig, RMSNorm, _param, stack_blocks
 from models.moe_routing import Routing, route
 from shardlib.layout import constrain
-from shardlib.strategies.expert import DISPATCH_NAMES, EXPERT_NAMES, exchange
-
-DISPATCHES = ("einsum", "shard_map")
+from shardlib.ops import DISPATCH_NAMES, EXPERT_NAMES, exchange
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,6 @@ class MoeConfig(LlamaConfig):
     """Weight of the load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss mean(logsumexp(logits)^2) (mean over MoE layers)."""
-    dispatch: str = "einsum"
-    """einsum: XLA derives the all-to-all; shard_map: shardlib writes it explicitly."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,8 +62,6 @@ class MoeConfig(LlamaConfig):
                 f"model: layers={self.layers} is not a multiple of moe_every={self.moe_every}. "
                 "Fix: choose layers = a multiple of moe_every."
             )
-        if self.dispatch not in DISPATCHES:
-            raise ValueError(f"model: dispatch={self.dispatch!r}; use one of {DISPATCHES}.")
         if self.capacity_factor <= 0:
             raise ValueError(f"model: capacity_factor={self.capacity_factor} must be > 0.")
 
@@ -164,16 +159,10 @@ class MoeLayer(nnx.Module):
         dispatch_GSEC = constrain(r.dispatch.astype(x_BLD.dtype), ("batch", None, None, None))
         combine_GSEC = constrain(r.combine.astype(x_BLD.dtype), ("batch", None, None, None))
         x_GECD = constrain(jnp.einsum("gsec,gsd->gecd", dispatch_GSEC, x_GSD), DISPATCH_NAMES)
-        x_GECD = self._exchange(x_GECD, "dispatch")  # all-to-all over the expert axis
-        y_GECD = self._exchange(self.experts(x_GECD), "combine")  # and back
+        x_GECD = exchange(x_GECD, "dispatch")  # all-to-all over the expert axis
+        y_GECD = exchange(self.experts(x_GECD), "combine")  # and back
         y_GSD = jnp.einsum("gsec,gecd->gsd", combine_GSEC, y_GECD)
         return y_GSD.reshape(b, l, d), r.stats
-
-    def _exchange(self, x_GECD, direction: str):
-        if self.cfg.dispatch == "shard_map":
-            return exchange(x_GECD, direction)
-        # einsum dispatch: re-constraining the layout is all; XLA emits the all-to-all.
-        return constrain(x_GECD, EXPERT_NAMES if direction == "dispatch" else DISPATCH_NAMES)
 
 
 class MoeBlock(nnx.Module):
@@ -185,65 +174,37 @@ class MoeBlock(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.moe = MoeLayer(cfg, rngs)
 
-    def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+    def __call__(self, x_BLD, positions_L=None):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
         y_BLD, stats = self.moe(self.mlp_norm(x_BLD))
         return constrain(x_BLD + y_BLD, ("batch", "seq", "embed")), stats
 
 
-def _stack(block_type, cfg: MoeConfig, count: int, rngs: nnx.Rngs):
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make(rngs: nnx.Rngs):
-        return block_type(cfg, rngs)
+class MoeGroup(nnx.Module):
+    """``moe_every - 1`` dense Llama blocks, then one MoE block: the unit the stack repeats.
 
-    return make(rngs)  # every weight: [count, ...]
+    Grouping keeps one uniform stack (every weight ``[moe_layers, ...]``), so the library's
+    layer loop, remat and offload treat it like Llama's; the dense blocks are unrolled.
+    """
 
-
-class Moe(nnx.Module):
     def __init__(self, cfg: MoeConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)  # [V, E]
-        dense = cfg.layers - cfg.moe_layers
-        self.dense_blocks = _stack(Block, cfg, dense, rngs)  # the Llama block if dense else None
-        self.moe_blocks = _stack(MoeBlock, cfg, cfg.moe_layers, rngs)
-        self.final_norm = RMSNorm(cfg)
-        self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+        self.dense = nnx.List([Block(cfg, rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe = MoeBlock(cfg, rngs)
 
-    def __call__(self, tokens_BL, *, dtype=jnp.float32, layers: LayerFn = scan_layers):
-        """``(logits [batch, seq, vocab] fp32, aux)``; ``dtype`` is the compute dtype.
+    def __call__(self, x_BLD, positions_L=None) -> tuple[jax.Array, dict]:
+        for block in self.dense:
+            x_BLD = block(x_BLD, positions_L)
+        return self.moe(x_BLD, positions_L)
 
-        ``layers`` scans groups of ``moe_every`` blocks; its carry is (residual, router
-        statistics summed over MoE layers), so a remat or pipeline ``layers`` applies as is.
-        """
-        cfg, per_group = self.cfg, self.cfg.moe_every - 1
-        table_VD = constrain(self.embedding[...], ("vocab", "embed"))
-        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
-        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
-        moe_graph, moe_state = nnx.split(self.moe_blocks)
-        dense_graph, dense_state = None, None
-        if self.dense_blocks is not None:  # [dense, ...] -> [groups, moe_every - 1, ...]
-            dense_graph, dense_state = nnx.split(self.dense_blocks)
-            dense_state = jax.tree.map(
-                lambda a: a.reshape(cfg.moe_layers, per_group, *a.shape[1:]), dense_state
-            )
 
-        def group_fn(group_state, carry):
-            (x, totals), (dense, moe) = carry, group_state
-            for i in range(per_group):
-                x = nnx.merge(dense_graph, jax.tree.map(lambda a, i=i: a[i], dense))(x)
-            x, stats = nnx.merge(moe_graph, moe)(x)
-            return x, jax.tree.map(jnp.add, totals, stats)
+class Moe(Llama):
+    """Llama's embedding and head around a stack of ``MoeGroup``s (``Decoder`` with stats)."""
 
-        totals = jax.tree.map(jnp.zeros_like, Routing.empty_stats(cfg.experts))
-        x_BLD, totals = layers(group_fn, (dense_state, moe_state), (x_BLD, totals))
-        x_BLD = self.final_norm(x_BLD)
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
-        logits_BLV = constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))
-        return logits_BLV, self._aux(totals, tokens_BL.size)
+    def make_blocks(self, cfg: MoeConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return stack_blocks(lambda r: MoeGroup(cfg, r), cfg.moe_layers, rngs)
 
-    def _aux(self, totals: dict, tokens: int) -> dict:
-        """Objective term and metrics from the statistics summed over MoE layers."""
+    def aux(self, totals: dict, tokens: int) -> dict:
+        """Objective term and metrics from the router statistics summed over MoE layers."""
         cfg, n = self.cfg, self.cfg.moe_layers
         aux_loss, z_loss = totals["aux_loss"] / n, totals["z_loss"] / n
         aux = {

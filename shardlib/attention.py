@@ -1,18 +1,15 @@
-"""The attention entry point models call: ``attention(q, k, v, positions)``.
+"""Attention kernels and the ``AttentionPlan`` that picks one: ``attend(q, k, v, pos, plan=)``.
 
 Model code names logical dims only and cannot know whether its sequence is split over a
-``context`` axis, so it calls this function and the active ``AttentionPlan`` picks the
-implementation: dense (the default), chunked (memory-efficient) or cuDNN on one device,
+``context`` axis, so it calls ``shardlib.ops.attention``, which hands the active plan to
+``attend`` here: dense (the default), chunked (memory-efficient) or cuDNN on one device,
 and ring, all-to-all (Ulysses) or all-gather across the context axis, each a small
-``shard_map`` kernel around a local one. Outside ``use_attention`` (or outside
-``use_layout``) it is plain dense causal attention, so a model runs unchanged on one device.
+``shard_map`` kernel around a local one. Outside ``use_layout`` every plan runs locally.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -93,19 +90,11 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for pair in chunks for j in pair])
 
 
-_PLAN: contextvars.ContextVar[AttentionPlan | None] = contextvars.ContextVar(
-    "shardlib_attention", default=None
-)
+def use_attention(plan: AttentionPlan) -> contextlib.AbstractContextManager:
+    """``shardlib.ops.use_ops(attention=plan)``, keeping the active dispatch (old name)."""
+    from shardlib.ops import active_ops, use_ops  # ops imports this module
 
-
-@contextlib.contextmanager
-def use_attention(plan: AttentionPlan) -> Iterator[None]:
-    """Make ``plan`` the one ``attention`` follows (usable inside ``jit``)."""
-    token = _PLAN.set(plan)
-    try:
-        yield
-    finally:
-        _PLAN.reset(token)
+    return use_ops(attention=plan, dispatch=active_ops().dispatch)
 
 
 def _cudnn(q, k, v, q_pos, k_pos, *, causal):
@@ -122,13 +111,12 @@ def local_kernel(plan: AttentionPlan, causal: bool, local_len: int):
     return partial(dense_attention, causal=causal)
 
 
-def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):
+def attend(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, plan: AttentionPlan, causal: bool = True):
     """Causal (or full) attention with grouped K/V heads: [B, L, H, K] -> [B, L, H, K].
 
     ``positions_L`` are the true positions of the L tokens (default ``arange(L)``): they
     drive the causal mask, so a permuted token order (zig-zag) attends correctly.
     """
-    plan = _PLAN.get() or AttentionPlan()
     seq = q_BLHK.shape[1]
     pos = jnp.arange(seq, dtype=jnp.int32) if positions_L is None else positions_L
     active = active_layout()

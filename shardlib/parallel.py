@@ -21,7 +21,7 @@ from typing import Any
 from shardlib.errors import ShardingError
 from shardlib.mesh import MeshSpec
 from shardlib.rules import Rules, base_rules, compose
-from shardlib.strategies.context import ContextParallel
+from shardlib.strategies.context import ContextParallel, reorder_tokens
 from shardlib.strategies.data import DataParallel
 from shardlib.strategies.expert import ExpertParallel, with_dispatched_batch
 from shardlib.strategies.offload import Offload
@@ -121,6 +121,11 @@ class ParallelPlan:
     def attention_plan(self):
         """How ``shardlib.ops.attention`` runs on this mesh."""
         return self.context.attention_plan(self.mesh_axes)
+
+    def split_tokens(self, tokens_BL1):
+        """(inputs, targets, positions) of a [b, seq + 1] batch in the order the model sees
+        (context parallelism's zig-zag order; positions None for the natural order)."""
+        return reorder_tokens(tokens_BL1, self.attention_plan())
 
     def pipeline_spec(self):
         """The pipeline on this mesh (None without a ``stage`` axis of size > 1)."""

@@ -9,41 +9,54 @@ from typing import Any
 
 from shardlib.errors import ShardingError
 
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def convert_value(name: str, raw: Any, annotation: Any) -> Any:
-    """``raw`` as the type ``annotation`` names (bool, int, float, str, or one of them | None).
+def convert_value(name: str, raw: str | object, annotation: Any) -> Any:
+    """A command-line string (or an already typed value) as ``annotation``'s type.
 
-    Strings are converted; values already of the right type pass (TOML gives typed values),
-    and a bool is never taken for an int (``data = true`` in a mesh file is an error).
+    Handles bool, int, float, str, Literal and ``X | None`` ("none"/"null" -> None); other
+    annotations pass the value through. ``name`` only labels the error.
     """
-    if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing) | {"Any": Any})  # noqa: S307 - our own hints
+    if isinstance(annotation, str):  # a postponed annotation: builtins and typing names only
+        annotation = eval(annotation, {"__builtins__": builtins}, vars(typing))  # noqa: S307
     origin = typing.get_origin(annotation)
     if origin in (types.UnionType, typing.Union):
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
             return None
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        if len(options) == 1:
+            return convert_value(name, raw, options[0])
+        return raw
+    if origin is typing.Literal:
+        allowed = typing.get_args(annotation)
+        if raw not in allowed:
+            raise ShardingError(
+                f"{name}={raw!r} is not allowed. Fix: use one of {', '.join(map(str, allowed))}."
+            )
+        return raw
     if annotation not in (bool, int, float, str):
         return raw
-    if isinstance(raw, str):
-        try:
-            if annotation is bool:
-                return _BOOLS[raw.lower()]
-            return annotation(raw)
-        except (KeyError, ValueError):
-            pass
-    elif isinstance(raw, bool):
-        if annotation is bool:
+    if not isinstance(raw, str):
+        if annotation is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, annotation) and not (annotation is int and isinstance(raw, bool)):
             return raw
-    elif annotation is float and isinstance(raw, int | float):
-        return float(raw)
-    elif isinstance(raw, annotation):
-        return raw
-    example = {bool: "true", int: "4", float: "0.5", str: "text"}[annotation]
+        raise ShardingError(
+            f"{name}={raw!r} is a {type(raw).__name__}, expected {annotation.__name__}. "
+            f"Fix: pass a {annotation.__name__}."
+        )
+    if annotation is bool:
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+    else:
+        try:
+            return annotation(raw)
+        except ValueError:
+            pass
+    example = {bool: "true", int: "4", float: "0.5"}[annotation]
     raise ShardingError(
-        f"setting {name}={raw!r}: expected {annotation.__name__}. Fix: e.g. {name}={example}."
+        f"{name}={raw!r} is not a {annotation.__name__}. Fix: e.g. {name}={example}."
     )
 
 

@@ -13,9 +13,10 @@ from jax.sharding import AxisType, Mesh
 
 from models.llama import rotary
 from shardlib import Rules, ShardingError, base_rules, compose
-from shardlib.attention import AttentionPlan, attention, use_attention, zigzag_order
+from shardlib.attention import AttentionPlan, zigzag_order
 from shardlib.kernels.blockwise import chunked_attention, dense_attention
 from shardlib.layout import use_layout
+from shardlib.ops import attention, use_ops
 from shardlib.strategies import context_parallel
 
 B, L, H, G, K = 2, 32, 16, 8, 8  # llama-tiny's heads; L divides 2 x 8 zig-zag chunks
@@ -63,7 +64,7 @@ def _run_plan(plan: AttentionPlan, n: int, q, k, v, do, causal: bool):
     undo = np.argsort(order)
 
     def fn(q, k, v):
-        with use_layout(mesh, rules), use_attention(plan):
+        with use_layout(mesh, rules), use_ops(attention=plan):
             out = attention(
                 q[:, order], k[:, order], v[:, order], jnp.asarray(order), causal=causal
             )
@@ -135,7 +136,7 @@ def test_ulysses_needs_divisible_heads(qkv):
     rules = compose(base_rules(), context_parallel())
     plan = AttentionPlan(context="all_to_all", axis_size=8)
     with pytest.raises(ShardingError, match="kv_heads.*context=8"):
-        with use_layout(mesh, rules), use_attention(plan):
+        with use_layout(mesh, rules), use_ops(attention=plan):
             attention(q, k[:, :, :4], v[:, :, :4])
 
 
@@ -143,7 +144,7 @@ def test_context_attention_needs_seq_rule(qkv):
     q, k, v, _ = qkv
     plan = AttentionPlan(context="ring", axis_size=2)
     with pytest.raises(ShardingError, match="seq -> \\('context',\\)"):
-        with use_layout(_context_mesh(2), Rules(activations={"seq": ()})), use_attention(plan):
+        with use_layout(_context_mesh(2), Rules(activations={"seq": ()})), use_ops(attention=plan):
             attention(q, k, v)
 
 

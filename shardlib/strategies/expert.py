@@ -12,7 +12,7 @@ expert axis from the groups dim to the expert dim is exactly one all-to-all over
 
 * ``einsum`` dispatch: the model re-constrains the tensor and XLA's propagation emits the
   all-to-all (the GShard formulation);
-* ``shard_map`` dispatch: ``exchange`` below writes the ``jax.lax.all_to_all`` explicitly.
+* ``shard_map`` dispatch: ``shardlib.ops.exchange`` writes the ``jax.lax.all_to_all`` explicitly.
 Both move k * tokens * capacity_factor * embed elements per device, (N-1)/N of them on the
 wire, once to dispatch and once to combine in forward, and twice more in backward.
 """
@@ -21,12 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
-
-import jax
 
 from shardlib.errors import ShardingError
-from shardlib.layout import active_layout, constrain, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules
 
@@ -99,34 +95,3 @@ def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
             "expert_parallel() after the other batch strategies, or use model.dispatch=einsum."
         )
     return axes[0] if mesh_sizes.get(axes[0], 1) > 1 else None
-
-
-def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> jax.Array:
-    """Move the expert axis between the groups dim and the expert dim with an all-to-all.
-
-    ``dispatch``: [groups, experts, capacity, embed] split by groups -> split by experts.
-    ``combine``: the reverse. Written with ``jax.shard_map`` over the whole mesh and specs
-    resolved from the active rules, so the collective is exactly the one written here.
-    Outside ``use_layout`` (or with no expert axis) it only constrains the layout.
-    """
-    active = active_layout()
-    src, dst = (DISPATCH_NAMES, EXPERT_NAMES)
-    if direction == "combine":
-        src, dst = dst, src
-    if active is None:
-        return x_GECD
-    mesh, rules = active
-    axis = expert_axis(rules, mesh_axes(mesh))
-    if axis is None:
-        return constrain(x_GECD, dst, what=f"moe {direction}")
-    x_GECD = constrain(x_GECD, src, what=f"moe {direction} input")
-    split, concat = (1, 0) if direction == "dispatch" else (0, 1)
-
-    def body(x_local):
-        return jax.lax.all_to_all(x_local, axis, split, concat, tiled=True)
-
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # pragma: no cover - jax < 0.6
-        from jax.experimental.shard_map import shard_map
-    out = shard_map(body, mesh=mesh, in_specs=rules.spec(src), out_specs=rules.spec(dst))(x_GECD)
-    return constrain(out, dst, what=f"moe {direction} output")

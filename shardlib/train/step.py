@@ -15,8 +15,7 @@ import optax
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.ops import use_ops
-from shardlib.strategies.context import reorder_tokens
+from shardlib.ops import run_blocks, use_ops
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.train import layouts, precision, staging
 from shardlib.train.data import BATCH_NAMES
@@ -40,38 +39,20 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     ``jax.value_and_grad(..., has_aux=True)``.
     """
     graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
-    attention, dispatch = plan.attention_plan(), plan.expert.dispatch
+    attention = plan.attention_plan()
     layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
-    stats = setup.target.block_stats
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = staging.cast_params(setup, params)
         model = nnx.merge(graphdef, params)
-        inputs_BL, targets_BL, positions_L = reorder_tokens(tokens_BL1, attention)
+        inputs_BL, targets_BL, positions_L = plan.split_tokens(tokens_BL1)
         block_graph, blocks_state = nnx.split(model.blocks)
-
-        def block_fn(layer_state, carry):
-            block = nnx.merge(block_graph, layer_state)
-            if not stats:
-                return block(carry, positions_L)
-            x_BLD, totals = carry
-            x_BLD, found = block(x_BLD, positions_L)
-            return x_BLD, jax.tree.map(jnp.add, totals, found)
-
-        with use_ops(attention=attention, dispatch=dispatch):
+        with use_ops(attention=attention, dispatch=plan.expert.dispatch):
             x_BLD = model.embed(inputs_BL, dtype=dtype)
-            if stats:  # the statistics' structure, from one block traced abstractly
-                first = jax.tree.map(lambda w: w[0], blocks_state)
-                found = jax.eval_shape(
-                    lambda w, x: nnx.merge(block_graph, w)(x, positions_L)[1], first, x_BLD
-                )
-                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), found)
-                x_BLD, totals = layers(block_fn, blocks_state, (x_BLD, zeros))
-            else:
-                x_BLD = layers(block_fn, blocks_state, x_BLD)
+            x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L, layers=layers)
             logits_BLV = model.head(x_BLD, dtype=dtype)
-        aux = model.aux(totals, inputs_BL.size) if stats else {}
+        aux = {} if totals is None else model.aux(totals, inputs_BL.size)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
