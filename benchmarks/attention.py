@@ -21,7 +21,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 import shardlib
@@ -36,7 +35,7 @@ from shardlib import mesh_spec  # noqa: E402
 from shardlib.explain import explain  # noqa: E402
 from shardlib.explain.reduce_scatter import gpu_collectives  # noqa: E402
 from shardlib.layout import use_layout  # noqa: E402
-from shardlib.train.config import TrainConfig  # noqa: E402
+from shardlib.train.config import TrainConfig, override, train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 from shardlib.train.step import make_loss_fn  # noqa: E402
 
@@ -60,12 +59,12 @@ def _per_layer(ops, layers: int) -> list:
 
 
 def sequence_parallel_rows(rows: list) -> None:
-    cfg = TrainConfig(batch=8, seq=256, model_overrides=(("layers", 2),))
+    cfg = train_config(batch=8, seq=256, **{"model.layers": 2})
     mesh, t = _mesh(tensor=4), 4
-    m = cfg.batch * cfg.seq * 64 * 4  # b·s·h fp32 bytes (llama-tiny, embed 64)
+    m = cfg.data.batch * cfg.data.seq * 64 * 4  # b·s·h fp32 bytes (llama-tiny, embed 64)
     formula = 8 * (t - 1) / t * m  # 4 all-reduces (2 fwd + 2 bwd) of M, or 4 AG + 4 RS
     for sp in (False, True):
-        setup = make_setup(dataclasses.replace(cfg, sequence_parallel=sp), mesh)
+        setup = make_setup(override(cfg, {"sequence_parallel": sp}), mesh)
         text = _compiled(setup).as_text()
         gpu = _per_layer(gpu_collectives(text, setup.mesh), _layers(cfg))
         cpu_wire = sum(
@@ -107,11 +106,11 @@ def sequence_parallel_rows(rows: list) -> None:
 def ulysses_rows(rows: list, sizes) -> None:
     for n in sizes:
         for kv in (16, 8):
-            cfg = TrainConfig(
+            cfg = train_config(
                 batch=8,
                 seq=256,
                 attention="all_to_all",
-                model_overrides=(("layers", 2), ("kv_heads", kv)),
+                **{"model.layers": 2, "model.kv_heads": kv},
             )
             setup = make_setup(cfg, _mesh(context=n))
             loss_fn = make_loss_fn(setup)
@@ -128,7 +127,7 @@ def ulysses_rows(rows: list, sizes) -> None:
                 for op in _per_layer(report.collectives, 2)
                 if op.kind == "all-to-all"
             )
-            formula = 4 * cfg.batch * cfg.seq * 128 / n * 4  # 4·b·s·h/N fp32, h = 16 x 8
+            formula = 4 * cfg.data.batch * cfg.data.seq * 128 / n * 4  # 4·b·s·h/N fp32, h = 16 x 8
             note = "MHA (paper's setting)" if kv == 16 else "GQA: k, v are half of q: (2+2·8/16)/4"
             rows.append(
                 (
@@ -143,14 +142,14 @@ def ulysses_rows(rows: list, sizes) -> None:
 
 
 def ring_rows(rows: list, seq: int) -> None:
-    base = TrainConfig(batch=1, seq=seq, model_overrides=(("layers", 1),))
+    base = train_config(batch=1, seq=seq, **{"model.layers": 1})
     dense = explain(*_explain_args(make_setup(base, _mesh(data=1))))
     for impl in ("dense", "chunked"):
         first = None
         for n in (1, 2, 4, 8):
             # chunked blocks of 128: the (s/N)² block term no longer hides the linear terms
-            cfg = dataclasses.replace(
-                base, attention="ring", attention_impl=impl, attention_chunk=128
+            cfg = override(
+                base, {"attention": "ring", "attention_impl": impl, "attention_chunk": 128}
             )
             temp = explain(*_explain_args(make_setup(cfg, _mesh(context=n)))).memory.temp_bytes
             first = first or temp
@@ -173,10 +172,10 @@ def _explain_args(setup):
 def chunked_rows(rows: list, seqs) -> None:
     first = None
     for seq in seqs:
-        cfg = TrainConfig(batch=1, seq=seq, model_overrides=(("layers", 1),))
+        cfg = train_config(batch=1, seq=seq, **{"model.layers": 1})
         temps = {}
         for impl in ("dense", "chunked"):
-            setup = make_setup(dataclasses.replace(cfg, attention_impl=impl), _mesh(data=1))
+            setup = make_setup(override(cfg, {"attention_impl": impl}), _mesh(data=1))
             temps[impl] = explain(*_explain_args(setup)).memory.temp_bytes
         first = first or (seq, temps["chunked"])
         linear = first[1] * seq / first[0]
@@ -204,10 +203,10 @@ def _colossal(mode: str, p: int) -> tuple[float, float, float]:
 
 
 def tensor_mode_rows(rows: list) -> None:
-    cfg = TrainConfig(
-        batch=16, seq=256, model="llama-small", model_overrides=(("layers", 2), ("kv_heads", 8))
+    cfg = train_config(
+        batch=16, seq=256, model="llama-small", **{"model.layers": 2, "model.kv_heads": 8}
     )
-    m = cfg.batch * cfg.seq * 256 * 4  # b·s·h bytes
+    m = cfg.data.batch * cfg.data.seq * 256 * 4  # b·s·h bytes
     one = explain(*_explain_args(make_setup(cfg, _mesh(data=1))))
     plans = [
         ("1D", {"tensor": 4}),

@@ -1,6 +1,6 @@
 """Per-device communication and memory of the train step vs the published formulas.
 
-    python benchmarks/communication.py            # llama-small (~12M params), fp32, 8 CPU devices
+    PYTHONPATH=. python benchmarks/communication.py   # llama-small (~12M params), fp32, 8 CPUs
 
 Compiles (never runs) the step for DP=8, FSDP=8 and TP=4 and prints, per plan, the wire bytes
 measured from the optimized HLO next to REFERENCE.md's formula. CPU figures: XLA's CPU backend
@@ -19,18 +19,18 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import models  # noqa: E402
-from shardlib.explain import explain  # noqa: E402
-from shardlib.explain.report import format_bytes  # noqa: E402
-from shardlib.reference import (  # noqa: E402
+from benchmarks.reference import (  # noqa: E402
     dp_gradient_allreduce,
     megatron_tp_layer,
     zero_memory,
     zero_wire,
 )
-from shardlib.train.config import TrainConfig  # noqa: E402
+from shardlib.explain import explain  # noqa: E402
+from shardlib.explain.report import format_bytes  # noqa: E402
+from shardlib.train.config import train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 
-CFG = TrainConfig(model="llama-small", batch=16, seq=128)
+CFG = train_config(model="llama-small", batch=16, seq=128)
 
 
 def report(devices: int, **axes):
@@ -43,7 +43,8 @@ def report(devices: int, **axes):
 def main() -> None:
     model = models.config(CFG.model)
     psi = model.param_count()
-    table = Table(title=f"{CFG.model}: Ψ = {psi:,} fp32 parameters, batch {CFG.batch} x {CFG.seq}")
+    batch, seq = CFG.data.batch, CFG.data.seq
+    table = Table(title=f"{CFG.model}: Ψ = {psi:,} fp32 parameters, batch {batch} x {seq}")
     for col in ("plan", "quantity", "measured (CPU)", "GPU-equivalent", "formula", "ratio"):
         table.add_column(col, justify="right" if col not in ("plan", "quantity") else "left")
 
@@ -82,7 +83,7 @@ def main() -> None:
         zero_memory(3, psi, 8, grad_bytes=0),
     )
     tp = report(4, tensor=4)
-    layer = megatron_tp_layer(CFG.batch, CFG.seq, model.embed, t=4)
+    layer = megatron_tp_layer(batch, seq, model.embed, t=4)
     looped = [c for c in tp.collectives if c.count == model.layers and c.axes == ("tensor",)]
     row(
         "TP=4",

@@ -54,10 +54,11 @@ def measure(cfg, axes: dict, devices) -> dict:
     model, layers = setup.model_cfg, setup.model_cfg.moe_layers
     a2a = [op for op in report.collectives if op.kind == "all-to-all"]
     n = axes.get("expert", 1)
-    b = cfg.batch / math.prod(axes.get(a, 1) for a in setup.rules.activations["batch"])
-    itemsize = 2 if cfg.precision == "bf16" else 4
-    cf = model.capacity(cfg.seq) * model.experts / (model.top_k * cfg.seq)  # effective factor
-    formula = 4 * model.top_k * cf * b * cfg.seq * model.embed * (n - 1) / n * itemsize
+    seq = cfg.data.seq
+    b = cfg.data.batch / math.prod(axes.get(a, 1) for a in setup.rules.activations["batch"])
+    itemsize = 2 if cfg.precision.compute == "bf16" else 4
+    cf = model.capacity(seq) * model.experts / (model.top_k * seq)  # effective factor
+    formula = 4 * model.top_k * cf * b * seq * model.embed * (n - 1) / n * itemsize
     measured = sum(op.total_wire_bytes for op in a2a) / layers
     expert = [t for t in report.tensors if t.is_param and ".experts." in t.path]
     gathers = [op for op in report.collectives if op.kind == "all-gather" and "expert" in op.axes]
@@ -90,7 +91,7 @@ def main() -> None:
     from rich.table import Table
 
     from shardlib.explain import format_bytes
-    from shardlib.train.config import TrainConfig
+    from shardlib.train.config import train_config
 
     table = Table(
         title=f"{args.model}: batch {args.batch} x seq {args.seq}, {args.precision}, "
@@ -111,12 +112,13 @@ def main() -> None:
     for mesh in args.meshes:
         axes = MESHES[mesh]
         for dispatch in args.dispatch if axes.get("expert", 1) > 1 else ["einsum"]:
-            cfg = TrainConfig(
+            cfg = train_config(
                 model=args.model,
                 batch=args.batch,
                 seq=args.seq,
                 precision=args.precision,
-                model_overrides=(("capacity_factor", args.capacity_factor), ("dispatch", dispatch)),
+                dispatch=dispatch,
+                **{"model.capacity_factor": args.capacity_factor},
             )
             r = measure(cfg, axes, jax.devices())
             ratio = r["measured"] / r["formula"] if r["formula"] else float("nan")

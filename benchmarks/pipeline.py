@@ -28,19 +28,19 @@ import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from benchmarks._programs import layer_stack_program  # noqa: E402
 from shardlib import mesh_spec  # noqa: E402
 from shardlib.explain import hlo  # noqa: E402
 from shardlib.explain.report import format_bytes  # noqa: E402
 from shardlib.mesh import single_device_mesh  # noqa: E402
-from shardlib.train.config import TrainConfig  # noqa: E402
+from shardlib.train.config import TrainConfig, train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
-from shardlib.train.staging import layer_stack_program  # noqa: E402
 
 console = Console(width=150)
 
 
 def cfg(layers: int, **fields) -> TrainConfig:
-    return TrainConfig(model_overrides=(("layers", layers),), **fields)
+    return train_config(**{"model.layers": layers}, **fields)
 
 
 def mesh(**axes):
@@ -105,7 +105,7 @@ def param_table() -> Table:
     table = Table(title="2b. parameter bytes per device (stacked blocks), llama-7b shapes")
     for col in ("stages p", "blocks per device", "x p / one device", "all params per device"):
         table.add_column(col, justify="right")
-    c = TrainConfig(model="llama-7b")
+    c = train_config(model="llama-7b")
     sizes = {}
     for p in (1, 2, 4, 8):
         setup = make_setup(c, mesh(stage=p))

@@ -57,12 +57,15 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from shardlib.parallel import ParallelPlan
     from shardlib.planner import Plan, Workload, estimate, load_cluster
-    from shardlib.train.config import TrainConfig, apply_overrides, parse_overrides
+    from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
 
-    base = apply_overrides(TrainConfig(), {k: str(v) for k, v in spec.train.items()}, "[train]")
+    # as the CLI reads a preset: [mesh] and [parallel.*] make the plan, [train] the settings
+    parallel = ParallelPlan.from_mesh_spec(spec)
+    base = override(TrainConfig(parallel=parallel), flatten_table(spec.train))
     cfg = parse_overrides(["steps=6", *args.overrides], base)
     mesh = spec.build()
     setup = make_setup(cfg, mesh)
@@ -80,7 +83,8 @@ def main() -> int:
     bandwidth, _ = allreduce_bandwidth(args.allreduce_mib * 2**20)
 
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    plan = Plan(**{k: v for k, v in sizes.items() if v > 1}, microbatches=cfg.microbatches)
+    microbatches = cfg.parallel.data.microbatches
+    plan = Plan(**{k: v for k, v in sizes.items() if v > 1}, microbatches=microbatches)
     sized = cluster if cluster.num_devices == n else None
     predicted = estimate(workload, plan, sized) if sized else None
 

@@ -1,18 +1,16 @@
 """ZeRO stages 0-3 (and ZeRO-2 + optimizer offload) vs the ZeRO table, per device, N = 8.
 
-    python benchmarks/zero.py               # llama-small (~12M params), fp32 Adam, data=8
+    PYTHONPATH=. python benchmarks/zero.py    # llama-small (~12M params), fp32 Adam, data=8
 
 Compiles (never runs) the train step from abstract shapes for each stage and prints the
 model-state bytes one device holds and the bytes it sends per step, next to REFERENCE.md's
 ZeRO table in its fp32 form (4Ψ params + 4Ψ grads + 8Ψ Adam moments; 2Ψ or 3Ψ traffic).
-How each figure is measured: ``shardlib/explain/zero.py``. Figures come from the CPU
+How each figure is measured: ``benchmarks/zero_figures.py``. Figures come from the CPU
 backend, which all-reduces gradients that GPU/TPU reduce-scatter: the "GPU form" column
 counts those all-reduces as reduce-scatters (half their wire bytes).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import shardlib
 
@@ -24,16 +22,16 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from benchmarks.zero_figures import zero_figures
     from shardlib.explain.report import format_bytes
-    from shardlib.explain.zero import zero_figures
-    from shardlib.train.config import TrainConfig
+    from shardlib.train.config import override, train_config
     from shardlib.train.setup import make_setup
 
-    cfg = TrainConfig(model="llama-small", batch=16, seq=128, optimizer="adam")
+    cfg = train_config(model="llama-small", batch=16, seq=128, optimizer="adam")
     mesh = shardlib.mesh_spec(data=8).build()
     rows = []
     for stage, offload in STAGES:
-        setup = make_setup(dataclasses.replace(cfg, zero=stage, offload_optimizer=offload), mesh)
+        setup = make_setup(override(cfg, {"zero": stage, "offload_optimizer": offload}), mesh)
         rows.append(zero_figures(setup, devices=8))
     psi = rows[0].params
     table = Table(title=f"ZeRO on data=8, {cfg.model}: Ψ = {psi:,} fp32 parameters, Adam")

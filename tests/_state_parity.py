@@ -44,8 +44,8 @@ def initial_state(setup: TrainSetup) -> dict:
     params = initial_params(setup)
     opt_state = jax.jit(setup.tx.init)(params)
     state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
-    if precision.uses_loss_scale(setup.cfg):
-        state["loss_scale"] = precision.init_loss_scale(setup.cfg)
+    if precision.uses_loss_scale(setup.cfg.precision):
+        state["loss_scale"] = precision.init_loss_scale(setup.cfg.precision)
     return jax.device_put(state, setup.state_shardings)
 
 

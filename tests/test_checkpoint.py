@@ -149,17 +149,14 @@ def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage):
 def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
     directory = _copy_of_cube_checkpoints(tmp_path)
     before = _snapshot(directory)
-    from dataclasses import replace
-
+    from shardlib.train.config import override
     from shardlib.train.setup import make_setup
 
     base = setup(ONE, str(directory))
-    other = make_setup(replace(base.cfg, model_overrides=(("layers", 2),)), base.mesh)
+    other = make_setup(override(base.cfg, {"model.layers": 2}), base.mesh)
     with pytest.raises(CheckpointError, match=r"another model: params/blocks/.*layers=1 \(this"):
         run(other, show=False)
-    wider = make_setup(
-        replace(base.cfg, model_overrides=(("layers", 1), ("vocab", 512))), base.mesh
-    )
+    wider = make_setup(override(base.cfg, {"model.layers": 1, "model.vocab": 512}), base.mesh)
     with pytest.raises(CheckpointError, match=r"params/embedding: checkpoint float32\[256, 64\]"):
         restore(directory, wider)
     assert _snapshot(directory) == before
@@ -172,12 +169,12 @@ def test_missing_or_empty_directory(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint.*unfinished saves"):
         restore(tmp_path / "empty", setup(ONE))
     # resume=never refuses a directory that holds checkpoints (it would overwrite them)
-    from dataclasses import replace
-
+    from shardlib.train.config import override
     from shardlib.train.setup import make_setup
 
     directory = _copy_of_cube_checkpoints(tmp_path)
-    never = make_setup(replace(setup(ONE, str(directory)).cfg, resume="never"), setup(ONE).mesh)
+    never_cfg = override(setup(ONE, str(directory)).cfg, {"resume": "never"})
+    never = make_setup(never_cfg, setup(ONE).mesh)
     with pytest.raises(ShardingError, match="already holds checkpoints"):
         run(never, show=False)
 

@@ -8,13 +8,13 @@ import jax
 import pytest
 
 import models
+from benchmarks.reference import dp_gradient_allreduce, megatron_tp_layer, zero_memory, zero_wire
 from shardlib import mesh_spec
 from shardlib.explain import explain
-from shardlib.reference import dp_gradient_allreduce, megatron_tp_layer, zero_memory, zero_wire
-from shardlib.train.config import TrainConfig, parse_overrides
+from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
 
-SMALL = TrainConfig(model="llama-small", batch=16, seq=128)
+SMALL = train_config(model="llama-small", batch=16, seq=128)
 PSI = models.config("llama-small").param_count()
 
 
@@ -69,7 +69,7 @@ def test_tensor_parallel_has_four_bsh_allreduces_per_layer():
     cfg = SMALL
     report = report_for(cfg, devices=4, tensor=4)
     layers = models.config("llama-small").layers
-    per_layer = megatron_tp_layer(cfg.batch, cfg.seq, 256, t=4)
+    per_layer = megatron_tp_layer(cfg.data.batch, cfg.data.seq, 256, t=4)
     in_loop = [c for c in report.collectives if c.count == layers and c.axes == ("tensor",)]
     assert [c.kind for c in in_loop] == ["all-reduce"] * 4
     assert all(c.buffer_bytes == per_layer["buffer_bytes"] for c in in_loop)
@@ -84,7 +84,7 @@ def test_scanned_layers_are_counted_per_trip():
     """
     reports = {}
     for layers in (2, 6, 10):
-        cfg = parse_overrides([f"model.layers={layers}"], TrainConfig(batch=16, seq=32))
+        cfg = parse_overrides([f"model.layers={layers}"], train_config(batch=16, seq=32))
         reports[layers] = report_for(cfg, data=2, fsdp=2, tensor=2)
     flops = {k: r.flops_per_device for k, r in reports.items()}
     per_layer = (flops[10] - flops[2]) / 8

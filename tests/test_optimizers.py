@@ -1,8 +1,6 @@
 """Optimizers and schedules by name: each trains like its one-device run with its state laid
 out like its parameters (adafactor's factored statistics keep their parameter's splits)."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -10,20 +8,20 @@ from _state_parity import assert_parity, reference, train
 from jax.sharding import PartitionSpec as P
 
 from shardlib import ShardingError, mesh_spec
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import override, train_config
 from shardlib.train.optim import OPTIMIZERS, schedule
 from shardlib.train.setup import make_setup
 
 # The config of tests/test_zero.py (one shared one-device reference for adamw); with
 # factored_min_dim=32 adafactor factors llama-tiny's [embed=64, mlp=256] weights.
-CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32)
+CFG = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
 MESH = {"data": 2, "fsdp": 4}  # parameters split over fsdp, batch over data x fsdp
 
 
 # adamw (the default) on this mesh is tests/test_zero.py's hsdp2x4 case.
 @pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "adamw"])
 def test_optimizer_parity(name):
-    cfg = dataclasses.replace(CFG, optimizer=name)
+    cfg = override(CFG, {"optimizer": name})
     _, result = train(cfg, **MESH)
     assert_parity(result, reference(cfg))
 
@@ -34,7 +32,7 @@ def _factored(tree):
 
 
 def test_adafactor_factored_statistics_keep_their_splits():
-    setup = make_setup(dataclasses.replace(CFG, optimizer="adafactor"), mesh_spec(**MESH).build())
+    setup = make_setup(override(CFG, {"optimizer": "adafactor"}), mesh_spec(**MESH).build())
     shapes, shardings = _factored(setup._abstract_opt_state), _factored(setup.opt_state_shardings)
     w_up = lambda tree: tree["blocks"]["mlp"]["w_up"]  # noqa: E731  [layers, embed, mlp]
     assert setup.param_shardings["blocks"]["mlp"]["w_up"].spec == P(None, "fsdp")
@@ -48,8 +46,8 @@ def test_adafactor_factored_statistics_keep_their_splits():
 
 @pytest.mark.parametrize("name", ["constant", "warmup_cosine", "warmup_linear", "inverse_sqrt"])
 def test_schedules(name):
-    cfg = TrainConfig(steps=20, warmup=4, lr=1.0, min_lr_ratio=0.1, schedule=name)
-    lr = [float(schedule(cfg)(i)) for i in range(20)]
+    cfg = train_config(steps=20, warmup=4, lr=1.0, min_lr_ratio=0.1, schedule=name)
+    lr = [float(schedule(cfg.optimizer, cfg.run.steps)(i)) for i in range(20)]
     if name == "constant":
         assert lr == [1.0] * 20
         return
@@ -62,6 +60,6 @@ def test_schedules(name):
 
 def test_bad_names_are_clear_errors():
     with pytest.raises(ShardingError, match="optimizer='adamax'.*adafactor"):
-        TrainConfig(optimizer="adamax")
+        train_config(optimizer="adamax")
     with pytest.raises(ShardingError, match="schedule='cosine'"):
-        TrainConfig(schedule="cosine")
+        train_config(schedule="cosine")

@@ -9,11 +9,11 @@ import pytest
 
 from shardlib import mesh_spec
 from shardlib.parity import FP32_TOLERANCE, compare, reference_mesh, trace
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
 
-CFG = TrainConfig(steps=5, batch=16, seq=32)
-CFG_ACCUM = TrainConfig(steps=5, batch=16, seq=32, microbatches=2)
+CFG = train_config(steps=5, batch=16, seq=32)
+CFG_ACCUM = train_config(steps=5, batch=16, seq=32, data_microbatches=2)
 
 
 @pytest.fixture(scope="module")

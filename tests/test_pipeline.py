@@ -15,19 +15,20 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks._programs import layer_stack_program
 from shardlib import ShardingError, mesh_spec
 from shardlib.explain import hlo
 from shardlib.layout import use_layout
 from shardlib.mesh import single_device_mesh
 from shardlib.parity import FP32_TOLERANCE
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import TrainConfig, override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
-from shardlib.train.staging import layer_stack_program, make_grad_fn
+from shardlib.train.staging import make_grad_fn
 from shardlib.train.step import make_loss_fn
 
 # 16 layers so that p = 8 with v = 2 splits evenly; batch 8 of 16 tokens keeps runs short.
-BASE = TrainConfig(steps=3, batch=8, seq=16, warmup=1, model_overrides=(("layers", 16),))
+BASE = train_config(steps=3, batch=8, seq=16, warmup=1, **{"model.layers": 16})
 
 CASES = {  # name: (mesh axes, config overrides)
     "gpipe-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
@@ -48,7 +49,7 @@ def _cfg(name: str, **extra) -> TrainConfig:
         overrides.setdefault("pipeline_schedule", "circular")
     else:
         overrides.setdefault("pipeline_schedule", name.split("-")[0])
-    return TrainConfig(**{**BASE.__dict__, **overrides})
+    return override(BASE, overrides)
 
 
 def _mesh(axes):
@@ -72,7 +73,7 @@ _INITIAL = {}
 
 def initial_state(setup):
     """The one-device initial state of this model config, placed on ``setup``'s shardings."""
-    key = (setup.model_cfg, setup.cfg.seed)
+    key = (setup.model_cfg, setup.cfg.run.seed)
     if key not in _INITIAL:
         one = make_setup(setup.cfg, single_device_mesh())
         _INITIAL[key] = jax.device_get(one.init_state())
@@ -91,9 +92,11 @@ class Compiled:
     def train(self):
         """Per-step (loss, grad_norm) over the config's steps, on the compiled executable."""
         cfg, setup = self.setup.cfg, self.setup
-        tokens, state, out = load_tokens(cfg.data), initial_state(setup), []
-        for step in range(cfg.steps):
-            batch = global_batch(tokens, step, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding)
+        tokens, state, out = load_tokens(cfg.data.path), initial_state(setup), []
+        for step in range(cfg.run.steps):
+            batch = global_batch(
+                tokens, step, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
+            )
             state, metrics = self.exe(state, batch)
             out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
         return np.array(out)
@@ -141,7 +144,7 @@ def test_bounded_gradients_leaf_by_leaf():
         jitted = jax.jit(grad, in_shardings=(setup.param_shardings, setup.batch_sharding))
         exe = compile_fast(jitted, setup.abstract_state()["params"], setup.abstract_batch())
         tokens = global_batch(
-            load_tokens(None), 0, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding
+            load_tokens(None), 0, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
         )
         grads.append(jax.device_get(exe(initial_state(setup)["params"], tokens)))
     errs = jax.tree.map(lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b), *grads)
@@ -174,7 +177,7 @@ def test_parameter_bytes_per_device_fall_as_one_over_p():
 
 
 BUBBLE_P = 4
-BUBBLE_BASE = TrainConfig(batch=32, seq=32, model_overrides=(("layers", 8),))
+BUBBLE_BASE = train_config(batch=32, seq=32, **{"model.layers": 8})
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +185,7 @@ def stack_flops():
     """FLOPs per device of the layer stack (forward + backward) alone."""
 
     def get(p, **overrides):
-        cfg = TrainConfig(**{**BUBBLE_BASE.__dict__, **overrides})
+        cfg = override(BUBBLE_BASE, overrides)
         setup = make_setup(cfg, _mesh({"stage": p}) if p > 1 else single_device_mesh())
         jitted, args = layer_stack_program(setup)
         return flops(compile_fast(jitted, *args))
@@ -207,17 +210,17 @@ def test_bubble_in_flops_matches_the_formula(schedule, v, m, stack_flops):
 
 def test_uneven_layers_and_early_reentry_are_clear_errors():
     with pytest.raises(ShardingError, match="multiple of 4"):
-        make_setup(TrainConfig(model_overrides=(("layers", 6),)), _mesh({"stage": 4}))
-    cfg = TrainConfig(
+        make_setup(train_config(**{"model.layers": 6}), _mesh({"stage": 4}))
+    cfg = train_config(
         pipeline_schedule="circular",
         virtual_stages=2,
         pipeline_microbatches=2,
-        model_overrides=(("layers", 8),),
+        **{"model.layers": 8},
     )
     with pytest.raises(ShardingError, match="at least 4 micro-batches"):
         make_setup(cfg, _mesh({"stage": 4}))
-    with pytest.raises(ShardingError, match="pipeline_schedule"):
+    with pytest.raises(ShardingError, match="pipeline_schedule"):  # refused by train_config
         make_setup(
-            TrainConfig(pipeline_schedule="1f1b", model_overrides=(("layers", 8),)),
+            train_config(pipeline_schedule="1f1b", **{"model.layers": 8}),
             _mesh({"stage": 2}),
         )

@@ -6,30 +6,28 @@ A loss scale of 2**40 overflows fp16 in the backward pass (the logits' gradient 
 scale exceeds 65504); a parameter of 1e6 overflows the forward pass at any scale.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
 from _state_parity import initial_state, reference, train
 
 from shardlib import mesh_spec
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
 from shardlib.train.precision import LossScaleError
 from shardlib.train.setup import make_setup
 
-CFG = TrainConfig(
+CFG = train_config(
     steps=6,
     batch=16,
     seq=16,
-    model_overrides=(("layers", 1),),
     precision="fp16",
     zero=1,
     loss_scale_window=3,
     hysteresis=2,
     min_loss_scale=2.0**14,
+    **{"model.layers": 1},
 )
 
 
@@ -39,7 +37,9 @@ def fp16():
     tokens = load_tokens(None)
 
     def step(state, i):
-        batch = global_batch(tokens, i, CFG.batch, CFG.seq, CFG.seed, setup.batch_sharding)
+        batch = global_batch(
+            tokens, i, CFG.data.batch, CFG.data.seq, CFG.run.seed, setup.batch_sharding
+        )
         state, metrics = setup.train_step(state, batch)
         return state, jax.device_get(metrics)
 
@@ -107,10 +107,8 @@ def test_overflow_at_the_minimum_scale_is_an_error(fp16):
 
 
 def test_bf16_trains_close_to_fp32():
-    cfg = TrainConfig(
-        steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32
-    )
-    _, result = train(dataclasses.replace(cfg, precision="bf16"))  # fp32 reference: test_zero's
+    cfg = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
+    _, result = train(override(cfg, {"precision": "bf16"}))  # fp32 reference: test_zero's
     losses = reference(cfg)[0]
     assert np.allclose(result.losses, losses, rtol=2e-2), (result.losses, losses)
     assert max(abs(a - b) / b for a, b in zip(result.losses, losses, strict=True)) > 1e-5

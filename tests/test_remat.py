@@ -12,12 +12,12 @@ from shardlib import ShardingError
 from shardlib.explain import hlo
 from shardlib.mesh import single_device_mesh
 from shardlib.strategies.remat import parse_remat
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import TrainConfig, override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
 from shardlib.train.step import make_loss_fn
 
-BASE = TrainConfig(steps=3, batch=8, seq=16, warmup=1, model_overrides=(("layers", 8),))
+BASE = train_config(steps=3, batch=8, seq=16, warmup=1, **{"model.layers": 8})
 POLICIES = (
     "none",
     "full",
@@ -29,7 +29,7 @@ POLICIES = (
 
 
 def _cfg(**overrides) -> TrainConfig:
-    return TrainConfig(**{**BASE.__dict__, **overrides})
+    return override(BASE, overrides)
 
 
 # Compiled without LLVM's backend optimisations (as in test_pipeline.py): HLO, buffers and
@@ -53,10 +53,10 @@ def runs():
                 initial["state"] = jax.device_get(setup.init_state())
             state = jax.device_put(initial["state"], setup.state_shardings)
             tokens, out = load_tokens(None), []
-            for step in range(setup.cfg.steps):
+            for step in range(setup.cfg.run.steps):
                 cfg = setup.cfg
                 batch = global_batch(
-                    tokens, step, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding
+                    tokens, step, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
                 )
                 state, metrics = exe(state, batch)
                 out.append((float(metrics["loss"]), float(metrics["grad_norm"])))

@@ -3,13 +3,20 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from shardlib import Rules, ShardingError, base_rules, compose, mesh_spec, resolve_spec
-from shardlib.plan import rules_for_mesh
+from shardlib import (
+    Rules,
+    ShardingError,
+    base_rules,
+    compose,
+    mesh_spec,
+    resolve_spec,
+    rules_for_mesh,
+)
 from shardlib.strategies import data_parallel, fsdp, tensor_parallel
-from shardlib.train.config import TrainConfig, parse_overrides
+from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
 
-TINY = TrainConfig(steps=1, batch=8, seq=16)
+TINY = train_config(steps=1, batch=8, seq=16)
 
 
 def specs_on(**axes):
@@ -142,7 +149,9 @@ def test_rules_check_mesh_names_rule_and_axis():
         (["model.heads=12", "model.kv_heads=4"], {"tensor": 8}, ["wk", "size 4", "tensor=8"]),
         (["model.mlp=102"], {"fsdp": 2, "tensor": 4}, ["params.blocks.mlp", "'mlp'", "size 102"]),
         (["batch=6"], {"data": 4, "fsdp": 2}, ["micro-batch of 6", "data=4 x fsdp=2"]),
-        (["batch=8", "microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),
+        (["batch=8", "data_microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),
+        # the data strategy checks its split when the plan meets the model and the batch
+        (["batch=10", "data_microbatches=4"], {"data": 1}, ["not divisible by microbatches"]),
         (["model.embed=60"], {"fsdp": 8}, ["params.blocks", "'embed'", "size 60", "fsdp=8"]),
         (["model.vocab=250"], {"tensor": 8}, ["embedding", "'vocab'", "size 250"]),
     ],
@@ -161,7 +170,7 @@ def test_configs_that_do_not_fit_the_mesh(overrides, axes, needles):
         (["steps=many"], "expected int"),
         (["nonsense=1"], "no setting 'nonsense'"),
         (["precision=fp8"], "precision='fp8'"),
-        (["batch=10", "microbatches=4"], "not divisible by microbatches"),
+        (["microbatches=4"], "ambiguous.*parallel.data.microbatches"),
         (["steps"], "not NAME=VALUE"),
     ],
 )

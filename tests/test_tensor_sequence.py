@@ -9,8 +9,6 @@ layer with its all-reduces turned into all-gathers and reduce-scatters; Ulysses 
 4·s·h/N elements per device per layer in forward.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +20,12 @@ from shardlib.explain import explain
 from shardlib.explain.reduce_scatter import gpu_collectives
 from shardlib.layout import use_layout
 from shardlib.parity import FP32_TOLERANCE, compare, trace
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import make_setup
 from shardlib.train.step import make_loss_fn
 
-CFG = TrainConfig(steps=5, batch=8, seq=32, model_overrides=(("layers", 1),))
+CFG = train_config(steps=5, batch=8, seq=32, **{"model.layers": 1})
 
 
 def _mesh(**axes):
@@ -65,7 +63,7 @@ CASES = {
 def test_parity_fp32(name, reference):
     axes, overrides = CASES[name]
     ref, state = reference
-    setup = make_setup(dataclasses.replace(CFG, **overrides), _mesh(**axes))
+    setup = make_setup(override(CFG, overrides), _mesh(**axes))
     result = compare(setup, ref, state)
     assert result.max_rel_loss_err <= FP32_TOLERANCE, result
     assert result.ok(), result
@@ -80,7 +78,7 @@ LOSS_ONLY = [c for c in LOSS_ONLY if f"{c[0]}-cp{c[1]}" not in CASES]
 @pytest.mark.parametrize("kind, n", LOSS_ONLY)
 def test_context_parity_losses(kind, n, reference):
     ref, state = reference
-    setup = make_setup(dataclasses.replace(CFG, attention=kind), _mesh(context=n))
+    setup = make_setup(override(CFG, {"attention": kind}), _mesh(context=n))
     records = run(setup, state=jax.device_put(state, setup.state_shardings), show=False).records
     losses = np.array([r["loss"] for r in records])
     norms = np.array([r["grad_norm"] for r in records])
@@ -110,25 +108,22 @@ def test_resolved_specs():
     [
         ({"data": 2}, {"sequence_parallel": True}, ["tensor axis", "sequence_parallel=false"]),
         ({"tensor": 2, "tensor2": 2}, {"sequence_parallel": True}, ["2D/3D", "drop one"]),
-        ({"context": 8}, {"attention": "all_to_all", "model.kv_heads": "4"}, ["kv_heads", "ring"]),
+        ({"context": 8}, {"attention": "all_to_all", "model.kv_heads": 4}, ["kv_heads", "ring"]),
         ({"context": 4}, {"seq": 36}, ["2 x context = 8", "load_balance=false"]),
         ({"context": 2}, {"attention": "mesh"}, ["attention='mesh'", "ring"]),
         ({"context": 2}, {"attention_impl": "cudnn"}, ["cuDNN", "all_to_all"]),
     ],
 )
 def test_bad_configs_raise_before_compiling(axes, overrides, words):
-    model = tuple((k.removeprefix("model."), int(v)) for k, v in overrides.items() if "." in k)
-    top = {k: v for k, v in overrides.items() if "." not in k}
-    cfg = dataclasses.replace(CFG, **top, model_overrides=CFG.model_overrides + model)
     with pytest.raises(ShardingError) as err:
-        make_setup(cfg, _mesh(**axes))
+        make_setup(override(CFG, overrides), _mesh(**axes))
     for word in words:
         assert word in str(err.value), err.value
 
 
 # --- communication (compile only) ---------------------------------------------------------------
 
-COMM_CFG = TrainConfig(batch=8, seq=32, model_overrides=(("layers", 2),))
+COMM_CFG = train_config(batch=8, seq=32, **{"model.layers": 2})
 
 
 def _layer_collectives(setup):
@@ -141,8 +136,8 @@ def _layer_collectives(setup):
 def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
     mesh = _mesh(tensor=4)
     tp = _layer_collectives(make_setup(COMM_CFG, mesh))
-    sp = _layer_collectives(make_setup(dataclasses.replace(COMM_CFG, sequence_parallel=True), mesh))
-    activation = COMM_CFG.batch * COMM_CFG.seq * 64 * 4  # b·s·h fp32 bytes
+    sp = _layer_collectives(make_setup(override(COMM_CFG, {"sequence_parallel": True}), mesh))
+    activation = COMM_CFG.data.batch * COMM_CFG.data.seq * 64 * 4  # b·s·h fp32 bytes
     assert sorted(op.kind for op in tp) == ["all-reduce"] * 4  # 2 forward, 2 backward
     assert all(op.buffer_bytes == activation for op in tp)
     kinds = sorted(op.kind for op in sp if op.buffer_bytes == activation)
@@ -155,8 +150,8 @@ def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
 
 def test_ulysses_all_to_all_bytes_per_layer():
     """Forward: q, k, v and the output each cross once, s·h/N elements per device each."""
-    n, mha = 4, (("layers", 2), ("kv_heads", 16))  # MHA, as in the Ulysses paper's formula
-    cfg = dataclasses.replace(COMM_CFG, attention="all_to_all", model_overrides=mha)
+    n, mha = 4, {"model.kv_heads": 16}  # MHA, as in the Ulysses paper's formula
+    cfg = override(COMM_CFG, {"attention": "all_to_all", **mha})
     setup = make_setup(cfg, _mesh(context=n))
     loss_fn = make_loss_fn(setup)
 
@@ -171,5 +166,5 @@ def test_ulysses_all_to_all_bytes_per_layer():
         op.buffer_bytes for op in report.collectives if op.kind == "all-to-all" and op.count == 2
     )
     h = 16 * 8
-    formula = 4 * cfg.batch * cfg.seq * h // n * jnp.dtype(jnp.float32).itemsize
+    formula = 4 * cfg.data.batch * cfg.data.seq * h // n * jnp.dtype(jnp.float32).itemsize
     assert abs(per_layer / formula - 1) < 0.05, (per_layer, formula)

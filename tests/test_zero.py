@@ -7,22 +7,20 @@ per-example terms (the core's ``test_accumulation_equals_the_full_batch``), so a
 runs are held to the unaccumulated reference.
 """
 
-import dataclasses
-
 import jax
 import pytest
 from _state_parity import assert_parity, reference, train
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.zero_figures import zero_figures
 from shardlib import ShardingError, mesh_spec
-from shardlib.explain.zero import zero_figures
-from shardlib.train.config import TrainConfig
-from shardlib.train.layouts import HOST_MEMORY
+from shardlib.strategies.offload import HOST_MEMORY
+from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
 
 # factored_min_dim only matters to adafactor: it is set here so that the optimizer tests
 # share this config's one-device reference.
-CFG = TrainConfig(steps=5, batch=16, seq=16, model_overrides=(("layers", 1),), factored_min_dim=32)
+CFG = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
 
 
 def check_parity(cfg, axes, ref_cfg):
@@ -48,7 +46,7 @@ PARITY = [(n, m) for n in CASES for m in (1, 2) if (n, m) not in (("zero0", 1), 
 @pytest.mark.parametrize("name,microbatches", PARITY)
 def test_zero_parity(name, microbatches):
     axes, stage = CASES[name]
-    cfg = dataclasses.replace(CFG, zero=stage, microbatches=microbatches)
+    cfg = override(CFG, {"zero": stage, "data_microbatches": microbatches})
     setup, result = check_parity(cfg, axes, ref_cfg=CFG)
     # the trained state really is laid out as the stage says
     mu = result.state["opt_state"][1][0].mu["blocks"]["mlp"]["w_up"]  # [layers, embed, mlp]
@@ -68,24 +66,24 @@ def test_zero_stages_shard_state_roles_over_data():
     assert specs_of(CFG, data=8) == (P(), P(), P())
     sharded = P(None, "data")
     for stage, want in {1: (P(), P(), sharded), 2: (P(), sharded, sharded)}.items():
-        assert specs_of(dataclasses.replace(CFG, zero=stage), data=8) == want
-    assert specs_of(dataclasses.replace(CFG, zero=3), data=8) == (sharded,) * 3
+        assert specs_of(override(CFG, {"zero": stage}), data=8) == want
+    assert specs_of(override(CFG, {"zero": 3}), data=8) == (sharded,) * 3
     # HSDP: shard over fsdp, replicate over data; ZeRO-1 on top splits the state over both
     hsdp = P(None, "fsdp")
     assert specs_of(CFG, data=2, fsdp=4) == (hsdp,) * 3
     both = P(None, ("data", "fsdp"))
-    assert specs_of(dataclasses.replace(CFG, zero=1), data=2, fsdp=4) == (hsdp, hsdp, both)
+    assert specs_of(override(CFG, {"zero": 1}), data=2, fsdp=4) == (hsdp, hsdp, both)
 
 
 def test_zero_without_a_data_axis_is_a_clear_error():
     with pytest.raises(ShardingError, match="zero=1.*'data'.*fsdp"):
-        make_setup(dataclasses.replace(CFG, zero=1), mesh_spec(fsdp=8).build())
+        make_setup(override(CFG, {"zero": 1}), mesh_spec(fsdp=8).build())
     with pytest.raises(ShardingError, match="zero=4"):
-        dataclasses.replace(CFG, zero=4)
+        override(CFG, {"zero": 4})
 
 
 def test_offloaded_optimizer_state_lives_in_host_memory():
-    cfg = dataclasses.replace(CFG, zero=2, offload_optimizer=True)
+    cfg = override(CFG, {"zero": 2, "offload_optimizer": True})
     _, result = check_parity(cfg, {"data": 8}, ref_cfg=CFG)
     opt_leaves = [x for x in jax.tree.leaves(result.state["opt_state"]) if x.ndim]
     assert opt_leaves and all(x.sharding.memory_kind == HOST_MEMORY for x in opt_leaves)
@@ -98,7 +96,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory():
     "stage,offload", [(0, False), (1, False), (2, False), (3, False), (2, True)]
 )
 def test_zero_memory_and_traffic_vs_the_zero_table(stage, offload):
-    cfg = dataclasses.replace(CFG, zero=stage, offload_optimizer=offload)
+    cfg = override(CFG, {"zero": stage, "offload_optimizer": offload})
     figures = zero_figures(make_setup(cfg, mesh_spec(data=8).build()), devices=8)
     assert abs(figures.memory_ratio - 1) <= 0.10, figures
     totals = figures.report.collective_totals

@@ -6,7 +6,6 @@ test uses the same config (40 steps, so that a run can be interrupted anywhere) 
 """
 
 import atexit
-import dataclasses
 import math
 import shutil
 import tempfile
@@ -19,14 +18,12 @@ import numpy as np
 
 from shardlib.checkpoint import complete_steps, fingerprints, tensor_names
 from shardlib.mesh import MeshSpec
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup
 
 STEPS = 40
-TINY = TrainConfig(
-    model="llama-tiny", steps=STEPS, batch=8, seq=16, model_overrides=(("layers", 1),)
-)
+TINY = train_config(model="llama-tiny", steps=STEPS, batch=8, seq=16, **{"model.layers": 1})
 # The same settings as command-line words, for subprocesses.
 TINY_ARGS = ["model.layers=1", f"steps={STEPS}", "batch=8", "seq=16"]
 
@@ -41,9 +38,9 @@ def setup(axes: tuple[tuple[str, int], ...], checkpoint_dir: str | None = None) 
     """TINY on a mesh over the first prod(sizes) devices."""
     n = math.prod(size for _, size in axes)
     mesh = MeshSpec(axes).build(jax.devices()[:n])
-    cfg = dataclasses.replace(TINY, checkpoint_dir=checkpoint_dir)
+    cfg = override(TINY, {"checkpoint_dir": checkpoint_dir})
     if checkpoint_dir:
-        cfg = dataclasses.replace(cfg, checkpoint_every=10, keep=2)
+        cfg = override(cfg, {"checkpoint_every": 10, "keep": 2})
     return make_setup(cfg, mesh)
 
 

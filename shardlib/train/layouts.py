@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from shardlib.errors import ShardingError
 from shardlib.layout import mesh_axes, path_str, resolve_specs
 from shardlib.rules import Rules, resolve_spec
-from shardlib.strategies.offload import DEVICE_MEMORY
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -106,17 +105,3 @@ def to_memory(tree, shardings_tree, memory_kind: str):
     return jax.tree.map(
         lambda x, s: jax.device_put(x, s.with_memory_kind(memory_kind)), tree, shardings_tree
     )
-
-
-def bytes_by_memory_kind(report) -> dict[str, int]:
-    """Per-device input bytes of an ``explain`` report, by the memory kind XLA compiled for.
-
-    The CPU backend's ``memory_analysis()`` counts host-resident arguments in its argument
-    bytes (its ``host_*`` fields stay 0 with jax 0.10), so placement is read from the
-    compiled input shardings instead.
-    """
-    out: dict[str, int] = {}
-    for t in report.tensors:
-        kind = t.memory_kind or DEVICE_MEMORY
-        out[kind] = out.get(kind, 0) + t.bytes_per_device
-    return out

@@ -1,7 +1,7 @@
 """ZeRO figures of one compiled train step: model-state bytes and traffic per device.
 
 Compiles the step from abstract shapes (nothing runs) and sets what it holds and sends next
-to the ZeRO table of REFERENCE.md (``shardlib.reference``). What is measured and how:
+to the ZeRO table of REFERENCE.md (``benchmarks/reference.py``). What is measured and how:
 
 * parameters + optimizer state: the compiled step's inputs, split by the memory kind XLA
   compiled each for (the CPU backend's ``memory_analysis()`` counts pinned-host arguments in
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from benchmarks.reference import zero_memory, zero_wire
 from shardlib.explain import LayoutReport, explain
-from shardlib.reference import zero_memory, zero_wire
 from shardlib.train.layouts import HOST_KINDS
 
 
@@ -86,7 +86,7 @@ def zero_figures(setup, devices: int) -> ZeroFigures:
     totals = report.collective_totals
     wire = sum(v["wire_bytes"] for v in totals.values())
     reduced = totals.get("all-reduce", {}).get("wire_bytes", 0.0)
-    stage, offload = setup.cfg.zero, setup.cfg.offload_optimizer
+    stage, offload = setup.plan.data.zero, setup.plan.offload.optimizer
     psi = report.params_count
     return ZeroFigures(
         stage=stage,

@@ -1,0 +1,48 @@
+"""Programs compiled by the benchmarks and tests: parts of the train step, measured alone."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib.layout import constrain, use_layout
+from shardlib.ops import use_ops
+from shardlib.train.staging import cast_params, layer_loop
+
+
+def layer_stack_program(setup):
+    """``(jitted, args)``: the stacked blocks alone, forward and backward, as the step runs them.
+
+    The pipeline's bubble is extra FLOPs of the blocks; the embedding, head and optimizer
+    stay replicated over ``stage`` and would blur it. ``explain(jitted, *args)`` of this
+    program on p stages against the same on one device gives the bubble ratio directly.
+    The blocks run through the plan's layer loop (remat policy, pipeline schedule, parameter
+    offload) on one gradient-accumulation micro-batch.
+    """
+    plan, target = setup.plan, setup.target
+    graphdef, layers = setup.graphdef, layer_loop(setup)
+    names = ("batch", "seq", "embed")
+    x_sharding = jax.sharding.NamedSharding(setup.mesh, setup.rules.spec(names))
+
+    def stack_loss(params, x_BLD):
+        with use_layout(setup.mesh, setup.rules):
+            model = nnx.merge(graphdef, cast_params(setup, params))
+            block_graph, blocks_state = nnx.split(model.blocks)
+
+            def block_fn(layer_state, x):
+                return nnx.merge(block_graph, layer_state)(x, None)  # natural token order
+
+            with use_ops(attention=plan.attention_plan(), dispatch=plan.expert.dispatch):
+                y_BLD = layers(block_fn, blocks_state, constrain(x_BLD, names))
+            return jnp.mean(jnp.square(y_BLD.astype(jnp.float32)))
+
+    params = setup.abstract_state()["params"]
+    x = jax.ShapeDtypeStruct(
+        (target.micro_batch, target.seq, target.dims["embed"]),  # [batch, seq, embed]
+        setup.compute_dtype,
+        sharding=x_sharding,
+    )
+    shardings = (setup.param_shardings, x_sharding)
+    jitted = jax.jit(jax.grad(stack_loss, argnums=(0, 1)), in_shardings=shardings)
+    return jitted, (params, x)
