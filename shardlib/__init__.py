@@ -11,8 +11,8 @@ from shardlib.errors import ShardingError
 from shardlib.explain import explain
 from shardlib.layout import constrain, param_layout, shard_model, use_layout
 from shardlib.mesh import Axis, MeshSpec, load_mesh, mesh_spec, simulate_cpu_devices
-from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
 from shardlib.parallel import ParallelPlan, rules_for_mesh
+from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
 from shardlib.rules import Rules, base_rules, compose, resolve_spec
 
 __all__ = [

@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
             "overrides",
             nargs="*",
             metavar="NAME=VALUE",
-            help="settings as section.field=VALUE (or a short form), e.g. run.steps=50 model.layers=4",
+            help="settings: section.field=VALUE or a short form, e.g. steps=50 model.layers=4",
         )
         return c
 

@@ -19,7 +19,6 @@ import functools
 import importlib
 import inspect
 import math
-import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass

@@ -40,6 +40,7 @@ __all__ = [
     "use_ops",
 ]
 
+
 @dataclass(frozen=True)
 class OpsSettings:
     """The forms the ops take; one value is active at a time (``use_ops``)."""

@@ -1,8 +1,9 @@
 """The library's import graph: dependencies point one way (models -> ops -> core).
 
-Read from the source with ``ast`` (every runtime import, also those inside functions, so a
-cycle cannot hide behind a lazy import; ``if TYPE_CHECKING:`` imports are for annotations): no cycle among ``shardlib`` modules, and no ``shardlib``
-module imports the model zoo ``models`` (the trainer and planner take model factories).
+Read from the source with ``ast``: every runtime import, also those inside functions, so a
+cycle cannot hide behind a lazy import (``if TYPE_CHECKING:`` imports are for annotations).
+No cycle among ``shardlib`` modules, and no ``shardlib`` module imports the model zoo
+``models`` (the trainer and planner take model factories).
 """
 
 import ast

@@ -28,11 +28,19 @@ class ToyBlock(nnx.Module):
     def __init__(self, embed: int, heads: int, mlp: int, rngs: nnx.Rngs):
         d = embed // heads
         self.heads = heads
-        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(None, (embed,)))
-        self.w_qkv = _param(rngs, (embed, 3, heads, d), ("embed", None, "heads", "head_dim"), embed)  # [embed, 3, heads, hd]
-        self.w_o = _param(rngs, (heads, d, embed), ("heads", "head_dim", "embed"), embed)  # [heads, hd, embed]
+        self.scale = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.ones, ("embed",))(None, (embed,))
+        )
+        self.w_qkv = _param(
+            rngs, (embed, 3, heads, d), ("embed", None, "heads", "head_dim"), embed
+        )  # [embed, 3, heads, hd]
+        self.w_o = _param(
+            rngs, (heads, d, embed), ("heads", "head_dim", "embed"), embed
+        )  # [heads, hd, embed]
         self.w_in = _param(rngs, (embed, mlp), ("embed", "mlp"), embed)  # [embed, mlp]
-        self.b_in = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("mlp",))(None, (mlp,)))  # [mlp]
+        self.b_in = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.zeros, ("mlp",))(None, (mlp,))
+        )  # [mlp]
         self.w_out = _param(rngs, (mlp, embed), ("mlp", "embed"), mlp)  # [mlp, embed]
 
     def __call__(self, x_BLD, positions_L=None):
@@ -48,7 +56,9 @@ class ToyBlock(nnx.Module):
 
 
 class ToyDecoder(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, *, vocab: int, embed: int, heads: int, mlp: int, layers: int):
+    def __init__(
+        self, rngs: nnx.Rngs, *, vocab: int, embed: int, heads: int, mlp: int, layers: int
+    ):
         self.table = _param(rngs, (vocab, embed), ("vocab", "embed"), 1)  # [vocab, embed]
 
         @nnx.split_rngs(splits=layers)

@@ -62,7 +62,8 @@ class ContextParallel:
     """Ring/all-gather attention: zig-zag token order so causal work is equal per device."""
 
     def __post_init__(self) -> None:
-        self.attention_plan({})  # unknown kinds and bad chunks fail when the plan is made
+        # unknown kinds and bad chunks fail when the plan is made, not when it meets a mesh
+        AttentionPlan(self.attention, self.attention_impl, self.attention_chunk)
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         return [context_parallel(axis=Axis.CONTEXT)] if Axis.CONTEXT in mesh_axes else []

@@ -18,6 +18,7 @@ from shardlib.strategies.sequence import sequence_parallel
 from shardlib.strategies.tensor2d import tensor_2d
 from shardlib.strategies.tensor3d import tensor_3d
 
+
 def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
     """Heads, kv-heads, MLP hidden and vocab dims over ``axis``, for weights and activations."""
     table = {name: (axis,) for name in MEGATRON_DIMS}

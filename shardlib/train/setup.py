@@ -31,6 +31,7 @@ from shardlib.train.config import TrainConfig
 from shardlib.train.data import BATCH_NAMES
 from shardlib.train.optim import build_optimizer, schedule
 
+
 @dataclass(frozen=True)
 class TrainSetup:
     """Everything derived from (config, mesh); built by ``make_setup``."""

@@ -141,9 +141,7 @@ def build_train_step(setup: TrainSetup):
                 grads, opt_state, params = staging.on_device((grads, opt_state, params))
             grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
             if plan.offload.optimizer:
-                opt_state = layouts.to_memory(
-                    opt_state, setup.opt_state_shardings, DEVICE_MEMORY
-                )
+                opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)
             updates, new_opt_state = tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
