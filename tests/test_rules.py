@@ -151,7 +151,7 @@ def test_rules_check_mesh_names_rule_and_axis():
         (["batch=6"], {"data": 4, "fsdp": 2}, ["micro-batch of 6", "data=4 x fsdp=2"]),
         (["batch=8", "data_microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),
         # the data strategy checks its split when the plan meets the model and the batch
-        (["batch=10", "data_microbatches=4"], {"data": 1}, ["not divisible by microbatches"]),
+        (["batch=10", "data_microbatches=4"], {"data": 8}, ["not divisible by microbatches"]),
         (["model.embed=60"], {"fsdp": 8}, ["params.blocks", "'embed'", "size 60", "fsdp=8"]),
         (["model.vocab=250"], {"tensor": 8}, ["embedding", "'vocab'", "size 250"]),
     ],
