@@ -112,19 +112,8 @@ def check(workload: Workload, plan: ParallelPlan, cluster: Cluster | None) -> No
         )
     if w.seq % p.context or (p.context > 1 and (w.seq // p.context) % 2):
         raise ShardingError(f"plan {p.mesh_text()}: seq {w.seq} does not split {p.context} ways")
-    # the trainer's pipelines (strategies/pipeline*.py): equal stages of L/(p·v) blocks,
-    # circular needs m >= p, bounded (1F1B) has no virtual stages
-    if p.stage > 1 and w.layers % (p.stage * p.virtual):
-        raise ShardingError(
-            f"plan {p.mesh_text()}: {w.layers} layers do not split into {p.stage} stages x "
-            f"{p.virtual} virtual stages"
-        )
-    if p.stage > 1 and p.schedule == "circular" and p.microbatches < p.stage:
-        raise ShardingError(
-            f"plan {p.mesh_text()}: circular needs micro-batches >= stages ({p.microbatches})"
-        )
-    if p.virtual > 1 and p.schedule != "circular":
-        raise ShardingError(f"plan {p.mesh_text()}: virtual stages need the circular schedule")
+    if p.stage > 1:  # the pipeline strategy's own refusals: equal stages, circular m >= p
+        plan.pipeline.spec(p.sizes).check(w.layers, w.global_batch)
     if p.expert > 1 and (not w.experts or w.experts % p.expert):
         raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
     if w.experts and (p.stage > 1 or p.context > 1):
