@@ -15,7 +15,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.planner import Workload, load_cluster
+from shardlib.planner import PlanView, Workload, load_cluster
 from shardlib.planner.search import Space, exhaustive, rank_key, search
 
 PAIRS = [  # (model, global batch, seq, cluster, hosts, exhaustive too)
@@ -25,6 +25,11 @@ PAIRS = [  # (model, global batch, seq, cluster, hosts, exhaustive too)
     ("llama-70b", 256, 4096, "h100-512", 8, True),
     ("llama-70b", 1024, 4096, "h100-512", None, False),
 ]
+
+
+def _text(plan) -> str:
+    view = PlanView(plan)
+    return f"{view.mesh_text()} {view.knobs_text()}"
 
 
 def main() -> int:
@@ -53,7 +58,7 @@ def main() -> int:
         row = [model, str(cluster.num_devices)]
         best = fast.best[0]
         row += [
-            f"{best.plan.mesh_text()} {best.plan.knobs_text()}",
+            _text(best.plan),
             f"{best.step_s:.3f} s",
             str(fast.evaluated),
             f"{t_fast:.1f} s",
@@ -65,7 +70,7 @@ def main() -> int:
             same = rank_key(full.best[0]) == rank_key(best)
             ok &= same
             row += [
-                f"{full.best[0].plan.mesh_text()} {full.best[0].plan.knobs_text()}",
+                _text(full.best[0].plan),
                 str(full.evaluated),
                 f"{t_full:.1f} s",
                 "yes" if same else "NO",

@@ -10,7 +10,7 @@ meshes, widths, micro-batch counts and device counts. Strategies covered: data p
 FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), optimizer
 offload (device memory excludes the pinned_host arguments; the host bytes are compared
 apart), context parallelism (ring attention), expert parallelism (MoE) and pipelines (GPipe,
-1F1B, interleaved).
+bounded = 1F1B, circular = interleaved).
 Targets (issue 9): memory within 10%, collective bytes within 5%.
 """
 
@@ -39,7 +39,7 @@ CASES = {
         # ZeRO-1/2, remat, optimizer offload
         ("llama-small", 16, 128, {"layers": 3, "mlp": 768}, dict(data=8, zero=1, microbatches=2)),
         ("llama-small", 16, 128, {"layers": 3}, dict(data=4, tensor=2, zero=2, microbatches=2)),
-        ("llama-small", 16, 256, {"layers": 2}, dict(data=8, zero=1, offload="optimizer")),
+        ("llama-small", 16, 256, {"layers": 2}, dict(data=8, zero=1, offload=True)),
         ("llama-small", 16, 256, {"layers": 3}, dict(data=2, fsdp=2, tensor=2, remat="selective")),
         ("llama-small", 16, 512, {"layers": 3}, dict(data=8, remat="full")),
         (
@@ -47,7 +47,7 @@ CASES = {
             32,
             128,
             {"layers": 3},
-            dict(data=8, zero=2, offload="optimizer", remat="full"),
+            dict(data=8, zero=2, offload=True, remat="full"),
         ),
         # context parallelism (ring attention)
         ("llama-small", 16, 256, {"layers": 3}, dict(data=2, context=2, tensor=2)),
@@ -81,28 +81,28 @@ CASES = {
             16,
             128,
             {"layers": 8},
-            dict(tensor=2, stage=4, microbatches=4, schedule="1f1b"),
+            dict(tensor=2, stage=4, microbatches=4, schedule="bounded"),
         ),
         (
             "llama-small",
             16,
             256,
             {"layers": 4},
-            dict(data=2, tensor=2, stage=2, microbatches=4, schedule="interleaved", virtual=2),
+            dict(data=2, tensor=2, stage=2, microbatches=4, schedule="circular", virtual=2),
         ),
         (
             "llama-small",
             16,
             128,
             {"layers": 8, "mlp": 2048},
-            dict(data=4, stage=2, microbatches=4, schedule="1f1b"),
+            dict(data=4, stage=2, microbatches=4, schedule="bounded"),
         ),
         (
             "llama-small",
             16,
             128,
             {"layers": 8},
-            dict(fsdp=2, stage=2, microbatches=2, schedule="interleaved", virtual=2),
+            dict(fsdp=2, stage=2, microbatches=2, schedule="circular", virtual=2),
         ),
         # published widths: the plan `shardlib plan` writes for llama-7b on 8 H100s, and more
         ("llama-7b", 64, 2048, {}, dict(fsdp=8, microbatches=4, remat="selective")),
@@ -112,7 +112,7 @@ CASES = {
             32,
             2048,
             {"layers": 8},
-            dict(data=2, stage=4, microbatches=8, schedule="1f1b"),
+            dict(data=2, stage=4, microbatches=8, schedule="bounded"),
         ),
     ],
     64: [
@@ -130,7 +130,7 @@ CASES = {
             64,
             128,
             {"layers": 4, "kv_heads": 8},
-            dict(data=16, tensor=4, zero=1, offload="optimizer"),
+            dict(data=16, tensor=4, zero=1, offload=True),
         ),
         ("llama-small", 64, 256, {"layers": 4}, dict(fsdp=16, tensor=4, remat="full")),
         ("llama-small", 64, 256, {"layers": 4}, dict(data=8, fsdp=8, remat="selective")),
@@ -156,7 +156,7 @@ CASES = {
             128,
             128,
             {"layers": 8},
-            dict(data=16, stage=2, fsdp=2, microbatches=4, schedule="interleaved", virtual=2),
+            dict(data=16, stage=2, fsdp=2, microbatches=4, schedule="circular", virtual=2),
         ),
         ("llama-7b", 128, 2048, {"layers": 8}, dict(data=8, fsdp=8, remat="full")),
         ("llama-7b", 64, 4096, {"layers": 4}, dict(fsdp=16, context=2, tensor=2)),
@@ -168,20 +168,21 @@ def worker(devices: int) -> None:
     import shardlib
 
     shardlib.simulate_cpu_devices(devices)
-    from shardlib.planner import Plan, Workload
+    from shardlib.planner import PlanView, Workload, candidate
     from shardlib.planner.validate import validate
 
     for model, batch, seq, overrides, plan_kwargs in CASES[devices]:
         start = time.perf_counter()
         workload = Workload.from_preset(model, batch, seq, "fp32", **overrides)
-        check = validate(workload, Plan(**plan_kwargs))
+        check = validate(workload, candidate(**plan_kwargs))
+        view = PlanView(check.plan)
         row = {
             "devices": devices,
             "model": model + "".join(f" {k}={v}" for k, v in overrides.items()),
             "batch": batch,
             "seq": seq,
-            "plan": check.plan.mesh_text(),
-            "knobs": check.plan.knobs_text(),
+            "plan": view.mesh_text(),
+            "knobs": view.knobs_text(),
             "predicted_host": check.predicted_host,
             "compiled_host": check.compiled_host,
             "predicted_memory": check.predicted_memory,

@@ -58,7 +58,7 @@ def main() -> int:
     from rich.table import Table
 
     from shardlib.parallel import ParallelPlan
-    from shardlib.planner import Plan, Workload, estimate, load_cluster
+    from shardlib.planner import PlanView, Workload, estimate, load_cluster
     from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
@@ -83,12 +83,13 @@ def main() -> int:
     bandwidth, _ = allreduce_bandwidth(args.allreduce_mib * 2**20)
 
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    microbatches = cfg.parallel.data.microbatches
-    plan = Plan(**{k: v for k, v in sizes.items() if v > 1}, microbatches=microbatches)
+    plan = cfg.parallel.with_mesh_axes(sizes)  # the plan that ran, on the built mesh
     sized = cluster if cluster.num_devices == n else None
     predicted = estimate(workload, plan, sized) if sized else None
 
-    table = Table(title=f"throughput: {cfg.model} on {plan.mesh_text()} ({n} {platform} devices)")
+    table = Table(
+        title=f"throughput: {cfg.model} on {PlanView(plan).mesh_text()} ({n} {platform} devices)"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("step time (median of steady steps)", f"{step_s:.4f} s")

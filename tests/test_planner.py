@@ -13,7 +13,8 @@ import pytest
 
 from shardlib import ShardingError, load_mesh
 from shardlib.cli import main
-from shardlib.planner import Plan, Workload, estimate, load_cluster
+from shardlib.parallel import ParallelPlan
+from shardlib.planner import Workload, candidate, estimate, load_cluster
 from shardlib.planner.cluster import Cluster, cluster_presets
 from shardlib.planner.search import Space, exhaustive, rank_key, search
 from shardlib.planner.terms.pipeline import partition
@@ -57,37 +58,37 @@ def test_state_memory_follows_zero_table():
     w, n = _w(), 8
     state = {}
     for zero in (0, 1, 2):
-        mem = estimate(w, Plan(data=n, zero=zero)).memory
+        mem = estimate(w, candidate(data=n, zero=zero)).memory
         state[zero] = mem["params"] + mem["optimizer"]
     psi = w.param_count
     assert state[0] == pytest.approx(12 * psi)
     assert state[1] == pytest.approx(4 * psi + 8 * psi / n)
-    fsdp = estimate(w, Plan(fsdp=n)).memory
+    fsdp = estimate(w, candidate(fsdp=n)).memory
     assert fsdp["params"] + fsdp["optimizer"] == pytest.approx(12 * psi / n, rel=1e-3)
 
 
 def test_dp_and_fsdp_wire_bytes_follow_the_ring_formulas():
     w, n = _w(), 8
     grads = 4 * w.param_count
-    dp = estimate(w, Plan(data=n)).wire_bytes
+    dp = estimate(w, candidate(data=n)).wire_bytes
     assert dp == pytest.approx(2 * (n - 1) / n * grads)
-    fsdp = estimate(w, Plan(fsdp=n)).wire_by_strategy()["fsdp"]  # bf16 gathers, fp32 grads
+    fsdp = estimate(w, candidate(fsdp=n)).wire_by_strategy()["fsdp"]  # bf16 gathers, fp32 grads
     gathers = 2 * (n - 1) / n * 2 * w.param_count
     assert fsdp == pytest.approx(gathers + (n - 1) / n * grads, rel=0.02)
 
 
 def test_memory_and_bubble_terms_move_the_right_way():
     w = _w(batch=64, seq=4096)
-    base = estimate(w, Plan(fsdp=8))
-    full = estimate(w, Plan(fsdp=8, remat="full"))
+    base = estimate(w, candidate(fsdp=8))
+    full = estimate(w, candidate(fsdp=8, remat="full"))
     assert full.memory["activations"] < base.memory["activations"] / 5
     assert full.flops / base.flops == pytest.approx(4 / 3, rel=0.05)  # one extra forward
-    sel = estimate(w, Plan(fsdp=8, remat="selective"))
+    sel = estimate(w, candidate(fsdp=8, remat="selective"))
     assert full.memory["activations"] < sel.memory["activations"] < base.memory["activations"]
-    off = estimate(w, Plan(fsdp=8, offload="optimizer"))
+    off = estimate(w, candidate(fsdp=8, offload=True))
     assert off.memory_bytes == pytest.approx(base.memory_bytes - base.memory["optimizer"])
-    cp = estimate(w, Plan(fsdp=4, context=2))
-    assert cp.memory["activations"] < estimate(w, Plan(fsdp=4, data=2)).memory["activations"]
+    cp = estimate(w, candidate(fsdp=4, context=2))
+    assert cp.memory["activations"] < estimate(w, candidate(fsdp=4, data=2)).memory["activations"]
 
 
 def test_stage_partition_is_optimal():
@@ -129,6 +130,68 @@ def test_search_returns_the_exhaustive_optimum(model, batch, seq, cluster_name, 
     assert fast.evaluated < full.evaluated
 
 
+# --- the written plan -------------------------------------------------------------------------
+
+ROUND_TRIP = [  # (workload, meshes whose searched plans cover every section the planner sets)
+    (("llama-small", 64, 128, {"layers": 8}), [{"data": 2, "stage": 4}, {"stage": 2, "fsdp": 4}]),
+    (("llama-small", 64, 128, {"layers": 8}), [{"data": 8}, {"data": 4, "context": 2}]),
+    (("moe-tiny", 64, 128, {"layers": 4, "moe_every": 2}), [{"data": 2, "expert": 4}]),
+]
+
+
+@pytest.mark.parametrize("workload, mesh_list", ROUND_TRIP)
+def test_written_plan_reads_back_as_the_same_parallel_plan(tmp_path, workload, mesh_list):
+    """Every searched plan (pipelines, ZeRO, remat, offload, context, expert): the TOML
+    ``plan_toml`` writes reads back, through ``load_mesh``, as an equal ``ParallelPlan``,
+    and its [train] table as the workload's typed settings."""
+    from shardlib.planner.search import knob_groups
+    from shardlib.planner.writer import plan_toml
+    from shardlib.train.config import TrainConfig, flatten_table, override
+
+    model, batch, seq, overrides = workload
+    w = Workload.from_preset(model, batch, seq, **overrides)
+    cluster = load_cluster("h100-8")
+    plans = [p for m in mesh_list for g in knob_groups(w, _full(m), Space()) for p in g]
+    seen = set()
+    for i, plan in enumerate(plans):
+        path = tmp_path / f"plan{i}.toml"
+        path.write_text(plan_toml(w, estimate(w, plan, cluster), cluster))
+        spec = load_mesh(path)
+        back = ParallelPlan.from_mesh_spec(spec)
+        assert back.mesh.axes == plan.mesh.axes
+        assert back.tables() == plan.tables()
+        seen |= {f"{s}.{k}={v}" for s, t in back.tables().items() for k, v in t.items()}
+        cfg = override(TrainConfig(), flatten_table(spec.train))
+        assert (cfg.model, cfg.data.batch, cfg.data.seq) == (model, batch, seq)
+        assert cfg.precision.compute == w.precision
+        assert dict(cfg.model_overrides) == overrides  # typed: ints stay ints
+    if mesh_list[0] == {"data": 2, "stage": 4}:
+        assert {"pipeline.schedule=bounded", "pipeline.schedule=circular"} <= seen
+        assert "pipeline.virtual_stages=2" in seen and "pipeline.microbatches=8" in seen
+    if mesh_list[0] == {"data": 8}:
+        assert {"data.zero=1", "data.zero=2", "remat.policy=full", "offload.optimizer=True"} <= seen
+        assert "data.microbatches=4" in seen
+
+
+def _full(mesh: dict[str, int]) -> dict[str, int]:
+    return {a: mesh.get(a, 1) for a in ("data", "stage", "fsdp", "expert", "context", "tensor")}
+
+
+def test_the_planner_does_not_import_models():
+    """The planner reads models through ``shardlib.model`` (their own inventory)."""
+    import ast
+    from pathlib import Path
+
+    import shardlib.planner
+
+    for path in Path(shardlib.planner.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in getattr(node, "names", [])]
+            module = getattr(node, "module", None) if isinstance(node, ast.ImportFrom) else None
+            for name in [*names, module] if isinstance(node, ast.Import | ast.ImportFrom) else []:
+                assert not (name or "").split(".")[0] == "models", f"{path} imports {name}"
+
+
 # --- compiled checks (8 simulated devices) ----------------------------------------------------
 
 
@@ -137,7 +200,7 @@ def test_prediction_matches_the_compiled_step():
     from shardlib.planner.validate import validate
 
     w = Workload.from_preset("llama-tiny", 16, 32, "fp32", layers=3)
-    check = validate(w, Plan(data=2, fsdp=2, tensor=2, microbatches=2))
+    check = validate(w, candidate(data=2, fsdp=2, tensor=2, microbatches=2))
     assert abs(check.memory_ratio - 1) <= 0.10, check
     assert abs(check.wire_ratio - 1) <= 0.05, check
 
@@ -148,7 +211,7 @@ def test_zero_remat_and_offload_terms_match_the_compiled_step():
     from shardlib.planner.validate import validate
 
     w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2)
-    plan = Plan(data=4, tensor=2, zero=1, microbatches=2, remat="selective", offload="optimizer")
+    plan = candidate(data=4, tensor=2, zero=1, microbatches=2, remat="selective", offload=True)
     check = validate(w, plan)
     assert abs(check.memory_ratio - 1) <= 0.10, check
     assert abs(check.wire_ratio - 1) <= 0.05, check
@@ -177,8 +240,8 @@ def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_pat
     spec = load_mesh(out)
     cluster: Cluster = load_cluster(cluster_file)
     w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2)
-    assert not estimate(w, Plan(data=8), cluster).fits
-    plan = Plan.from_train(dict(spec.axes), spec.train)
+    assert not estimate(w, candidate(data=8), cluster).fits
+    plan = ParallelPlan.from_mesh_spec(spec)
     check = validate(w, plan)
     assert check.compiled_memory <= cluster.memory_bytes
     assert abs(check.memory_ratio - 1) <= 0.10 and abs(check.wire_ratio - 1) <= 0.05, check

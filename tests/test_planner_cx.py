@@ -11,9 +11,10 @@ import math
 import pytest
 
 from shardlib import ShardingError
-from shardlib.planner import Plan, Workload, estimate
+from shardlib.planner import Workload, candidate, estimate
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.search import Space, meshes
+from shardlib.planner.workload import param_infos
 
 MOE = dict(embed=256, mlp=1024, expert_mlp=512, layers=4, moe_every=2, heads=8, kv_heads=4)
 
@@ -34,31 +35,45 @@ def _wire(est, kind: str, axes: str) -> float:
 
 
 @pytest.mark.parametrize("overrides", [{}, MOE, {**MOE, "moe_every": 1, "top_k": 1}])
-def test_moe_workload_lists_the_model_parameters(overrides):
-    """Names, logical dims and counts as models/moe.py builds them."""
+def test_moe_workload_reads_the_model_inventory(overrides):
+    """Paths and logical dims are the model's own; every stacked copy is counted once."""
     import models
-    from shardlib.mesh import mesh_spec
-    from shardlib.train.config import TrainConfig
-    from shardlib.train.setup import make_setup
 
     w = Workload.from_preset("moe-tiny", 8, 16, "fp32", **overrides)
-    assert w.param_count == models.config("moe-tiny", **overrides).param_count()
-    cfg = TrainConfig(model="moe-tiny", batch=8, seq=16, model_overrides=tuple(overrides.items()))
-    import jax
+    cfg = models.config("moe-tiny", **overrides)
+    assert w.param_count == cfg.param_count()  # the model's formula, not the inventory's sum
+    copies = sum(p.numel * (w.layers if p.per_layer else 1) for p in w.params)
+    assert copies == pytest.approx(w.param_count)
+    experts = [p for p in w.params if p.name.endswith("experts.w_up")]
+    assert len(experts) == 1 and experts[0].dims[0] == ("expert", cfg.experts)
+    assert experts[0].share == pytest.approx(1 / cfg.moe_every)
+    assert (w.embed, w.mlp, w.expert_mlp, w.experts) == (
+        cfg.embed,
+        cfg.mlp if cfg.moe_every > 1 else 0,  # no dense MLP when every block is MoE
+        cfg.expert_mlp,
+        cfg.experts,
+    )
 
-    setup = make_setup(cfg, mesh_spec(data=1).build(jax.devices()[:1]))
-    model_paths = {".".join(str(k) for k in path) for path in _paths(setup.param_specs)}
-    if w.moe_every == 1:  # the model keeps an empty [0, ...] stack of dense blocks
-        model_paths = {p for p in model_paths if not p.startswith("dense_blocks.")}
-    assert {p.name for p in w.params} == model_paths
 
-
-def _paths(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _paths(v, (*prefix, k))
-    else:
-        yield prefix
+def test_stacked_groups_spread_over_the_decoder_layers():
+    """Groups of (moe_every - 1) dense blocks and one MoE block stacked over moe_layers: each
+    block's parameters have moe_layers copies, 1/moe_every of them per decoder layer."""
+    blk = ("layers", "embed", "heads", "head_dim")
+    entries = [
+        ("embedding", (100, 8), ("vocab", "embed")),
+        (("blocks", "dense", 0, "attn", "wq"), (2, 8, 4, 2), blk),
+        (("blocks", "dense", 1, "attn", "wq"), (2, 8, 4, 2), blk),
+        ("blocks.moe.moe.experts.w_up", (2, 4, 8, 16), ("layers", "expert", "embed", "mlp")),
+        ("blocks.moe.moe.router", (2, 8, 4), ("layers", "embed", None)),
+    ]
+    infos = {p.name: p for p in param_infos(entries, layers=6)}  # moe_every 3, 2 groups
+    dense = infos["blocks.dense.1.attn.wq"]
+    assert dense.per_layer and dense.dims == (("embed", 8), ("heads", 4), ("head_dim", 2))
+    assert dense.share == pytest.approx(1 / 3)
+    assert infos["blocks.moe.moe.router"].dims == (("embed", 8), (None, 4))
+    assert not infos["embedding"].per_layer and infos["embedding"].share == 1
+    copies = sum(p.numel * (6 if p.per_layer else 1) for p in infos.values())
+    assert copies == pytest.approx(800 + 2 * 2 * 64 + 2 * 512 + 2 * 32)
 
 
 def test_ring_permutes_follow_the_ring_kernel():
@@ -66,7 +81,7 @@ def test_ring_permutes_follow_the_ring_kernel():
     w = _llama()
     for c in (2, 4):
         b = 16 // (8 // c)  # sequences per device
-        est = estimate(w, Plan(data=8 // c, context=c), backend="cpu")
+        est = estimate(w, candidate(data=8 // c, context=c), backend="cpu")
         block = b * (128 // c) * w.cfg.kv_heads * w.cfg.head_dim * 4
         kv = 2 * block + (128 // c) * 4
         expected = w.layers * (2 * (c - 1) * kv + c * 2 * block)
@@ -79,7 +94,7 @@ def test_data_and_context_reduce_gradients_separately_without_fsdp():
     """Two all-reduces of all gradients (as compiled), not one over both axes."""
     w = _llama()
     grads = 4 * w.param_count
-    est = estimate(w, Plan(data=4, context=2), backend="cpu")
+    est = estimate(w, candidate(data=4, context=2), backend="cpu")
     assert _wire(est, "all-reduce", "context") == pytest.approx(grads)
     assert _wire(est, "all-reduce", "data") == pytest.approx(1.5 * grads)
     assert _wire(est, "all-reduce", "data,context") == 0
@@ -89,7 +104,7 @@ def test_all_to_all_is_the_benchmark_formula():
     """benchmarks/moe.py: 4 k·cf·b·s·h (N-1)/N per MoE layer, cf = E·C/(k·s)."""
     w = _moe()
     for n in (2, 4, 8):
-        est = estimate(w, Plan(expert=n, data=8 // n), backend="cpu")
+        est = estimate(w, candidate(expert=n, data=8 // n), backend="cpu")
         cf = w.cfg.capacity(128) * w.experts / (w.top_k * 128)
         formula = 4 * w.top_k * cf * (16 / 8) * 128 * w.embed * (n - 1) / n * 4
         assert _wire(est, "all-to-all", "expert") == pytest.approx(formula * w.moe_layers)
@@ -97,7 +112,7 @@ def test_all_to_all_is_the_benchmark_formula():
 
 def test_expert_axis_reduces_only_the_replicated_gradients():
     w = _moe()
-    est = estimate(w, Plan(expert=8), backend="cpu")
+    est = estimate(w, candidate(expert=8), backend="cpu")
     replicated = sum(
         p.numel * (w.layers if p.per_layer else 1) for p in w.params if "experts." not in p.name
     )
@@ -119,7 +134,7 @@ def test_search_space_has_experts_only_for_moe_and_no_moe_stages_or_context():
     moe = list(meshes(_moe(), cluster, Space()))
     assert any(m["expert"] > 1 for m in moe)
     assert all(m["stage"] == 1 and m["context"] == 1 for m in moe)
-    for plan in (Plan(stage=2, expert=4), Plan(context=2, expert=4)):
+    for plan in (candidate(stage=2, expert=4), candidate(context=2, expert=4)):
         with pytest.raises(ShardingError, match="not pipelined"):
             estimate(_moe(), plan)
 
@@ -143,8 +158,8 @@ def test_moe_flops_count_the_capacity_slots():
 @pytest.mark.parametrize(
     "workload, plan",
     [
-        (_llama(layers=2), Plan(data=4, context=2)),
-        (_moe(), Plan(expert=4, tensor=2)),
+        (_llama(layers=2), candidate(data=4, context=2)),
+        (_moe(), candidate(expert=4, tensor=2)),
     ],
     ids=["data4-context2", "expert4-tensor2"],
 )

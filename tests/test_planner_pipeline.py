@@ -1,7 +1,7 @@
 """Pipeline terms of the planner against what the trainer compiles (issue 9).
 
 Probes (8 CPU devices, llama-small, fp32, batch 16, seq 128) the terms were written from:
-/work/tools/probe.py with data/fsdp/tensor x stage for gpipe, 1f1b and interleaved.
+/work/tools/probe.py with data/fsdp/tensor x stage for gpipe, bounded (1F1B) and circular.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shardlib import ShardingError
-from shardlib.planner import Plan, Workload, estimate
+from shardlib.planner import Workload, candidate, estimate
 from shardlib.planner.terms.pipeline import bubble_fraction, iterations
 
 MIB = 2**20
@@ -21,7 +21,7 @@ def _w(layers=4):
 
 def test_every_stage_holds_its_blocks_and_embedding_and_head():
     w = _w()
-    est = estimate(w, Plan(data=2, stage=4, microbatches=4, schedule="gpipe"), backend="cpu")
+    est = estimate(w, candidate(data=2, stage=4, microbatches=4, schedule="gpipe"), backend="cpu")
     # 1 block (3.752 MiB) + embedding and head (16.001 MiB), fp32: the compiled argument
     assert est.memory["params"] / MIB == pytest.approx(19.753, abs=0.01)
 
@@ -34,7 +34,7 @@ def test_every_stage_holds_its_blocks_and_embedding_and_head():
             {"all-reduce data": 42.26, "all-reduce stage": 5.25, "collective-permute stage": 8.75},
         ),
         (
-            dict(data=2, stage=4, microbatches=4, schedule="1f1b"),
+            dict(data=2, stage=4, microbatches=4, schedule="bounded"),
             {"all-reduce data": 197.53, "all-reduce stage": 7.5, "collective-permute stage": 7.5},
         ),
         (
@@ -49,7 +49,7 @@ def test_every_stage_holds_its_blocks_and_embedding_and_head():
             },
         ),
         (
-            dict(data=4, stage=2, microbatches=2, schedule="interleaved", virtual=4),
+            dict(data=4, stage=2, microbatches=2, schedule="circular", virtual=4),
             {
                 "all-reduce data": 74.65,
                 "all-reduce stage": 4.5,
@@ -61,7 +61,7 @@ def test_every_stage_holds_its_blocks_and_embedding_and_head():
 )
 def test_collective_bytes_match_the_compiled_schedules(plan, kinds):
     layers = 8 if plan.get("virtual", 1) > 1 else 4
-    est = estimate(_w(layers), Plan(**plan), backend="cpu")
+    est = estimate(_w(layers), candidate(**plan), backend="cpu")
     got: dict[str, float] = {}
     for c in est.comms:
         key = f"{c.kind} {','.join(c.axes)}"
@@ -71,16 +71,16 @@ def test_collective_bytes_match_the_compiled_schedules(plan, kinds):
 
 def test_schedules_and_trainer_constraints():
     assert iterations("gpipe", 4, 4, 1) == 7
-    assert iterations("interleaved", 4, 4, 2) == 11
-    assert iterations("1f1b", 4, 4, 1) == 10
-    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(6 / 8)  # lockstep: 2(p-1)/m
+    assert iterations("circular", 4, 4, 2) == 11
+    assert iterations("bounded", 4, 4, 1) == 10
+    assert bubble_fraction("bounded", 4, 8, 1) == pytest.approx(6 / 8)  # lockstep: 2(p-1)/m
     w = _w()
     with pytest.raises(ShardingError):  # circular needs m >= p
-        estimate(_w(8), Plan(stage=4, microbatches=2, schedule="interleaved", virtual=2))
+        estimate(_w(8), candidate(stage=4, microbatches=2, schedule="circular", virtual=2))
     with pytest.raises(ShardingError):  # equal stages only
-        estimate(_w(6), Plan(stage=4, microbatches=4, schedule="gpipe"))
+        estimate(_w(6), candidate(stage=4, microbatches=4, schedule="gpipe"))
     with pytest.raises(ShardingError):  # bounded has no virtual stages
-        estimate(w, Plan(stage=2, microbatches=4, schedule="1f1b", virtual=2))
+        estimate(w, candidate(stage=2, microbatches=4, schedule="bounded", virtual=2))
 
 
 def test_bubble_is_computed_and_reported_as_bubble_time():
@@ -88,10 +88,10 @@ def test_bubble_is_computed_and_reported_as_bubble_time():
 
     w = Workload.from_preset("llama-7b", 64, 4096)
     cluster = load_cluster("h100-8")
-    est = estimate(w, Plan(fsdp=2, stage=4, microbatches=8, schedule="1f1b"), cluster)
+    est = estimate(w, candidate(fsdp=2, stage=4, microbatches=8, schedule="bounded"), cluster)
     # lockstep 1F1B: every stage runs m + 2(p-1) trips of forward, recompute and backward
     assert est.bubble_s == pytest.approx(6 / 8 * est.compute_s)
-    plan = Plan(fsdp=2, stage=4, microbatches=8, schedule="interleaved", virtual=2)
+    plan = candidate(fsdp=2, stage=4, microbatches=8, schedule="circular", virtual=2)
     est = estimate(w, plan, cluster)
     # the head runs outside the loop, so the bubble is (p-1)/(m·v) of the blocks' compute only
     assert 0 < est.bubble_s < 3 / 16 * est.compute_s
@@ -101,6 +101,6 @@ def test_bubble_is_computed_and_reported_as_bubble_time():
 def test_compiled_gpipe_matches_prediction():
     from shardlib.planner.validate import validate
 
-    check = validate(_w(), Plan(data=2, stage=4, microbatches=4, schedule="gpipe"))
+    check = validate(_w(), candidate(data=2, stage=4, microbatches=4, schedule="gpipe"))
     assert check.memory_ratio == pytest.approx(1.0, abs=0.05)
     assert check.wire_ratio == pytest.approx(1.0, abs=0.02)

@@ -1,14 +1,23 @@
 """The auto-parallel planner: choose a layout for a model and a cluster.
 
 ``Cluster`` (hardware, ``meshes/clusters/*.toml``) + ``Workload`` (model, batch, sequence)
--> ``search`` enumerates ``Plan``s (mesh axis sizes and knobs), ``cost.estimate`` predicts
-each one's per-device memory and step time from per-strategy terms, and the fastest plan
-that fits is written as a mesh preset that ``shardlib train --mesh`` runs.
+-> ``search`` enumerates ``ParallelPlan``s (mesh axis sizes and strategy sections, built by
+``candidate``), ``cost.estimate`` predicts each one's per-device memory and step time from
+per-strategy terms, and the fastest plan that fits is written as a mesh preset (the plan's
+own ``[mesh]`` and ``[parallel.*]`` tables) that ``shardlib train --mesh`` runs.
 """
 
-from shardlib.planner.candidate import Plan
+from shardlib.planner.candidate import PlanView, candidate
 from shardlib.planner.cluster import Cluster, load_cluster
 from shardlib.planner.cost import Estimate, estimate
 from shardlib.planner.workload import Workload
 
-__all__ = ["Cluster", "Estimate", "Plan", "Workload", "estimate", "load_cluster"]
+__all__ = [
+    "Cluster",
+    "Estimate",
+    "PlanView",
+    "Workload",
+    "candidate",
+    "estimate",
+    "load_cluster",
+]

@@ -18,6 +18,10 @@ import sys
 
 import numpy as np
 
+from shardlib.mesh import MeshSpec
+from shardlib.parallel import ParallelPlan
+from shardlib.planner.candidate import candidate
+
 # Fitted on the CPU backend (fp32, jax 0.10.2) with `python -m shardlib.planner.calibration`.
 COEFFICIENTS: dict[str, float] = {
     "layer_h": 4.105,  # elements of width h saved per token per layer (norms, residual)
@@ -51,129 +55,148 @@ COEFFICIENTS: dict[str, float] = {
 
 FREE = tuple(COEFFICIENTS)
 
-PROBES: tuple[tuple[dict[str, int], str], ...] = (
-    ({"data": 8}, "batch=16 model.layers=2"),
-    ({"data": 8}, "batch=16 model.layers=4"),
-    ({"data": 8}, "batch=16 model.layers=2 model.mlp=2048"),
-    ({"data": 8}, "batch=16 model.layers=2 seq=256"),
-    ({"data": 8}, "batch=16 model.layers=2 model.heads=16 model.kv_heads=8 model.head_dim=16"),
-    ({"data": 8}, "batch=16 model.layers=2 model.embed=512"),
-    ({"data": 8}, "batch=16 model.layers=2 model.vocab=8192"),
-    ({"data": 8}, "batch=32 model.layers=4"),
-    ({"data": 4, "tensor": 2}, "batch=8 model.layers=2"),
-    ({"data": 2, "tensor": 4}, "batch=4 model.layers=4"),
-    ({"fsdp": 8}, "batch=16 model.layers=2"),
-    ({"fsdp": 8}, "batch=16 model.layers=4"),
-    ({"fsdp": 4, "tensor": 2}, "batch=8 model.layers=4"),
-    ({"data": 8}, "model=llama-tiny seq=64 batch=16"),
-    ({"fsdp": 8}, "model=llama-tiny seq=64 batch=16 microbatches=2"),
-    ({"data": 4, "tensor": 2}, "model=llama-tiny seq=32 batch=8"),
-    ({"data": 8}, "batch=16 model.layers=2 remat=selective"),
-    ({"data": 8}, "batch=16 model.layers=4 seq=256 remat=selective"),
-    ({"data": 4, "tensor": 2}, "batch=8 model.layers=2 model.mlp=2048 remat=selective"),
-    ({"fsdp": 4, "tensor": 2}, "batch=16 model.layers=4 seq=256 remat=selective"),
-    ({"data": 8}, "batch=16 model.layers=2 remat=full"),
-    ({"data": 8}, "batch=16 model.layers=4 seq=256 remat=full"),
-    ({"fsdp": 4, "tensor": 2}, "batch=16 model.layers=4 seq=256 remat=full"),
-    ({"data": 8}, "batch=32 model.layers=6 remat=full"),
-    ({"data": 8}, "batch=16 model.layers=2 seq=512 remat=full"),
-    ({"data": 8}, "batch=16 model.layers=4 seq=512 remat=full"),
-    ({"data": 4, "tensor": 2}, "batch=8 model.layers=2 seq=512 remat=selective"),
-    ({"data": 8}, "batch=16 model.layers=2 zero=1"),
-    ({"data": 8}, "batch=16 model.layers=4 seq=256 zero=1"),
-    ({"data": 8}, "batch=16 model.layers=2 zero=2 microbatches=2"),
-    ({"data": 4, "tensor": 2}, "batch=16 model.layers=4 zero=1 microbatches=2"),
-    ({"data": 8}, "batch=16 model.layers=4 model.mlp=2048"),
-    ({"data": 4, "tensor": 2}, "batch=8 model.layers=4 model.mlp=2048"),
-    ({"data": 8}, "batch=16 model.layers=4 model.heads=16 model.kv_heads=8 model.head_dim=16"),
-    ({"fsdp": 4, "tensor": 2}, "batch=16 model.layers=6 model.kv_heads=8"),
-    ({"fsdp": 2, "tensor": 4}, "batch=16 model.layers=2 model.kv_heads=8 seq=256"),
-    ({"fsdp": 8}, "batch=16 model.layers=4 seq=64 microbatches=2"),
-    ({"fsdp": 8}, "batch=32 model.layers=2 microbatches=4"),
-    ({"data": 2, "fsdp": 2, "tensor": 2}, "batch=16 model.layers=4 seq=256"),
+Probe = tuple[ParallelPlan, str]
+"""A plan and the workload it is compiled on (``TrainConfig`` words: model, batch, seq and
+``model.NAME``; ``PROBE_BASE`` first)."""
+
+PROBES: tuple[Probe, ...] = (
+    (candidate(data=8), "batch=16 model.layers=2"),
+    (candidate(data=8), "batch=16 model.layers=4"),
+    (candidate(data=8), "batch=16 model.layers=2 model.mlp=2048"),
+    (candidate(data=8), "batch=16 model.layers=2 seq=256"),
+    (
+        candidate(data=8),
+        "batch=16 model.layers=2 model.heads=16 model.kv_heads=8 model.head_dim=16",
+    ),
+    (candidate(data=8), "batch=16 model.layers=2 model.embed=512"),
+    (candidate(data=8), "batch=16 model.layers=2 model.vocab=8192"),
+    (candidate(data=8), "batch=32 model.layers=4"),
+    (candidate(data=4, tensor=2), "batch=8 model.layers=2"),
+    (candidate(data=2, tensor=4), "batch=4 model.layers=4"),
+    (candidate(fsdp=8), "batch=16 model.layers=2"),
+    (candidate(fsdp=8), "batch=16 model.layers=4"),
+    (candidate(fsdp=4, tensor=2), "batch=8 model.layers=4"),
+    (candidate(data=8), "model=llama-tiny seq=64 batch=16"),
+    (candidate(fsdp=8, microbatches=2), "model=llama-tiny seq=64 batch=16"),
+    (candidate(data=4, tensor=2), "model=llama-tiny seq=32 batch=8"),
+    (candidate(data=8, remat="selective"), "batch=16 model.layers=2"),
+    (candidate(data=8, remat="selective"), "batch=16 model.layers=4 seq=256"),
+    (candidate(data=4, tensor=2, remat="selective"), "batch=8 model.layers=2 model.mlp=2048"),
+    (candidate(fsdp=4, tensor=2, remat="selective"), "batch=16 model.layers=4 seq=256"),
+    (candidate(data=8, remat="full"), "batch=16 model.layers=2"),
+    (candidate(data=8, remat="full"), "batch=16 model.layers=4 seq=256"),
+    (candidate(fsdp=4, tensor=2, remat="full"), "batch=16 model.layers=4 seq=256"),
+    (candidate(data=8, remat="full"), "batch=32 model.layers=6"),
+    (candidate(data=8, remat="full"), "batch=16 model.layers=2 seq=512"),
+    (candidate(data=8, remat="full"), "batch=16 model.layers=4 seq=512"),
+    (candidate(data=4, tensor=2, remat="selective"), "batch=8 model.layers=2 seq=512"),
+    (candidate(data=8, zero=1), "batch=16 model.layers=2"),
+    (candidate(data=8, zero=1), "batch=16 model.layers=4 seq=256"),
+    (candidate(data=8, zero=2, microbatches=2), "batch=16 model.layers=2"),
+    (candidate(data=4, tensor=2, zero=1, microbatches=2), "batch=16 model.layers=4"),
+    (candidate(data=8), "batch=16 model.layers=4 model.mlp=2048"),
+    (candidate(data=4, tensor=2), "batch=8 model.layers=4 model.mlp=2048"),
+    (
+        candidate(data=8),
+        "batch=16 model.layers=4 model.heads=16 model.kv_heads=8 model.head_dim=16",
+    ),
+    (candidate(fsdp=4, tensor=2), "batch=16 model.layers=6 model.kv_heads=8"),
+    (candidate(fsdp=2, tensor=4), "batch=16 model.layers=2 model.kv_heads=8 seq=256"),
+    (candidate(fsdp=8, microbatches=2), "batch=16 model.layers=4 seq=64"),
+    (candidate(fsdp=8, microbatches=4), "batch=32 model.layers=2"),
+    (candidate(data=2, fsdp=2, tensor=2), "batch=16 model.layers=4 seq=256"),
     # one sequence per device, as on large meshes
-    ({"fsdp": 4, "tensor": 2}, "batch=4 model.layers=4 seq=256 remat=full"),
-    ({"data": 2, "fsdp": 4}, "batch=8 model.layers=4 seq=256 remat=selective"),
-    ({"fsdp": 8}, "batch=8 model.layers=4 seq=256 remat=selective"),
-    ({"data": 8}, "batch=8 model.layers=4 seq=256 remat=full"),
+    (candidate(fsdp=4, tensor=2, remat="full"), "batch=4 model.layers=4 seq=256"),
+    (candidate(data=2, fsdp=4, remat="selective"), "batch=8 model.layers=4 seq=256"),
+    (candidate(fsdp=8, remat="selective"), "batch=8 model.layers=4 seq=256"),
+    (candidate(data=8, remat="full"), "batch=8 model.layers=4 seq=256"),
     # published widths (few layers): head_dim 64-128, mlp/h 2.7-4, seq 1024-2048
-    ({"fsdp": 8}, "model=llama-1b batch=16 seq=1024 model.layers=4"),
-    ({"fsdp": 8}, "model=llama-1b batch=16 seq=1024 model.layers=4 remat=selective"),
-    ({"fsdp": 4, "tensor": 2}, "model=llama-1b batch=8 seq=2048 model.layers=2 remat=full"),
-    ({"fsdp": 8}, "model=llama-7b batch=8 seq=2048 model.layers=2"),
-    ({"fsdp": 8}, "model=llama-7b batch=16 seq=2048 model.layers=4 remat=selective"),
-    ({"fsdp": 4, "tensor": 2}, "model=llama-7b batch=8 seq=1024 model.layers=2 remat=selective"),
-    ({"data": 2, "fsdp": 4}, "model=llama-7b batch=16 seq=1024 model.layers=2 remat=full"),
-    ({"fsdp": 8}, "model=llama-7b batch=16 seq=2048 model.layers=2 microbatches=2"),
-    ({"fsdp": 8}, "model=llama-7b batch=8 seq=2048 model.layers=6"),
-    ({"fsdp": 8}, "model=llama-1b batch=8 seq=2048 model.layers=8"),
-    ({"fsdp": 4, "context": 2}, "model=llama-7b batch=8 seq=4096 model.layers=3"),
+    (candidate(fsdp=8), "model=llama-1b batch=16 seq=1024 model.layers=4"),
+    (candidate(fsdp=8, remat="selective"), "model=llama-1b batch=16 seq=1024 model.layers=4"),
+    (candidate(fsdp=4, tensor=2, remat="full"), "model=llama-1b batch=8 seq=2048 model.layers=2"),
+    (candidate(fsdp=8), "model=llama-7b batch=8 seq=2048 model.layers=2"),
+    (candidate(fsdp=8, remat="selective"), "model=llama-7b batch=16 seq=2048 model.layers=4"),
+    (
+        candidate(fsdp=4, tensor=2, remat="selective"),
+        "model=llama-7b batch=8 seq=1024 model.layers=2",
+    ),
+    (candidate(data=2, fsdp=4, remat="full"), "model=llama-7b batch=16 seq=1024 model.layers=2"),
+    (candidate(fsdp=8, microbatches=2), "model=llama-7b batch=16 seq=2048 model.layers=2"),
+    (candidate(fsdp=8), "model=llama-7b batch=8 seq=2048 model.layers=6"),
+    (candidate(fsdp=8), "model=llama-1b batch=8 seq=2048 model.layers=8"),
+    (candidate(fsdp=4, context=2), "model=llama-7b batch=8 seq=4096 model.layers=3"),
 )
 _MOE = "model=moe-tiny model.embed=256 model.mlp=1024 model.heads=8 model.kv_heads=4"
 _MOE += " model.head_dim=32 model.layers=4 model.moe_every=2 model.expert_mlp=512"
-MOE_PROBES: tuple[tuple[dict[str, int], str], ...] = (
-    ({"expert": 8}, f"{_MOE}"),
-    ({"expert": 8}, f"{_MOE} seq=256"),
-    ({"expert": 8}, f"{_MOE} model.expert_mlp=1024"),
-    ({"expert": 8}, f"{_MOE} model.moe_every=1"),
-    ({"expert": 8}, f"{_MOE} model.top_k=1"),
-    ({"data": 2, "expert": 4}, f"{_MOE} model.experts=16"),
-    ({"data": 2, "expert": 4}, f"{_MOE} model.moe_every=1 model.layers=2"),
-    ({"data": 2, "expert": 4}, f"{_MOE}"),
-    ({"data": 2, "expert": 4}, f"{_MOE} model.moe_every=3 model.layers=6"),
-    ({"expert": 4, "tensor": 2}, f"{_MOE}"),
-    ({"expert": 4, "tensor": 2}, f"{_MOE} model.capacity_factor=1.0 model.expert_mlp=768"),
-    ({"fsdp": 2, "expert": 4}, f"{_MOE}"),
-    ({"fsdp": 2, "expert": 4}, f"{_MOE} model.embed=128 model.moe_every=1 seq=64 batch=32"),
-    ({"data": 8}, f"{_MOE}"),
+MOE_PROBES: tuple[Probe, ...] = (
+    (candidate(expert=8), _MOE),
+    (candidate(expert=8), f"{_MOE} seq=256"),
+    (candidate(expert=8), f"{_MOE} model.expert_mlp=1024"),
+    (candidate(expert=8), f"{_MOE} model.moe_every=1"),
+    (candidate(expert=8), f"{_MOE} model.top_k=1"),
+    (candidate(data=2, expert=4), f"{_MOE} model.experts=16"),
+    (candidate(data=2, expert=4), f"{_MOE} model.moe_every=1 model.layers=2"),
+    (candidate(data=2, expert=4), _MOE),
+    (candidate(data=2, expert=4), f"{_MOE} model.moe_every=3 model.layers=6"),
+    (candidate(expert=4, tensor=2), _MOE),
+    (candidate(expert=4, tensor=2), f"{_MOE} model.capacity_factor=1.0 model.expert_mlp=768"),
+    (candidate(fsdp=2, expert=4), _MOE),
+    (candidate(fsdp=2, expert=4), f"{_MOE} model.embed=128 model.moe_every=1 seq=64 batch=32"),
+    (candidate(data=8), _MOE),
 )
-CONTEXT_PROBES: tuple[tuple[dict[str, int], str], ...] = (
-    ({"data": 4, "context": 2}, "batch=16 model.layers=2"),
-    ({"data": 4, "context": 2}, "batch=16 model.layers=4"),
-    ({"data": 4, "context": 2}, "batch=16 model.layers=2 seq=256"),
-    ({"data": 4, "context": 2}, "batch=16 model.layers=2 microbatches=2"),
-    ({"data": 2, "context": 4}, "batch=16 model.layers=2"),
-    ({"data": 2, "context": 4}, "batch=16 model.layers=4"),
-    ({"data": 2, "context": 4}, "batch=16 model.layers=2 seq=512"),
-    ({"data": 4, "context": 2}, "batch=16 model.layers=2 model.heads=16 model.head_dim=16"),
+CONTEXT_PROBES: tuple[Probe, ...] = (
+    (candidate(data=4, context=2), "batch=16 model.layers=2"),
+    (candidate(data=4, context=2), "batch=16 model.layers=4"),
+    (candidate(data=4, context=2), "batch=16 model.layers=2 seq=256"),
+    (candidate(data=4, context=2, microbatches=2), "batch=16 model.layers=2"),
+    (candidate(data=2, context=4), "batch=16 model.layers=2"),
+    (candidate(data=2, context=4), "batch=16 model.layers=4"),
+    (candidate(data=2, context=4), "batch=16 model.layers=2 seq=512"),
+    (candidate(data=4, context=2), "batch=16 model.layers=2 model.heads=16 model.head_dim=16"),
 )
-_G, _1F1B = "pipeline_schedule=gpipe", "pipeline_schedule=bounded"
-PIPELINE_PROBES: tuple[tuple[dict[str, int], str], ...] = (
-    ({"data": 2, "stage": 4}, f"batch=16 model.layers=4 {_G} pipeline_microbatches=4"),
-    ({"data": 2, "stage": 4}, f"batch=16 model.layers=4 {_G} pipeline_microbatches=2"),
-    ({"data": 4, "stage": 2}, f"batch=16 model.layers=4 {_G} pipeline_microbatches=2"),
-    ({"stage": 4, "fsdp": 2}, f"batch=16 model.layers=4 {_G} pipeline_microbatches=4"),
-    ({"stage": 4, "tensor": 2}, f"batch=16 model.layers=4 {_G} pipeline_microbatches=4"),
-    ({"data": 2, "stage": 2, "tensor": 2}, f"batch=32 model.layers=4 {_G} pipeline_microbatches=2"),
+PIPELINE_PROBES: tuple[Probe, ...] = (
+    (candidate(data=2, stage=4, schedule="gpipe", microbatches=4), "batch=16 model.layers=4"),
+    (candidate(data=2, stage=4, schedule="gpipe", microbatches=2), "batch=16 model.layers=4"),
+    (candidate(data=4, stage=2, schedule="gpipe", microbatches=2), "batch=16 model.layers=4"),
+    (candidate(stage=4, fsdp=2, schedule="gpipe", microbatches=4), "batch=16 model.layers=4"),
+    (candidate(stage=4, tensor=2, schedule="gpipe", microbatches=4), "batch=16 model.layers=4"),
     (
-        {"data": 2, "stage": 4},
-        f"batch=16 model.layers=4 model.vocab=16384 {_G} pipeline_microbatches=4",
+        candidate(data=2, stage=2, tensor=2, schedule="gpipe", microbatches=2),
+        "batch=32 model.layers=4",
     ),
-    ({"data": 2, "stage": 4}, f"batch=16 model.layers=4 {_1F1B} pipeline_microbatches=4"),
     (
-        {"data": 2, "stage": 4},
-        "batch=16 model.layers=8 pipeline_schedule=circular virtual_stages=2 "
-        "pipeline_microbatches=4",
+        candidate(data=2, stage=4, schedule="gpipe", microbatches=4),
+        "batch=16 model.layers=4 model.vocab=16384",
+    ),
+    (candidate(data=2, stage=4, schedule="bounded", microbatches=4), "batch=16 model.layers=4"),
+    (
+        candidate(data=2, stage=4, schedule="circular", virtual=2, microbatches=4),
+        "batch=16 model.layers=8",
     ),
 )
 PROBES += CONTEXT_PROBES + MOE_PROBES + PIPELINE_PROBES
 PROBE_BASE = "model=llama-small seq=128"
 
 
-def measure(mesh_sizes: dict[str, int], overrides: str) -> dict:
+def train_config(plan: ParallelPlan, words: str):
+    """The ``TrainConfig`` of a probe: its workload words, and the plan as its ``parallel``."""
+    from shardlib.train.config import parse_overrides
+
+    return dataclasses.replace(parse_overrides(words.split()), parallel=plan)
+
+
+def measure(plan: ParallelPlan, words: str) -> dict:
     """Compile one train step from abstract shapes and return what ``explain`` measured."""
     from shardlib.explain import explain
-    from shardlib.mesh import MeshSpec
-    from shardlib.train.config import parse_overrides
     from shardlib.train.setup import make_setup
 
-    cfg = parse_overrides(overrides.split())
-    mesh = MeshSpec(tuple(mesh_sizes.items())).build()
-    setup = make_setup(cfg, mesh)
+    mesh = plan.build_mesh()
+    setup = make_setup(train_config(plan, words), mesh)
     report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
     return {
-        "mesh": mesh_sizes,
-        "overrides": overrides,
+        "mesh": dict(plan.mesh.axes),
+        "parallel": plan.tables(),
+        "overrides": words,
         "memory": report.memory.total_bytes,
         "wire": sum(t["wire_bytes"] for t in report.collective_totals.values()),
         "wire_by_axes": {k: v["wire_bytes"] for k, v in report.collective_totals_by_axis.items()},
@@ -181,22 +204,18 @@ def measure(mesh_sizes: dict[str, int], overrides: str) -> dict:
     }
 
 
-def plan_and_workload(mesh_sizes: dict[str, int], overrides: str):
-    from shardlib.planner.candidate import Plan
-    from shardlib.planner.workload import Workload
-    from shardlib.train.config import parse_overrides
-
-    cfg = parse_overrides(overrides.split())
-    plan = Plan.from_train(
-        mesh_sizes, {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    )
-    return Workload.from_train_config(cfg), plan
+def record_plan(record: dict) -> ParallelPlan:
+    """The plan a record was measured on (its ``[mesh]`` and ``[parallel.*]`` tables)."""
+    spec = MeshSpec(tuple(record["mesh"].items()), parallel=record.get("parallel", {}))
+    return ParallelPlan.from_mesh_spec(spec)
 
 
-def predicted_memory(mesh_sizes, overrides, calib) -> float:
+def predicted_memory(record: dict, calib) -> float:
     from shardlib.planner.cost import estimate
+    from shardlib.planner.workload import Workload
 
-    workload, plan = plan_and_workload(mesh_sizes, overrides)
+    plan = record_plan(record)
+    workload = Workload.from_train_config(train_config(plan, record["overrides"]))
     return estimate(workload, plan, backend="cpu", calib=calib).memory_bytes
 
 
@@ -211,8 +230,8 @@ def fit(records: list[dict], rounds: int = 60) -> dict[str, float]:
     zero = dict.fromkeys(FREE, 0.0)
     rows, target = [], []
     for r in records:
-        base = predicted_memory(r["mesh"], r["overrides"], zero)
-        cols = [predicted_memory(r["mesh"], r["overrides"], {**zero, k: 1.0}) - base for k in FREE]
+        base = predicted_memory(r, zero)
+        cols = [predicted_memory(r, {**zero, k: 1.0}) - base for k in FREE]
         rows.append([c / r["memory"] for c in cols])
         target.append((r["memory"] - base) / r["memory"])
     a, b = np.array(rows), np.array(target)
@@ -258,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
         shardlib.simulate_cpu_devices(8)
         records = []
-        for mesh, overrides in PROBES:
-            records.append(measure(mesh, f"{PROBE_BASE} {overrides}"))
+        for plan, words in PROBES:
+            records.append(measure(plan, f"{PROBE_BASE} {words}"))
             print(json.dumps(records[-1]), file=sys.stderr, flush=True)
     if args.save:
         with open(args.save, "w") as f:
@@ -267,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     coefficients = fit(records)
     worst = 0.0
     for r in records:
-        ratio = predicted_memory(r["mesh"], r["overrides"], coefficients) / r["memory"]
+        ratio = predicted_memory(r, coefficients) / r["memory"]
         worst = max(worst, abs(ratio - 1))
-        print(f"{r['mesh']!s:28} {r['overrides']:70} {ratio:.3f}")
+        print(f"{record_plan(r).describe():50} {r['overrides']:70} {ratio:.3f}")
     print(json.dumps(coefficients, indent=1))
     print(f"{len(records)} probes, worst memory error {worst:.1%}")
     return 0

@@ -1,4 +1,11 @@
-"""A candidate plan: mesh axis sizes plus the knobs that do not need a mesh axis.
+"""The planner's candidates are ``ParallelPlan``s; ``PlanView`` reads the numbers terms need.
+
+A candidate is the very object the trainer runs (``shardlib.parallel.ParallelPlan``), so
+what the planner costs, writes and validates is one description with no translation in
+between. ``candidate(...)`` builds one from the search's knobs: the mesh axes with size > 1
+in ``AXIS_ORDER`` and the sections those knobs set. ``PlanView`` is a read-only lens on a
+plan (axis sizes, the micro-batch count whichever section holds it, the schedule in the
+trainer's words): it keeps nothing the plan does not say.
 
 Mesh axes are always laid out in ``AXIS_ORDER`` (outermost first). The last axes vary
 fastest over device ids and so stay inside a host: tensor parallelism (an all-reduce on the
@@ -9,117 +16,134 @@ a once-per-step gradient reduction or small point-to-point sends that tolerate a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+import functools
+import math
 
-from shardlib.mesh import Axis
+from shardlib.mesh import Axis, MeshSpec
+from shardlib.parallel import ParallelPlan
+from shardlib.strategies.data import DataParallel
+from shardlib.strategies.offload import Offload
+from shardlib.strategies.pipeline import PipelineParallel
+from shardlib.strategies.remat import Remat
 
 AXIS_ORDER = (Axis.DATA, Axis.STAGE, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT, Axis.TENSOR)
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
-"""Pipeline schedules: ``none`` when there is one stage."""
 REMAT = ("none", "selective", "full")
-"""Rematerialisation policies: keep everything; drop attention scores; keep layer inputs."""
-OFFLOAD = ("none", "optimizer")
-"""What lives in host memory between steps."""
-
-TRAIN_SCHEDULE = {"gpipe": "gpipe", "1f1b": "bounded", "interleaved": "circular"}
-"""Planner schedule -> the trainer's ``pipeline_schedule`` (``strategies/pipeline*.py``):
-1F1B is the memory-bounded schedule, interleaved the circular one with v layer groups."""
+"""Remat policies the cost model knows, lightest first: keep everything; drop attention
+scores; keep layer inputs (``Remat.policy``)."""
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One point of the search space."""
+def candidate(
+    *,
+    data: int = 1,
+    stage: int = 1,
+    fsdp: int = 1,
+    expert: int = 1,
+    context: int = 1,
+    tensor: int = 1,
+    zero: int = 0,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    virtual: int = 1,
+    remat: str = "none",
+    offload: bool = False,
+) -> ParallelPlan:
+    """The ``ParallelPlan`` of one point of the search space.
 
-    data: int = 1
-    """Data-parallel replicas (batch split, state replicated unless ``zero`` > 0)."""
-    fsdp: int = 1
-    """FSDP / ZeRO-3 degree (batch split, parameters, gradients and optimizer state sharded)."""
-    tensor: int = 1
-    """Megatron tensor-parallel degree (heads, MLP hidden and vocab split)."""
-    context: int = 1
-    """Context-parallel degree (sequence split, ring attention)."""
-    expert: int = 1
-    """Expert-parallel degree (experts split; MoE models only)."""
-    stage: int = 1
-    """Pipeline stages."""
-    zero: int = 0
-    """ZeRO stage over the ``data`` axis: 1 shards optimizer state, 2 also gradients."""
-    microbatches: int = 1
-    """Micro-batches per step (gradient accumulation, or the pipeline's micro-batches)."""
-    schedule: str = "none"
-    """Pipeline schedule (``SCHEDULES``)."""
-    virtual: int = 1
-    """Virtual stages per device (interleaved schedule)."""
-    remat: str = "none"
-    """Rematerialisation policy (``REMAT``)."""
-    offload: str = "none"
-    """Host offload (``OFFLOAD``)."""
+    ``microbatches`` are the pipeline's with a stage axis (``pipeline.microbatches``) and
+    gradient accumulation without one (``data.microbatches``): the cost model has one count.
+    ``schedule`` and ``virtual`` are ``PipelineParallel``'s (gpipe, bounded = 1F1B,
+    circular = interleaved); ``offload`` keeps the optimizer state on the host.
+    """
+    sizes = dict(data=data, stage=stage, fsdp=fsdp, expert=expert, context=context, tensor=tensor)
+    axes = tuple((str(a), sizes[a.value]) for a in AXIS_ORDER if sizes[a.value] > 1)
+    staged = stage > 1
+    return ParallelPlan(
+        mesh=_mesh(axes or ((str(Axis.DATA), 1),)),
+        data=_data(zero, 1 if staged else microbatches),
+        pipeline=_pipeline(schedule, microbatches if staged else 0, virtual),
+        remat=_remat(remat),
+        offload=_offload(offload),
+    )
 
-    @cached_property
+
+# sections are frozen: the search's thousands of candidates share them
+_mesh = functools.lru_cache(maxsize=4096)(MeshSpec)
+_data = functools.lru_cache(maxsize=256)(DataParallel)
+_pipeline = functools.lru_cache(maxsize=256)(PipelineParallel)
+_remat = functools.lru_cache(maxsize=16)(Remat)
+_offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=optimizer))
+
+
+class PlanView:
+    """What the cost terms read from a ``ParallelPlan``, derived once when the view is made
+    (the search reads these numbers millions of times); the plan is the only input."""
+
+    __slots__ = (
+        "plan",
+        "sizes",
+        "data",
+        "fsdp",
+        "tensor",
+        "context",
+        "expert",
+        "stage",
+        "zero",
+        "microbatches",
+        "accumulation",
+        "schedule",
+        "virtual",
+        "remat",
+        "offload",
+    )
+
+    def __init__(self, plan: ParallelPlan):
+        self.plan = plan
+        self.sizes: dict[str, int] = dict(plan.mesh.axes)
+        """Mesh axis sizes (absent axes: 1 below)."""
+        get = self.sizes.get
+        self.data, self.fsdp, self.tensor = get("data", 1), get("fsdp", 1), get("tensor", 1)
+        self.context, self.expert, self.stage = get("context", 1), get("expert", 1), get("stage", 1)
+        staged = self.stage > 1
+        self.zero: int = plan.data.zero
+        self.accumulation: int = plan.data.microbatches
+        """Gradient-accumulation micro-batches (``data.microbatches``), stages or not."""
+        self.microbatches: int = (
+            (plan.pipeline.microbatches or self.stage) if staged else self.accumulation
+        )
+        """The cost model's one count: the pipeline's micro-batches with stages (0 in the
+        plan: one per stage), else gradient accumulation's."""
+        self.schedule: str = plan.pipeline.schedule if staged else "none"
+        """``PipelineParallel.schedule`` (gpipe | bounded | circular); ``none`` without stages."""
+        self.virtual: int = plan.pipeline.virtual_stages if staged else 1
+        """Virtual stages per device (the circular schedule's v)."""
+        self.remat: str = plan.remat.policy
+        self.offload: bool = plan.offload.optimizer
+        """Optimizer state in host memory between steps."""
+
+    @property
     def axes(self) -> tuple[tuple[str, int], ...]:
-        """Mesh axes with size > 1 in ``AXIS_ORDER`` (``data`` alone if all are 1)."""
-        sizes = {a: getattr(self, a.value) for a in AXIS_ORDER}
-        kept = tuple((str(a), s) for a, s in sizes.items() if s > 1)
-        return kept or ((str(Axis.DATA), 1),)
+        return self.plan.mesh.axes
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.context * self.expert * self.stage
+        return math.prod(self.sizes.values())
 
     @property
     def batch_ways(self) -> int:
         """Ways the batch is split: data, FSDP and expert replicas each get their own rows."""
         return self.data * self.fsdp * self.expert
 
-    def train_overrides(self) -> dict[str, object]:
-        """The ``TrainConfig`` fields that run this plan (``shardlib train``'s ``[train]``).
-
-        Micro-batches are gradient accumulation without stages and the pipeline's micro-batches
-        with them; remat ``selective`` is the trainer's ``selective`` policy (keep matmul
-        outputs, recompute the attention core), offload the ZeRO-Offload of optimizer state.
-        """
-        staged = self.stage > 1
-        out: dict[str, object] = {
-            "microbatches": 1 if staged else self.microbatches,
-            "zero": self.zero,
-            "remat": self.remat,
-            "offload_optimizer": self.offload == "optimizer",
-        }
-        if staged:
-            out["pipeline_schedule"] = TRAIN_SCHEDULE[self.schedule]
-            out["pipeline_microbatches"] = self.microbatches
-            out["virtual_stages"] = self.virtual
-        return out
-
-    @classmethod
-    def from_train(cls, axes: dict[str, int], train: dict) -> Plan:
-        """The plan a mesh file runs: its ``[mesh]`` axes and ``[train]`` fields (the inverse
-        of ``train_overrides``; fields a plan has no knob for are ignored)."""
-        staged = axes.get(str(Axis.STAGE), 1) > 1
-        schedules = {v: k for k, v in TRAIN_SCHEDULE.items()}
-        return cls(
-            **{a.value: axes.get(str(a), 1) for a in AXIS_ORDER},
-            zero=train.get("zero", 0),
-            microbatches=train.get("pipeline_microbatches" if staged else "microbatches", 1),
-            schedule=schedules[train.get("pipeline_schedule", "gpipe")] if staged else "none",
-            virtual=train.get("virtual_stages", 1),
-            remat=train.get("remat", "none"),
-            offload="optimizer" if train.get("offload_optimizer") else "none",
-        )
-
     def mesh_text(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in self.axes)
 
     def knobs_text(self) -> str:
+        """``zero1 circularx2 m=4 remat=full offload`` (``-`` when every knob is off)."""
         zero = f"zero{self.zero}" if self.zero else ""
-        pipe = (
-            f"{self.schedule}{'x' + str(self.virtual) if self.virtual > 1 else ''}"
-            if self.stage > 1
-            else ""
-        )
+        pipe = ""
+        if self.stage > 1:
+            pipe = self.schedule + (f"x{self.virtual}" if self.virtual > 1 else "")
         parts = [zero, pipe, f"m={self.microbatches}" if self.microbatches > 1 else ""]
         parts += [f"remat={self.remat}" if self.remat != "none" else ""]
-        parts += ["offload" if self.offload != "none" else ""]
+        parts += ["offload" if self.offload else ""]
         return " ".join(p for p in parts if p) or "-"

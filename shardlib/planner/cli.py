@@ -16,7 +16,9 @@ from shardlib.planner.workload import Workload
 
 def add_plan_command(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("plan", help="choose the layout for a model on a cluster")
-    c.add_argument("--model", default="llama-small", help="model preset (models.presets())")
+    c.add_argument(
+        "--model", default="llama-small", help="registered model name or package.module:function"
+    )
     c.add_argument("--cluster", required=True, help="cluster preset file or name")
     c.add_argument("--hosts", type=int, default=None, help="override the preset's host count")
     c.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
@@ -50,18 +52,16 @@ def _model_overrides(words: list[str]) -> dict[str, str]:
 
 
 def cmd_plan(args, console: Console) -> int:
-    import models
     from shardlib.planner.report import render
     from shardlib.planner.writer import plan_toml
-    from shardlib.train.config import apply_overrides
 
     cluster = load_cluster(args.cluster)
     if args.hosts:
         cluster = cluster.with_hosts(args.hosts)
-    cfg = apply_overrides(
-        models.config(args.model), _model_overrides(args.overrides), f"model {args.model}"
+    overrides = _model_overrides(args.overrides)
+    workload = Workload.from_preset(
+        args.model, args.global_batch, args.seq, args.precision, **overrides
     )
-    workload = Workload(args.model, cfg, args.global_batch, args.seq, args.precision)
     space = Space()
     start = time.perf_counter()
     result = search(workload, cluster, space, top=args.top)
@@ -80,18 +80,20 @@ def _validate(result, workload: Workload, k: int, console: Console) -> None:
     """Compile the top ``k`` plans (fp32) on as many simulated CPU devices as they need."""
     from shardlib.explain.report import format_bytes
     from shardlib.mesh import simulate_cpu_devices
+    from shardlib.planner.candidate import PlanView
     from shardlib.planner.validate import validate
 
-    simulate_cpu_devices(result.best[0].plan.size)
+    simulate_cpu_devices(PlanView(result.best[0].plan).size)
     table = Table(title="predicted (cpu backend, fp32) vs compiled, per device and step")
     cols = ("mesh", "knobs", "memory pred", "compiled", "ratio", "wire pred", "compiled", "ratio")
     for col in cols:
         table.add_column(col, justify="left" if col in ("mesh", "knobs") else "right")
     for est in result.best[:k]:
         check = validate(workload, est.plan)
+        view = PlanView(est.plan)
         table.add_row(
-            est.plan.mesh_text(),
-            est.plan.knobs_text(),
+            view.mesh_text(),
+            view.knobs_text(),
             format_bytes(check.predicted_memory),
             format_bytes(check.compiled_memory),
             f"{check.memory_ratio:.3f}",

@@ -16,8 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from shardlib.errors import ShardingError
+from shardlib.parallel import ParallelPlan
 from shardlib.planner.calibration import COEFFICIENTS
-from shardlib.planner.candidate import Plan
+from shardlib.planner.candidate import REMAT, PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.terms import (
     context,
@@ -43,7 +44,7 @@ MEMORY_HEADROOM = 0.92
 class Estimate:
     """Predicted per-device figures for one plan on one cluster."""
 
-    plan: Plan
+    plan: ParallelPlan
     memory: dict[str, float]
     """Bytes per device by part."""
     comms: tuple[Comm, ...]
@@ -88,9 +89,20 @@ class Estimate:
         return dict(out)
 
 
-def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
-    """Shape constraints before costing; ShardingError names what does not divide."""
-    w, p = workload, plan
+def check(workload: Workload, plan: ParallelPlan, cluster: Cluster | None) -> None:
+    """Shape constraints before costing; ShardingError names what does not divide, or
+    the setting the cost model does not describe."""
+    w, p = workload, PlanView(plan)
+    if -1 in p.sizes.values():
+        raise ShardingError(
+            f"plan {p.mesh_text()}: an axis is -1. Fix: plan.with_devices(n) before estimating."
+        )
+    unmodelled = _unmodelled(p)
+    if unmodelled:
+        raise ShardingError(
+            f"plan {p.mesh_text()}: the cost model does not describe {unmodelled}. Fix: "
+            "drop it to estimate the rest, or compile the plan (planner.validate)."
+        )
     if cluster is not None and p.size != cluster.num_devices:
         raise ShardingError(f"plan {p.mesh_text()} uses {p.size} of {cluster.num_devices} devices")
     if w.global_batch % (p.batch_ways * p.microbatches):
@@ -100,19 +112,8 @@ def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
         )
     if w.seq % p.context or (p.context > 1 and (w.seq // p.context) % 2):
         raise ShardingError(f"plan {p.mesh_text()}: seq {w.seq} does not split {p.context} ways")
-    # the trainer's pipelines (strategies/pipeline*.py): equal stages of L/(p·v) blocks,
-    # circular needs m >= p, bounded (1F1B) has no virtual stages
-    if p.stage > 1 and w.layers % (p.stage * p.virtual):
-        raise ShardingError(
-            f"plan {p.mesh_text()}: {w.layers} layers do not split into {p.stage} stages x "
-            f"{p.virtual} virtual stages"
-        )
-    if p.stage > 1 and p.schedule == "interleaved" and p.microbatches < p.stage:
-        raise ShardingError(
-            f"plan {p.mesh_text()}: interleaved needs micro-batches >= stages ({p.microbatches})"
-        )
-    if p.virtual > 1 and p.schedule != "interleaved":
-        raise ShardingError(f"plan {p.mesh_text()}: virtual stages need the interleaved schedule")
+    if p.stage > 1:  # the pipeline strategy's own refusals: equal stages, circular m >= p
+        plan.pipeline.spec(p.sizes).check(w.layers, w.global_batch)
     if p.expert > 1 and (not w.experts or w.experts % p.expert):
         raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
     if w.experts and (p.stage > 1 or p.context > 1):
@@ -123,10 +124,29 @@ def check(workload: Workload, plan: Plan, cluster: Cluster | None) -> None:
         )
 
 
-def collective_seconds(comm: Comm, cluster: Cluster, plan: Plan) -> float:
+_DEFAULT = ParallelPlan()
+
+
+def _unmodelled(p: PlanView) -> str:
+    """The first setting of ``p`` outside what the terms cost ("" when there is none)."""
+    plan, default = p.plan, _DEFAULT
+    settings = {
+        "gradient accumulation with pipeline stages": p.stage > 1 and p.accumulation > 1,
+        "ZeRO-3 over data (use an fsdp axis)": p.zero > 2,
+        f"remat={p.remat}": p.remat not in REMAT,
+        "offload.params": plan.offload.params,
+        "tensor.sequence_parallel or 2D/3D tensor axes": plan.tensor != default.tensor
+        or any(a in p.sizes for a in ("tensor2", "tensor3")),
+        "context attention other than ring": plan.context != default.context,
+        f"expert.dispatch={plan.expert.dispatch}": plan.expert != default.expert,
+    }
+    return next((what for what, present in settings.items() if present), "")
+
+
+def collective_seconds(comm: Comm, cluster: Cluster, plan: ParallelPlan) -> float:
     if comm.group <= 1 or comm.count == 0:
         return 0.0
-    bw, latency = _link(cluster, plan.axes, comm.axes)
+    bw, latency = _link(cluster, plan.mesh.axes, comm.axes)
     steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
         comm.kind, comm.group - 1
     )
@@ -158,7 +178,7 @@ def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
 
 def estimate(
     workload: Workload,
-    plan: Plan,
+    plan: ParallelPlan,
     cluster: Cluster | None = None,
     *,
     backend: str = "gpu",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from rich.console import Console
 from rich.table import Table
 
 from shardlib.errors import ShardingError
 from shardlib.explain.report import format_bytes
-from shardlib.planner.candidate import Plan
+from shardlib.planner.candidate import PlanView, candidate
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, estimate
 from shardlib.planner.search import Result
@@ -33,7 +31,7 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
             col, justify="left" if col in ("mesh (outer -> inner)", "knobs") else "right"
         )
     for i, e in enumerate(result.best, 1):
-        p = e.plan
+        p = PlanView(e.plan)
         table.add_row(
             str(i),
             p.mesh_text(),
@@ -48,12 +46,12 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
     return table
 
 
-def _baseline(workload: Workload, cluster: Cluster, plan: Plan) -> Estimate | None:
-    """The fastest fitting micro-batch count for ``plan``'s mesh, else its smallest memory."""
+def _baseline(workload: Workload, cluster: Cluster, mesh: dict[str, int]) -> Estimate | None:
+    """The fastest fitting micro-batch count on ``mesh``, else its smallest memory."""
     options = []
     for m in (1, 2, 4, 8, 16, 32, 64, 128):
         try:
-            options.append(estimate(workload, replace(plan, microbatches=m), cluster))
+            options.append(estimate(workload, candidate(**mesh, microbatches=m), cluster))
         except ShardingError:
             continue
     fitting = [e for e in options if e.fits]
@@ -70,7 +68,7 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
             "has. Try a smaller global batch or sequence, or more devices."
         ]
     best = result.best[0]
-    p = best.plan
+    p = PlanView(best.plan)
     lines = [
         f"Best: {p.mesh_text()} ({p.knobs_text()}). Step {best.step_s:.3f} s = compute "
         f"{best.compute_s:.3f} s + exposed communication {best.exposed_comm_s:.3f} s (of "
@@ -82,6 +80,7 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
     lines.append("Memory is mostly " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts) + ".")
     if len(result.best) > 1:
         second = result.best[1]
+        runner_up = PlanView(second.plan)
         deltas = {
             "compute": second.compute_s - best.compute_s,
             "exposed communication": second.exposed_comm_s - best.exposed_comm_s,
@@ -91,28 +90,28 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
         why = max(deltas, key=lambda k: deltas[k])
         if second.step_s > best.step_s:
             lines.append(
-                f"Runner-up {second.plan.mesh_text()} ({second.plan.knobs_text()}) is "
+                f"Runner-up {runner_up.mesh_text()} ({runner_up.knobs_text()}) is "
                 f"{second.step_s / best.step_s - 1:.1%} slower, mostly {why} "
                 f"(+{deltas[why]:.3g} s)."
             )
         else:
             lines.append(
-                f"Runner-up {second.plan.mesh_text()} ({second.plan.knobs_text()}) is as fast; "
+                f"Runner-up {runner_up.mesh_text()} ({runner_up.knobs_text()}) is as fast; "
                 "the tie goes to less exposed communication, then less memory."
             )
     n = cluster.num_devices
-    for name, plan in (("Plain data parallelism", Plan(data=n)), ("Pure FSDP", Plan(fsdp=n))):
-        est = _baseline(workload, cluster, plan)
+    for name, mesh in (("Plain data parallelism", {"data": n}), ("Pure FSDP", {"fsdp": n})):
+        est = _baseline(workload, cluster, mesh)
         if est is None:
             lines.append(f"{name} over {n} devices does not divide the batch or the model.")
         elif not est.fits:
             lines.append(
                 f"{name} needs {format_bytes(est.memory_bytes)} per device even with "
-                f"{est.plan.microbatches} micro-batches: it does not fit."
+                f"{PlanView(est.plan).microbatches} micro-batches: it does not fit."
             )
         else:
             lines.append(
-                f"{name} fits with {est.plan.microbatches} micro-batch(es) but takes "
+                f"{name} fits with {PlanView(est.plan).microbatches} micro-batch(es) but takes "
                 f"{est.step_s:.3f} s per step (MFU {est.mfu:.1%})."
             )
     return lines

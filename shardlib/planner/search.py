@@ -20,10 +20,11 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
-from shardlib.planner.candidate import OFFLOAD, REMAT, Plan
+from shardlib.parallel import ParallelPlan
+from shardlib.planner.candidate import REMAT, candidate
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, estimate
 from shardlib.planner.workload import Workload
@@ -37,12 +38,15 @@ class Space:
     """Micro-batch counts tried (those that divide the per-replica batch)."""
     zero: tuple[int, ...] = (0, 1, 2)
     """ZeRO stages over the data axis (only 0 when data = 1)."""
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-    """Pipeline schedules when stage > 1."""
+    schedules: tuple[str, ...] = ("gpipe", "bounded", "circular")
+    """Pipeline schedules when stage > 1 (``PipelineParallel.schedule``; bounded is 1F1B,
+    circular the interleaved schedule)."""
     virtual: tuple[int, ...] = (2, 4)
-    """Virtual stages per device for the interleaved schedule."""
+    """Virtual stages per device for the circular schedule."""
     remat: tuple[str, ...] = REMAT
-    offload: tuple[str, ...] = OFFLOAD
+    """Remat policies, lightest first."""
+    offload: tuple[bool, ...] = (False, True)
+    """Optimizer state in host memory or not."""
     max_tensor: int | None = None
     """Largest tensor degree (default: devices per host: tensor never crosses hosts)."""
     max_stage: int = 64
@@ -59,9 +63,9 @@ def _divisors(n: int) -> list[int]:
 
 def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[str, int]]:
     """Axis sizes whose product is the device count and whose dims divide (cheap checks)."""
-    n, w, cfg = cluster.num_devices, workload, workload.cfg
+    n, w = cluster.num_devices, workload
     max_t = space.max_tensor or cluster.devices_per_host
-    tensor_ok = math.gcd(cfg.heads, cfg.kv_heads, cfg.mlp, cfg.vocab)
+    tensor_ok = math.gcd(*w.tensor_sizes)
     for tensor in _divisors(n):
         if tensor > max_t or tensor_ok % tensor:
             continue
@@ -88,7 +92,7 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
                         data = left // fsdp
                         if w.global_batch % (data * fsdp * expert):
                             continue
-                        if fsdp > 1 and cfg.embed % fsdp:
+                        if fsdp > 1 and w.embed % fsdp:
                             continue
                         yield dict(
                             data=data,
@@ -105,7 +109,9 @@ def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
     return workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
 
 
-def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Iterator[list[Plan]]:
+def knob_groups(
+    workload: Workload, mesh: dict[str, int], space: Space
+) -> Iterator[list[ParallelPlan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
     per_replica = _per_replica(workload, mesh)
     # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
@@ -115,11 +121,11 @@ def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Itera
     plain = all(mesh[a] == 1 for a in ("fsdp", "context", "expert", "stage"))
     zeros = space.zero if mesh["data"] > 1 and plain else (0,)
     if mesh["stage"] > 1:
-        scheds = [(s, 1) for s in space.schedules if s != "interleaved"]
-        if "interleaved" in space.schedules:
-            scheds += [("interleaved", v) for v in space.virtual]
+        scheds = [(s, 1) for s in space.schedules if s != "circular"]
+        if "circular" in space.schedules:
+            scheds += [("circular", v) for v in space.virtual]
     else:
-        scheds = [("none", 1)]
+        scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
     for zero, (schedule, virtual), m in itertools.product(zeros, scheds, space.microbatches):
         if per_replica % m:
             continue
@@ -131,8 +137,12 @@ def knob_groups(workload: Workload, mesh: dict[str, int], space: Space) -> Itera
         # residuals, measured at m = 1, fall outside the fitted range (0.90x)
         if mesh["stage"] > 1 and m < mesh["stage"]:
             continue
-        base = Plan(**mesh, zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
-        yield [replace(base, remat=r, offload=o) for r in space.remat for o in space.offload]
+        knobs = dict(zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
+        yield [
+            candidate(**mesh, **knobs, remat=r, offload=o)
+            for r in space.remat
+            for o in space.offload
+        ]
 
 
 def rank_key(est: Estimate) -> tuple[float, float, float]:
@@ -141,10 +151,10 @@ def rank_key(est: Estimate) -> tuple[float, float, float]:
     return (round(est.step_s, 9), round(est.exposed_comm_s, 9), est.memory_bytes)
 
 
-def _dominated(plan: Plan, fitting: list[Plan]) -> bool:
+def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
     """Some fitting plan of the group has no more remat and no more offload."""
-    r, o = REMAT.index(plan.remat), OFFLOAD.index(plan.offload)
-    return any(REMAT.index(f.remat) <= r and OFFLOAD.index(f.offload) <= o for f in fitting)
+    r, o = REMAT.index(plan.remat.policy), plan.offload.optimizer
+    return any(REMAT.index(f.remat.policy) <= r and f.offload.optimizer <= o for f in fitting)
 
 
 def _estimate(workload, plan, cluster) -> Estimate | None:
@@ -158,16 +168,16 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     """No plan on ``mesh`` is faster: compute without recompute or bubble, plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
     latency only grows with m). With stages the pipeline loop's bubble trips also move
-    bytes, fewest at the most micro-batches: GPipe and interleaved there bound every
+    bytes, fewest at the most micro-batches: GPipe and circular there bound every
     schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
-    options = [("none", 1, 1)]
+    options = [("gpipe", 1, 1)]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
         m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
-        options = [("gpipe", 1, m)] + [("interleaved", v, m) for v in space.virtual]
+        options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
     bound = math.inf
     for schedule, virtual, m in options:
-        plan = Plan(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
+        plan = candidate(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
         est = _estimate(workload, plan, cluster)
         if est is not None:
             bound = min(bound, est.compute_s + _critical_s(est, cluster))
@@ -210,7 +220,7 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
             break
         visited += 1
         for group in knob_groups(workload, mesh, space):
-            fitting: list[Plan] = []
+            fitting: list[ParallelPlan] = []
             best_here: Estimate | None = None
             for plan in group:
                 if _dominated(plan, fitting):

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
-from shardlib.planner.candidate import Plan
+from shardlib.parallel import ParallelPlan
+from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost import estimate
 from shardlib.planner.workload import Workload
 
@@ -22,7 +23,7 @@ from shardlib.planner.workload import Workload
 class Check:
     """Predicted against compiled, per device and step."""
 
-    plan: Plan
+    plan: ParallelPlan
     predicted_memory: float
     compiled_memory: float
     predicted_wire: float
@@ -50,32 +51,32 @@ class Check:
         return abs(self.memory_ratio - 1) <= memory_tol and abs(self.wire_ratio - 1) <= wire_tol
 
 
-def train_config(workload: Workload, plan: Plan, precision: str = "fp32"):
-    """The ``TrainConfig`` that runs ``plan``: the [train] table ``plan_toml`` writes, read
-    the way ``shardlib train --mesh`` reads it (at ``precision``)."""
+def train_config(workload: Workload, plan: ParallelPlan, precision: str = "fp32"):
+    """The ``TrainConfig`` that runs ``plan``: the plan as its ``parallel`` and the [train]
+    table ``plan_toml`` writes (typed values), at ``precision``."""
     from shardlib.planner.writer import train_table
-    from shardlib.train.config import parse_overrides
+    from shardlib.train.config import TrainConfig, override
 
-    table = {**train_table(workload, plan), "precision": precision}
-    return parse_overrides([f"{k}={v}" for k, v in table.items()])
+    table = {**train_table(workload), "precision.compute": precision}
+    return override(TrainConfig(parallel=plan), table)
 
 
-def validate(workload: Workload, plan: Plan) -> Check:
+def validate(workload: Workload, plan: ParallelPlan) -> Check:
     """Compile ``plan`` (fp32) on the simulated devices present and compare."""
     import jax
 
     from shardlib.explain import explain
-    from shardlib.mesh import MeshSpec
     from shardlib.train.setup import make_setup
 
-    if jax.device_count() < plan.size:
+    size = PlanView(plan).size
+    if jax.device_count() < size:
         raise ShardingError(
-            f"plan {plan.mesh_text()} needs {plan.size} devices, {jax.device_count()} present. "
-            f"Fix: shardlib.simulate_cpu_devices({plan.size}) before JAX starts."
+            f"plan {plan.describe()} needs {size} devices, {jax.device_count()} present. "
+            f"Fix: shardlib.simulate_cpu_devices({size}) before JAX starts."
         )
     fp32 = dataclasses.replace(workload, precision="fp32")
     cfg = train_config(fp32, plan)
-    mesh = MeshSpec(plan.axes).build(jax.devices()[: plan.size])
+    mesh = plan.build_mesh(jax.devices()[:size])
     setup = make_setup(cfg, mesh)
     report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
     pred = estimate(fp32, plan, backend="cpu")

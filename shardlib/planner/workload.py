@@ -1,20 +1,26 @@
 """What is being trained: the model's tensors with their logical names, batch and sequence.
 
-The planner never builds the model. It reads the config's widths and lists every parameter
-with the logical names ``models/llama.py`` (or ``models/moe.py``) gives it, so the same
-rules that lay out the real model (``shardlib.plan.rules_for_mesh``) say how each candidate
-splits each tensor. FLOPs follow the usual transformer count (6 per parameter per token,
-plus attention); an MoE block counts the expert slots the program computes.
+The planner never builds the model: it reads the parameter inventory the model itself
+declares (``shardlib.model.inventory``: ``nnx.eval_shape``, nothing allocated), so the
+rules that lay out the real model (``shardlib.parallel``) say how each candidate splits
+each tensor, and a new model needs no copy of its parameter list here. The widths the FLOP
+and activation formulas use (embed, heads, mlp, ...) are the sizes of those logical dims.
+FLOPs follow the usual transformer count (6 per parameter per token, plus attention); an
+MoE block counts the expert slots the program computes. Routing facts that no parameter
+shape shows (top-k, capacity, which blocks are MoE) come from the model's config.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import models
 from shardlib.errors import ShardingError
+
+LAYERS = "layers"
+"""The logical name of the stacked blocks' leading dim (``nnx.vmap``'s partition name)."""
 
 
 @dataclass(frozen=True)
@@ -26,10 +32,10 @@ class ParamInfo:
     dims: tuple[tuple[str | None, int], ...]
     """(logical name, size) per dim, without the leading ``layers`` dim (None: unnamed)."""
     per_layer: bool
-    """Inside the scanned blocks (one copy per block that has it)."""
+    """Inside the stacked blocks (it has a leading ``layers`` dim)."""
     share: float = 1.0
-    """Fraction of the ``layers`` blocks that hold it: 1 for a Llama; in a mixture of
-    experts 1/moe_every for the expert weights and router, the rest for the dense MLP."""
+    """Copies per decoder layer: the stacked dim's size over the model's layers. 1 for a
+    Llama block; 1/moe_every for each block of an MoE model's stacked groups."""
 
     @property
     def size(self) -> int:
@@ -45,59 +51,141 @@ class ParamInfo:
         return self.size * self.share
 
 
+def param_infos(entries, layers: int) -> tuple[ParamInfo, ...]:
+    """``ParamInfo``s from an inventory's ``(path, shape, names)`` entries.
+
+    A parameter whose first logical name is ``layers`` is per layer: its copies are that
+    dim's size, spread over the model's ``layers`` decoder layers. An empty stack (zero
+    copies) is no tensor of the program and is left out.
+    """
+    out = []
+    for path, shape, names in entries:
+        path = path if isinstance(path, str) else ".".join(str(k) for k in path)
+        shape = tuple(getattr(shape, "shape", shape))
+        names = tuple(names) if names is not None else (None,) * len(shape)
+        stacked = bool(names) and names[0] == LAYERS
+        if stacked:
+            copies, shape, names = shape[0], shape[1:], names[1:]
+            if copies == 0:
+                continue
+        dims = tuple(zip(names, shape, strict=True))
+        out.append(ParamInfo(path, dims, stacked, copies / layers if stacked else 1.0))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """A model config with the batch and sequence it is trained on."""
+    """A model's parameters with the batch and sequence it is trained on."""
 
     model: str
-    """Model preset name (``models.presets()``)."""
-    cfg: Any
-    """The model config (``LlamaConfig``), with overrides applied."""
+    """The model name ``shardlib.model.resolve_model`` resolves (a preset or module:fn)."""
+    params: tuple[ParamInfo, ...]
+    """Every parameter, as the model declares it."""
+    param_count: int
+    """Parameters of the model (the inventory's count)."""
+    layers: int
+    """Decoder layers (the config's ``layers``, else the stacked dim)."""
     global_batch: int
     """Sequences per optimizer step."""
     seq: int
     """Tokens per sequence."""
     precision: str = "bf16"
     """Compute dtype: bf16 (fp32 master weights, as shardlib trains) or fp32."""
+    cfg: Any = None
+    """The model's config (None for a plain function): MoE routing facts only."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """The ``model.NAME`` settings applied to the model (as given)."""
+
+    @classmethod
+    def from_factory(
+        cls, factory, global_batch: int, seq: int, precision: str = "bf16", overrides=()
+    ) -> Workload:
+        """The workload of a ``shardlib.model.ModelFactory`` (its inventory is read once)."""
+        from shardlib.model import inventory
+
+        inv = inventory(factory)
+        layers = int(getattr(factory.config, "layers", 0) or inv.layers)
+        return cls(
+            model=factory.name,
+            params=param_infos(inv.params, layers),
+            param_count=int(inv.param_count),
+            layers=layers,
+            global_batch=global_batch,
+            seq=seq,
+            precision=precision,
+            cfg=factory.config,
+            overrides=tuple(dict(overrides).items()),
+        )
 
     @classmethod
     def from_preset(
         cls, model: str, global_batch: int, seq: int, precision: str = "bf16", **overrides
     ) -> Workload:
+        """``model`` (a registered name or ``package.module:function``) with overrides."""
+        from shardlib.model import resolve_model
+
         try:
-            cfg = models.config(model, **overrides)
+            factory = resolve_model(model, overrides)
         except ValueError as err:
             raise ShardingError(str(err)) from None
-        return cls(model=model, cfg=cfg, global_batch=global_batch, seq=seq, precision=precision)
+        return cls.from_factory(factory, global_batch, seq, precision, overrides)
 
     @classmethod
     def from_train_config(cls, cfg) -> Workload:
         """The workload a ``TrainConfig`` trains (its model overrides applied)."""
-        from shardlib.train.config import apply_overrides
-
-        model_cfg = apply_overrides(
-            models.config(cfg.model), dict(cfg.model_overrides), f"model {cfg.model}"
+        return cls.from_preset(
+            cfg.model,
+            cfg.data.batch,
+            cfg.data.seq,
+            cfg.precision.compute,
+            **dict(cfg.model_overrides),
         )
-        return cls(cfg.model, model_cfg, cfg.batch, cfg.seq, cfg.precision)
 
-    # --- widths -------------------------------------------------------------------------------
-    @property
-    def layers(self) -> int:
-        return self.cfg.layers
+    # --- widths: the sizes of the logical dims the parameters name ---------------------------
+    @cached_property
+    def dims(self) -> Mapping[str, int]:
+        """Size of each logical dim of the dense parameters (those without an ``expert``
+        dim), and ``expert_mlp``: the experts' hidden width."""
+        out: dict[str, int] = {}
+        for param in self.params:
+            names = dict(param.dims)
+            if "expert" in names:
+                out.setdefault("expert_mlp", names.get("mlp", 0))
+                out.setdefault("expert", names["expert"])
+                continue
+            for name, size in param.dims:
+                if name is not None:
+                    out.setdefault(name, size)
+        return out
 
-    @property
-    def embed(self) -> int:
-        return self.cfg.embed
+    def _dim(self, name: str) -> int:
+        return self.dims.get(name, 0)
+
+    embed = property(lambda self: self._dim("embed"))
+    heads = property(lambda self: self._dim("heads"))
+    kv_heads = property(lambda self: self._dim("kv_heads"))
+    head_dim = property(lambda self: self._dim("head_dim"))
+    mlp = property(lambda self: self._dim("mlp"))
+    """The dense MLP's hidden width (0 when every block is an MoE block)."""
+    vocab = property(lambda self: self._dim("vocab"))
+    expert_mlp = property(lambda self: self._dim("expert_mlp"))
+
+    @cached_property
+    def tensor_sizes(self) -> tuple[int, ...]:
+        """Every size of a dim tensor parallelism splits (heads, kv-heads, MLP and vocab)."""
+        names = ("heads", "kv_heads", "mlp", "vocab")
+        return tuple(sorted({s for p in self.params for n, s in p.dims if n in names}))
 
     @property
     def compute_bytes(self) -> int:
         """Bytes per activation element (the compute dtype)."""
         return 2 if self.precision == "bf16" else 4
 
+    # --- mixture of experts: the expert count from the shapes, routing from the config -------
     @property
     def experts(self) -> int:
-        """Experts per MoE layer (0: a dense model). Read if the config has the field."""
-        return int(getattr(self.cfg, "experts", 0) or 0)
+        """Experts per MoE layer (0: a dense model), from the ``expert`` dim."""
+        return self._dim("expert")
 
     @property
     def top_k(self) -> int:
@@ -128,45 +216,6 @@ class Workload:
         return self.experts * self.capacity / self.group_tokens if self.experts else 0.0
 
     @cached_property
-    def params(self) -> tuple[ParamInfo, ...]:
-        """Every parameter, named as in ``models/llama.py`` (or ``models/moe.py``)."""
-        c = self.cfg
-        e, f, v = c.embed, c.mlp, c.vocab
-        outer_in = (ParamInfo("embedding", (("vocab", v), ("embed", e)), False),)
-        outer_out = (
-            ParamInfo("final_norm.scale", (("embed", e),), False),
-            ParamInfo("lm_head", (("embed", e), ("vocab", v)), False),
-        )
-        if not self.experts:
-            return outer_in + _block("blocks", c, 1.0) + _mlp("blocks.mlp", e, f, 1.0) + outer_out
-        # models/moe.py: dense Llama blocks ``dense_blocks`` [layers - moe_layers, ...] and
-        # MoE blocks ``moe_blocks`` [moe_layers, ...]; shares spread them over ``layers``
-        moe = 1.0 / self.moe_every
-        dense = 1.0 - moe
-        n, fe = self.experts, c.expert_mlp
-        experts = (("expert", n), ("embed", e), ("mlp", fe))
-        moe_params = (
-            # [embed, E]: replicated over the expert axis (every token scores every expert)
-            ParamInfo("moe_blocks.moe.router", (("embed", e), (None, n)), True, moe),
-            ParamInfo("moe_blocks.moe.experts.w_gate", experts, True, moe),
-            ParamInfo("moe_blocks.moe.experts.w_up", experts, True, moe),
-            ParamInfo(
-                "moe_blocks.moe.experts.w_down",
-                (("expert", n), ("mlp", fe), ("embed", e)),
-                True,
-                moe,
-            ),
-        )
-        dense_params = ()
-        if dense:
-            dense_params = _block("dense_blocks", c, dense) + _mlp("dense_blocks.mlp", e, f, dense)
-        return outer_in + dense_params + _block("moe_blocks", c, moe) + moe_params + outer_out
-
-    @cached_property
-    def param_count(self) -> int:
-        return round(sum(p.numel * (self.layers if p.per_layer else 1) for p in self.params))
-
-    @cached_property
     def layer_param_count(self) -> float:
         """Parameters of one block, averaged over the blocks (dense and MoE)."""
         return sum(p.numel for p in self.params if p.per_layer)
@@ -177,6 +226,12 @@ class Workload:
 
     # --- FLOPs --------------------------------------------------------------------------------
     @cached_property
+    def _attention_matmul_flops(self) -> float:
+        """Forward FLOPs of one block's q/k/v/o projections per token (2 per weight)."""
+        e, d = self.embed, self.head_dim
+        return 2 * e * (2 * self.heads * d + 2 * self.kv_heads * d)
+
+    @cached_property
     def layer_matmul_flops_per_token(self) -> float:
         """Forward FLOPs of one block's matmuls per token as the program runs them (2 per
         weight), averaged over the blocks.
@@ -185,15 +240,14 @@ class Workload:
         group slots per token: k x the capacity factor), plus the router and GShard's
         dispatch and combine einsums ([g,s,e,c] x [g,s,d]: 2 x E x C x d per token each).
         """
-        c = self.cfg
-        attn = 2 * c.embed * (2 * c.heads * c.head_dim + 2 * c.kv_heads * c.head_dim)
+        attn = self._attention_matmul_flops
         if not self.experts:
-            return float(attn + 6 * c.embed * c.mlp)
+            return float(attn + 6 * self.embed * self.mlp)
         moe = 1.0 / self.moe_every
         slots = self.slots_per_token
-        expert = 2 * c.embed * self.experts + 6 * c.embed * c.expert_mlp * slots
-        expert += 2 * 2 * slots * self.group_tokens * c.embed
-        return attn + (1 - moe) * 6 * c.embed * c.mlp + moe * expert
+        expert = 2 * self.embed * self.experts + 6 * self.embed * self.expert_mlp * slots
+        expert += 2 * 2 * slots * self.group_tokens * self.embed
+        return attn + (1 - moe) * 6 * self.embed * self.mlp + moe * expert
 
     @cached_property
     def layer_unsplit_flops_per_token(self) -> float:
@@ -202,31 +256,28 @@ class Workload:
         experts and slots, none split by tensor)."""
         if not self.experts:
             return 0.0
-        c = self.cfg
-        moe = 2 * c.embed * self.experts + 4 * self.slots_per_token * self.group_tokens * c.embed
+        e = self.embed
+        moe = 2 * e * self.experts + 4 * self.slots_per_token * self.group_tokens * e
         return moe / self.moe_every
 
     @cached_property
     def layer_useful_flops_per_token(self) -> float:
         """Like ``layer_matmul_flops_per_token``, counting only the k experts a token uses
         (no padding slots, no dispatch): the MFU numerator's count."""
-        c = self.cfg
         if not self.experts:
             return self.layer_matmul_flops_per_token
-        attn = 2 * c.embed * (2 * c.heads * c.head_dim + 2 * c.kv_heads * c.head_dim)
-        moe = 1.0 / self.moe_every
-        expert = 2 * c.embed * self.experts + 6 * c.embed * c.expert_mlp * self.top_k
-        return attn + (1 - moe) * 6 * c.embed * c.mlp + moe * expert
+        e, moe = self.embed, 1.0 / self.moe_every
+        expert = 2 * e * self.experts + 6 * e * self.expert_mlp * self.top_k
+        return self._attention_matmul_flops + (1 - moe) * 6 * e * self.mlp + moe * expert
 
     def attention_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs of scores and weighted sum per token, dense (the mask is not skipped)."""
-        c = self.cfg
-        return 4.0 * seq * c.heads * c.head_dim
+        return 4.0 * seq * self.heads * self.head_dim
 
     @cached_property
     def head_flops_per_token(self) -> float:
         """Forward FLOPs of the output projection per token (the lookup is free)."""
-        return 2.0 * self.embed * self.cfg.vocab
+        return 2.0 * self.embed * self.vocab
 
     @cached_property
     def model_flops(self) -> float:
@@ -235,29 +286,3 @@ class Workload:
             self.layer_useful_flops_per_token + self.attention_flops_per_token(self.seq)
         )
         return 3.0 * self.tokens * (per_token + self.head_flops_per_token)
-
-
-def _block(prefix: str, c, share: float) -> tuple[ParamInfo, ...]:
-    """The attention half of a block (``models.llama.Block`` and ``models.moe.MoeBlock``)."""
-    e, h, g, d = c.embed, c.heads, c.kv_heads, c.head_dim
-    return (
-        ParamInfo(f"{prefix}.attn_norm.scale", (("embed", e),), True, share),
-        ParamInfo(f"{prefix}.attn.wq", (("embed", e), ("heads", h), ("head_dim", d)), True, share),
-        ParamInfo(
-            f"{prefix}.attn.wk", (("embed", e), ("kv_heads", g), ("head_dim", d)), True, share
-        ),
-        ParamInfo(
-            f"{prefix}.attn.wv", (("embed", e), ("kv_heads", g), ("head_dim", d)), True, share
-        ),
-        ParamInfo(f"{prefix}.attn.wo", (("heads", h), ("head_dim", d), ("embed", e)), True, share),
-        ParamInfo(f"{prefix}.mlp_norm.scale", (("embed", e),), True, share),
-    )
-
-
-def _mlp(prefix: str, e: int, f: int, share: float) -> tuple[ParamInfo, ...]:
-    """A SwiGLU MLP: [embed, mlp] gate and up, [mlp, embed] down."""
-    return (
-        ParamInfo(f"{prefix}.w_gate", (("embed", e), ("mlp", f)), True, share),
-        ParamInfo(f"{prefix}.w_up", (("embed", e), ("mlp", f)), True, share),
-        ParamInfo(f"{prefix}.w_down", (("mlp", f), ("embed", e)), True, share),
-    )

@@ -1,64 +1,75 @@
 """Write a plan as a mesh preset that ``shardlib train --mesh`` runs.
 
-``[mesh]`` holds the axis sizes in the planner's order (fast axes last), ``[train]`` the
-``TrainConfig`` fields that run the plan (model, batch, seq, precision and every knob:
-``Plan.train_overrides``), ``[plan]`` a summary and the predictions, which ``load_mesh``
-ignores.
+The file is the plan itself, in the tables ``ParallelPlan.from_mesh_spec(load_mesh(path))``
+reads back: ``[mesh]`` holds the axis sizes in the planner's order (fast axes last) and one
+``[parallel.<section>]`` table per strategy section that differs from its defaults
+(``ParallelPlan.tables``). ``[train]`` holds the workload (model, batch, seq, precision and
+the ``model.NAME`` fields it was planned with), ``[plan]`` a summary and the predictions,
+which ``load_mesh`` ignores. Every value is written as its TOML type: nothing is re-parsed
+from text on the way back.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import math
 
 from shardlib.explain.report import format_bytes
-from shardlib.planner.candidate import Plan
+from shardlib.planner.candidate import PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate
 from shardlib.planner.workload import Workload
 
 
 def model_fields(workload: Workload) -> dict[str, object]:
-    """``model.NAME`` -> value for the model fields that differ from the preset."""
-    import models
-
-    preset = models.config(workload.model)
+    """``model.NAME`` -> value for the model settings the workload was made with, typed as
+    the model's config has them (a command line gives strings)."""
+    cfg = workload.cfg
     return {
-        f"model.{f.name}": getattr(workload.cfg, f.name)
-        for f in dataclasses.fields(preset)
-        if getattr(workload.cfg, f.name) != getattr(preset, f.name)
+        f"model.{name}": getattr(cfg, name) if cfg is not None and hasattr(cfg, name) else value
+        for name, value in workload.overrides
     }
 
 
-def train_table(workload: Workload, plan: Plan) -> dict[str, object]:
-    """The [train] table that runs ``plan``: the workload, every knob of the plan as its
-    ``TrainConfig`` field (``Plan.train_overrides``) and the model fields that differ."""
+def train_table(workload: Workload) -> dict[str, object]:
+    """The [train] table: the ``TrainConfig`` settings of the workload, as dotted keys."""
     return {
         "model": workload.model,
-        "batch": workload.global_batch,
-        "seq": workload.seq,
-        "precision": workload.precision,
-        **plan.train_overrides(),
+        "data.batch": workload.global_batch,
+        "data.seq": workload.seq,
+        "precision.compute": workload.precision,
         **model_fields(workload),
     }
 
 
-def _toml_key(k: str) -> str:
-    return f'"{k}"' if "." in k else k
+def toml_key(key: str) -> str:
+    """Dotted keys are quoted: ``[train]`` keeps ``"model.layers"`` as one flat key."""
+    return json.dumps(key) if "." in key else key
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
+def toml_value(value) -> str:
+    """A TOML literal of ``value`` (bool, int, float, str), exact (floats as ``repr``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    raise TypeError(f"no TOML literal for {value!r} ({type(value).__name__})")
+
+
+def _table(name: str, items: dict) -> list[str]:
+    return ["", f"[{name}]"] + [f"{toml_key(k)} = {toml_value(v)}" for k, v in items.items()]
 
 
 def plan_toml(workload: Workload, est: Estimate, cluster: Cluster) -> str:
-    p = est.plan
-    train = train_table(workload, p)
+    plan, view = est.plan, PlanView(est.plan)
     lines = [
         f"# Use this when: training {workload.model} (global batch {workload.global_batch}, seq "
         f"{workload.seq}) on {cluster.name}.",
@@ -67,16 +78,19 @@ def plan_toml(workload: Workload, est: Estimate, cluster: Cluster) -> str:
         "# Run: shardlib train --mesh <this file>",
     ]
     if cluster.platform:
-        lines.append(f'platform = "{cluster.platform}"')
-    lines += ["", "[mesh]"] + [f"{name} = {size}" for name, size in p.axes]
-    lines += ["", "[train]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in train.items()]
-    lines += [
-        "",
-        "[plan]",
-        f'knobs = "{p.knobs_text()}"',
-        f"predicted_memory_bytes = {est.memory_bytes:.0f}",
-        f"predicted_step_s = {est.step_s:.6g}",
-        f"predicted_mfu = {est.mfu:.4f}",
-        f'cluster = "{cluster.source}"',
-    ]
+        lines.append(f"platform = {toml_value(cluster.platform)}")
+    lines += _table("mesh", dict(plan.mesh.axes))
+    for section, settings in plan.tables().items():
+        lines += _table(f"parallel.{section}", settings)
+    lines += _table("train", train_table(workload))
+    lines += _table(
+        "plan",
+        {
+            "knobs": view.knobs_text(),
+            "predicted_memory_bytes": round(est.memory_bytes),
+            "predicted_step_s": float(f"{est.step_s:.6g}"),
+            "predicted_mfu": round(est.mfu, 4),
+            "cluster": cluster.source,
+        },
+    )
     return "\n".join(lines) + "\n"

@@ -16,7 +16,8 @@ from functools import cached_property
 from shardlib.errors import ShardingError
 from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.mesh import Axis
-from shardlib.planner.candidate import Plan
+from shardlib.parallel import ParallelPlan, rules_for_mesh
+from shardlib.planner.candidate import PlanView
 from shardlib.planner.workload import ParamInfo, Workload
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
@@ -71,20 +72,21 @@ class Context:
     """Everything a term may read: the workload, the plan, and derived layout facts."""
 
     workload: Workload
-    plan: Plan
+    plan: ParallelPlan
     backend: str
     """``gpu`` (reduce-scatter for sharded gradients, as the GPU/TPU pipelines do) or
     ``cpu`` (the CPU backend's all-reduce + slice: what compiled validation measures)."""
     calib: dict = field(default_factory=dict)
     """Fitted coefficients (``planner.calibration.COEFFICIENTS``)."""
+    p: PlanView = field(init=False, repr=False, compare=False)
+    """The plan's axis sizes and knobs (``candidate.PlanView``), made once."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p", PlanView(self.plan))
 
     @property
     def w(self) -> Workload:
         return self.workload
-
-    @property
-    def p(self) -> Plan:
-        return self.plan
 
     @cached_property
     def splits(self) -> dict[str, dict[str, int]]:
@@ -157,7 +159,7 @@ class Context:
         p = self.p
         if p.stage == 1:
             return self.layers_per_device * p.microbatches
-        v = p.virtual if p.schedule == "interleaved" else 1
+        v = p.virtual if p.schedule == "circular" else 1
         return self.layers_per_device / v * self.trips
 
     @property
@@ -187,22 +189,26 @@ def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:
 def param_splits(
     w: Workload, data: int, fsdp: int, tensor: int, expert: int
 ) -> dict[str, dict[str, int]]:
-    """How the real rules (``shardlib.plan.rules_for_mesh``) split each parameter.
+    """How the real rules (``shardlib.parallel.ParallelPlan.rules``) split each parameter.
 
-    Every axis but ``stage`` goes through the rules, so the planner and the trainer agree by
-    construction (the stage axis splits the stacked ``layers`` dim, which ``ParamInfo``
-    leaves out: ``Context.layers_per_device`` counts it). Raises ShardingError when a dim
-    does not divide.
+    Every axis but ``stage`` and ``context`` goes through the rules of a plan on those axes,
+    so the planner and the trainer agree by construction (the stage axis splits the stacked
+    ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device`` counts it;
+    context splits activations only). Cached per mesh: the search's candidates on one mesh
+    share it. Raises ShardingError when a dim does not divide.
     """
-    from shardlib.plan import rules_for_mesh
-
-    p = Plan(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
     sizes = {
         str(a): s
-        for a in (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.TENSOR)
-        if (s := getattr(p, a.value)) > 1
+        for a, s in (
+            (Axis.DATA, data),
+            (Axis.FSDP, fsdp),
+            (Axis.EXPERT, expert),
+            (Axis.TENSOR, tensor),
+        )
+        if s > 1
     }
     rules = rules_for_mesh(sizes or {"data": 1}).params
+    where = " x ".join(f"{a}={s}" for a, s in sizes.items()) or "data=1"
     out: dict[str, dict[str, int]] = {}
     for param in w.params:
         split: dict[str, int] = {}
@@ -211,8 +217,7 @@ def param_splits(
             ways = math.prod(sizes[a] for a in axes)
             if size % ways:
                 raise ShardingError(
-                    f"plan {p.mesh_text()}: {param.name} dim {name!r} ({size}) is not "
-                    f"divisible by {ways}."
+                    f"plan {where}: {param.name} dim {name!r} ({size}) is not divisible by {ways}."
                 )
             split.update((a, sizes[a]) for a in axes)
         out[param.name] = split

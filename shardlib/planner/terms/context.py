@@ -38,8 +38,8 @@ def context(ctx: Context) -> Contribution:
     p, w = ctx.p, ctx.w
     if p.context <= 1:
         return Contribution()
-    c, cfg = p.context, w.cfg
-    elems = ctx.micro_batch * ctx.local_seq * cfg.kv_heads / p.tensor * cfg.head_dim
+    c = p.context
+    elems = ctx.micro_batch * ctx.local_seq * w.kv_heads / p.tensor * w.head_dim
     kv = 2 * elems * w.compute_bytes + ctx.local_seq * POSITION_BYTES  # K, V, positions
     dkv = 2 * elems * GRAD_BYTES
     runs = ctx.layers_per_device * p.microbatches
@@ -66,8 +66,8 @@ def context(ctx: Context) -> Contribution:
 
 def ring_working_bytes(ctx: Context, micro_batch: int) -> float:
     """One layer's ring-attention working set (blocks in flight), live once."""
-    p, cfg = ctx.p, ctx.w.cfg
+    p, w = ctx.p, ctx.w
     if p.context <= 1:
         return 0.0
-    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim / p.tensor
-    return ctx.calib["ring_working_qkv"] * micro_batch * ctx.local_seq * qkv * ctx.w.compute_bytes
+    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim / p.tensor
+    return ctx.calib["ring_working_qkv"] * micro_batch * ctx.local_seq * qkv * w.compute_bytes

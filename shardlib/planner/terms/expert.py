@@ -38,7 +38,7 @@ from shardlib.planner.terms.base import Comm, Context, Contribution
 def moe_saved_elements(ctx: Context) -> float:
     """Elements an MoE block's expert half saves per token (replaces the dense MLP's)."""
     w, p = ctx.w, ctx.p
-    return ctx.calib["moe_slot_hidden"] * w.slots_per_token * w.cfg.expert_mlp / p.tensor
+    return ctx.calib["moe_slot_hidden"] * w.slots_per_token * w.expert_mlp / p.tensor
 
 
 def moe_working_bytes(ctx: Context, micro_batch: int) -> float:
@@ -47,7 +47,7 @@ def moe_working_bytes(ctx: Context, micro_batch: int) -> float:
     if not w.experts:
         return 0.0
     tokens = micro_batch * ctx.local_seq
-    hidden = w.slots_per_token * w.cfg.expert_mlp / p.tensor
+    hidden = w.slots_per_token * w.expert_mlp / p.tensor
     return ctx.calib["moe_working_hidden"] * tokens * hidden * w.compute_bytes
 
 

@@ -34,7 +34,7 @@ def fsdp(ctx: Context) -> Contribution:
     # fixed weights (v = 1): then XLA hoists the gather out of the loop. GPipe/circular
     # gather forward and backward, 1F1B forward, recomputed forward and backward.
     layer_grads, outer_grads = gradient_reductions(ctx)
-    passes = 3 if p.stage > 1 and p.schedule == "1f1b" else 2
+    passes = 3 if p.stage > 1 and p.schedule == "bounded" else 2
     if p.stage == 1:
         layer_gathers = 2 * ctx.layers_per_device * m
     elif p.virtual == 1 and ctx.layers_per_device == 1:
@@ -79,7 +79,7 @@ def fsdp(ctx: Context) -> Contribution:
         gathered_outer += full * weight_bytes
         if param.name == "lm_head" and _head_over_stage(ctx):
             comms += _head_over_stage_comms(ctx, full, outer_grads)
-            if p.schedule == "1f1b":  # inside its loop: the gathered head and its gradient
+            if p.schedule == "bounded":  # inside its loop: the gathered head and its gradient
                 gathered_outer += full * MASTER_BYTES  # (fsdp=2 x stage=4: 0.88 with it)
             continue
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
@@ -122,7 +122,7 @@ def _head_over_stage_comms(ctx: Context, full: float, grads: float) -> list[Comm
     p, w = ctx.p, ctx.w
     axes = (str(Axis.STAGE), str(Axis.FSDP))
     stage = (str(Axis.STAGE),)
-    back = grads if p.schedule == "1f1b" else 1
+    back = grads if p.schedule == "bounded" else 1
     kind, wb, grad = ctx.scatter_kind, w.compute_bytes, full * MASTER_BYTES / p.fsdp
     return [
         Comm("fsdp", "weights", "collective-permute", axes, p.stage, full * wb / p.stage, 1, True),

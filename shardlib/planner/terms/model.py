@@ -32,22 +32,21 @@ def flops(ctx: Context) -> Contribution:
 def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = None) -> float:
     """Bytes one layer saves for backward on one device, for one micro-batch."""
     w, p, c = ctx.w, ctx.p, ctx.calib
-    cfg = w.cfg
     tokens = micro_batch * ctx.local_seq
     policy = p.remat if policy is None else policy
     k = remat.saved_coefficients(policy, c)
-    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
     if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
         attention = c["ring_saved_qkv"] * qkv / p.tensor if policy == "none" else 0.0
     else:
-        attention = k["scores"] * cfg.heads * w.seq / p.tensor
+        attention = k["scores"] * w.heads * w.seq / p.tensor
     elems = k["h"] * w.embed + k["qkv"] * qkv / p.tensor + attention
     if not w.experts:
-        elems += k["mlp"] * cfg.mlp / p.tensor
+        elems += k["mlp"] * w.mlp / p.tensor
     else:  # dense blocks between MoE blocks; an MoE block saves its routed buffers
         moe = 1.0 / w.moe_every
         if policy != "full":
-            elems += (1 - moe) * (k["mlp"] + c["moe_dense_mlp"]) * cfg.mlp / p.tensor
+            elems += (1 - moe) * (k["mlp"] + c["moe_dense_mlp"]) * w.mlp / p.tensor
             elems += moe * expert.moe_saved_elements(ctx)
     return tokens * elems * w.compute_bytes
 
@@ -56,7 +55,7 @@ def head_activation_bytes(ctx: Context, micro_batch: int) -> float:
     """Logits (fp32: the model casts them up), their softmax and gradient, and the embedding."""
     w, p, c = ctx.w, ctx.p, ctx.calib
     tokens = micro_batch * ctx.local_seq
-    return tokens * (c["head_vocab"] * w.cfg.vocab / p.tensor * 4 + c["head_h"] * w.embed * 4)
+    return tokens * (c["head_vocab"] * w.vocab / p.tensor * 4 + c["head_h"] * w.embed * 4)
 
 
 def activations(ctx: Context, in_flight: float = 1, head_batch: int | None = None) -> Contribution:
@@ -72,7 +71,7 @@ def activations(ctx: Context, in_flight: float = 1, head_batch: int | None = Non
     if ctx.p.remat != "none" and ctx.p.context == 1:  # the recomputed probabilities
         # of one layer are live again (ring attention keeps no score matrix)
         w, p = ctx.w, ctx.p
-        scores = w.cfg.heads * ctx.local_seq / p.tensor
+        scores = w.heads * ctx.local_seq / p.tensor
         working = ctx.calib["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
     working += context.ring_working_bytes(ctx, b) + expert.moe_working_bytes(ctx, b)
     return Contribution(

@@ -13,7 +13,7 @@ from shardlib.planner.terms.base import Context, Contribution
 
 
 def offload(ctx: Context, optimizer_bytes: float, host_link_bw: float) -> Contribution:
-    if ctx.p.offload == "none":
+    if not ctx.p.offload:
         return Contribution()
     return Contribution(
         memory={"optimizer": -optimizer_bytes, "host: optimizer": optimizer_bytes},

@@ -35,9 +35,10 @@ from collections.abc import Sequence
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.strategies.pipeline import PipelineSpec
 
-FORWARD_PERMUTES = {"gpipe": 2, "interleaved": 2, "1f1b": 3}
-BACKWARD_PERMUTES = {"gpipe": 3, "interleaved": 3, "1f1b": 0}
+FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "bounded": 3}
+BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "bounded": 0}
 STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
 
@@ -85,13 +86,12 @@ def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...
 
 
 def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
-    """Loop trips (``PipelineSpec.iterations``): m+p-1, v·m+p-1, or m+2(p-1) for 1F1B."""
-    p, m = stages, microbatches
-    if p == 1:
+    """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
+    v·m+p-1 circular, m+2(p-1) bounded); 1 without stages."""
+    if stages == 1:
         return 1
-    if schedule == "1f1b":
-        return m + 2 * (p - 1)
-    return (virtual if schedule == "interleaved" else 1) * m + p - 1
+    v = virtual if schedule == "circular" else 1
+    return PipelineSpec(stages, microbatches, v, schedule).iterations()
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
@@ -99,7 +99,7 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int)
     (p-1)/(m·v) interleaved, 2(p-1)/m for the lockstep 1F1B."""
     if stages == 1:
         return 0.0
-    v = virtual if schedule == "interleaved" else 1
+    v = virtual if schedule == "circular" else 1
     return iterations(schedule, stages, microbatches, virtual) / (microbatches * v) - 1
 
 
@@ -113,9 +113,9 @@ def layer_sets_saved(ctx: Context) -> float:
     p = ctx.p
     if p.stage == 1:
         return 1.0
-    if p.schedule == "1f1b":
+    if p.schedule == "bounded":
         return 1.0
-    v = p.virtual if p.schedule == "interleaved" else 1
+    v = p.virtual if p.schedule == "circular" else 1
     return ctx.trips / v
 
 
@@ -130,7 +130,7 @@ def gradient_reductions(ctx: Context) -> tuple[float, float]:
     p = ctx.p
     if p.stage == 1:
         return ctx.layers_per_device * p.microbatches, p.microbatches
-    if p.schedule == "1f1b":
+    if p.schedule == "bounded":
         return ctx.layers_per_device * ctx.trips, ctx.trips
     return ctx.layer_runs, 1
 
@@ -139,7 +139,7 @@ def head_batch(ctx: Context) -> int:
     """Sequences the output head runs on at once on one device: the whole data shard
     (outside the pipeline), or one micro-batch for 1F1B (inside its loop)."""
     p = ctx.p
-    if p.stage > 1 and p.schedule != "1f1b":
+    if p.stage > 1 and p.schedule != "bounded":
         return ctx.w.global_batch // p.batch_ways
     return ctx.micro_batch
 
@@ -153,7 +153,7 @@ def extra_flops(ctx: Context) -> tuple[float, float]:
     layer = (w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)) / p.tensor
     stage_fwd = tokens * ctx.layers_per_device * layer  # one forward over all micro-batches
     frac = bubble_fraction(p.schedule, p.stage, p.microbatches, p.virtual)
-    if p.schedule != "1f1b":
+    if p.schedule != "bounded":
         return 3 * stage_fwd * frac, 0.0
     # 1F1B: fwd + recomputed fwd + bwd (4 units) per stage, head fwd + bwd (3) per iteration
     head = tokens * w.head_flops_per_token / p.tensor
@@ -175,7 +175,7 @@ def pipeline(ctx: Context) -> Contribution:
             "pipeline", "activations", "all-reduce", axes, n, bsh, STAGE_ALL_REDUCES * trips, True
         ),
     ]
-    if p.schedule == "interleaved" and p.virtual > 1:
+    if p.schedule == "circular" and p.virtual > 1:
         layer = ctx.layer_elements
         held = layer * ctx.layers_per_device
         group = min(p.virtual, p.stage)
@@ -193,15 +193,13 @@ def pipeline(ctx: Context) -> Contribution:
     bubble, recompute = extra_flops(ctx)
     # 1F1B keeps its ring of 2p-1 saved stage inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
-    if p.schedule == "1f1b":
+    if p.schedule == "bounded":
         buffers = (2 * p.stage - 1) * bsh
     else:
         c = ctx.calib
         tokens = head_batch(ctx) * ctx.local_seq
-        buffers = (
-            (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.cfg.vocab / p.tensor * 4
-        )
-        if p.schedule == "interleaved":
+        buffers = (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.vocab / p.tensor * 4
+        if p.schedule == "circular":
             layer = ctx.layer_elements
             per_round = layer * ctx.layers_per_device / p.virtual * w.compute_bytes
             buffers += c["pipe_circular_weights"] * trips * per_round

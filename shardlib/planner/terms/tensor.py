@@ -27,13 +27,13 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run in every loop trip
+    if p.stage > 1 and p.schedule == "bounded":  # embedding and head run in every loop trip
         m = ctx.trips
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
     # all-reduce is not needed for the backward pass)
     forward = FORWARD_PER_LAYER
-    if p.stage > 1 and p.schedule == "1f1b":
+    if p.stage > 1 and p.schedule == "bounded":
         forward += FORWARD_PER_LAYER
     elif p.remat == "full":
         forward += 1
