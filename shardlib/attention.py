@@ -9,7 +9,6 @@ and ring, all-to-all (Ulysses) or all-gather across the context axis, each a sma
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -88,13 +87,6 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
     c = seq // (2 * n)
     chunks = [(i, 2 * n - 1 - i) for i in range(n)]
     return np.concatenate([np.arange(j * c, (j + 1) * c) for pair in chunks for j in pair])
-
-
-def use_attention(plan: AttentionPlan) -> contextlib.AbstractContextManager:
-    """``shardlib.ops.use_ops(attention=plan)``, keeping the active dispatch (old name)."""
-    from shardlib.ops import active_ops, use_ops  # ops imports this module
-
-    return use_ops(attention=plan, dispatch=active_ops().dispatch)
 
 
 def _cudnn(q, k, v, q_pos, k_pos, *, causal):

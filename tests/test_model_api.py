@@ -19,7 +19,7 @@ from flax import nnx
 from models.llama import Llama, LlamaConfig
 from models.moe import Moe
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
-from shardlib.attention import AttentionPlan, use_attention
+from shardlib.attention import AttentionPlan
 from shardlib.layout import use_layout
 from shardlib.model import (
     Decoder,
@@ -210,7 +210,7 @@ def test_moe_numbers_are_those_of_the_two_stack_model():
 def test_use_ops_nests_and_restores():
     assert active_ops().dispatch == "einsum" and active_ops().attention == AttentionPlan()
     with use_ops(dispatch="shard_map"):
-        with use_attention(AttentionPlan(impl="chunked")):  # the old name keeps the dispatch
+        with use_ops(attention=AttentionPlan(impl="chunked"), dispatch="shard_map"):
             assert active_ops().dispatch == "shard_map"
             assert active_ops().attention.impl == "chunked"
         assert active_ops().attention.impl == "dense"

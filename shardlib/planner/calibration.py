@@ -6,8 +6,9 @@ a layer saves at each width, what the loss head keeps, how many gathered layers 
 under FSDP. The model is linear in them, so a least-squares fit over a handful of compiled
 probes recovers them: ``python -m shardlib.planner.calibration`` compiles ``PROBES`` on 8
 simulated CPU devices (abstract shapes: nothing allocated), fits, and prints the table to
-paste below. Validation (``planner.validate``, ``benchmarks/planner_validation.py``) checks
-the fitted model on *other* plans, models and device counts.
+paste into ``shardlib/planner/coefficients.py``. Validation (``planner.validate``,
+``benchmarks/planner_validation.py``) checks the fitted model on *other* plans, models and
+device counts.
 """
 
 from __future__ import annotations
@@ -21,37 +22,7 @@ import numpy as np
 from shardlib.mesh import MeshSpec
 from shardlib.parallel import ParallelPlan
 from shardlib.planner.candidate import candidate
-
-# Fitted on the CPU backend (fp32, jax 0.10.2) with `python -m shardlib.planner.calibration`.
-COEFFICIENTS: dict[str, float] = {
-    "layer_h": 4.105,  # elements of width h saved per token per layer (norms, residual)
-    "layer_qkv": 4.668,  # ... of width (heads + 2 kv_heads) x head_dim, split by tensor
-    "layer_mlp": 6.026,  # ... of width mlp, split by tensor
-    "layer_scores": 2.495,  # ... of width heads x seq (scores, probabilities)
-    "head_vocab": 1.025,  # fp32 logits-sized buffers of the loss (logits, softmax, gradient)
-    "head_h": 8.297,  # fp32 h-sized buffers around the head
-    "fsdp_layers_live": 0.0,  # gathered layers live at once under FSDP (beyond the grads')
-    "fsdp_outer_live": 1.123,  # gathered embedding/head copies live at once
-    "grad_layers_live": 1.127,  # a layer's unreduced gradient in flight
-    "fixed_bytes": 500562.933,  # runtime scratch independent of the model
-    "selective_h": 0.0,  # remat=selective: elements of width h saved per token per layer
-    "selective_qkv": 1.091,  # ... of the q/k/v width
-    "selective_mlp": 3.218,  # ... of the MLP width
-    "full_h": 1.62,  # remat=full: elements of width h saved per token per layer (the input)
-    "remat_scores": 1.566,  # remat: heads x seq elements per token of the layer recomputed
-    "update_live": 0.144,  # fp32 parameter-sized temporaries of the update, per optimizer shard
-    "ring_saved_qkv": 0.0,  # ring attention: elements of the q/k/v width saved per token/layer
-    "ring_working_qkv": 1.729,  # ... live once (one layer's ring working set)
-    "moe_slot_hidden": 6.322,  # MoE: elements of width expert_mlp saved per slot per MoE block
-    "moe_working_hidden": 6.423,  # ... live once (one MoE block's backward)
-    "moe_dense_mlp": 6.23,  # MoE models: extra elements of width mlp per dense block
-    "pipe_logits": 0.461,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
-    "pipe_tables": 0.006,  # ... extra fp32 vocab x embed tables (their gradients)
-    "pipe_circular_weights": 0.682,  # circular: a round's weights saved again per loop trip
-}
-# Fit residuals on the 85 probes: memory within 7.7% (max), collective bytes exact.
-# Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
-# independently, so XLA's fused buffers are shared out between them by the fit.
+from shardlib.planner.coefficients import COEFFICIENTS
 
 FREE = tuple(COEFFICIENTS)
 

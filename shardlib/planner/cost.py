@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner.calibration import COEFFICIENTS
 from shardlib.planner.candidate import REMAT, PlanView
 from shardlib.planner.cluster import Cluster
+from shardlib.planner.coefficients import COEFFICIENTS
 from shardlib.planner.terms import (
     context,
     dp,

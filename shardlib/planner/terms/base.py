@@ -19,6 +19,7 @@ from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
 from shardlib.planner.candidate import PlanView
 from shardlib.planner.workload import ParamInfo, Workload
+from shardlib.strategies.pipeline import PipelineSpec
 
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
 ADAM_BYTES = 8  # Adam m and v, fp32
@@ -129,9 +130,7 @@ class Context:
 
     @cached_property
     def trips(self) -> int:
-        """Pipeline loop iterations (``terms.pipeline.iterations``); 1 without stages."""
-        from shardlib.planner.terms.pipeline import iterations
-
+        """Pipeline loop iterations (``iterations``); 1 without stages."""
         p = self.p
         return iterations(p.schedule, p.stage, p.microbatches, p.virtual)
 
@@ -222,3 +221,12 @@ def param_splits(
             split.update((a, sizes[a]) for a in axes)
         out[param.name] = split
     return out
+
+
+def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+    """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
+    v·m+p-1 circular, m+2(p-1) bounded); 1 without stages."""
+    if stages == 1:
+        return 1
+    v = virtual if schedule == "circular" else 1
+    return PipelineSpec(stages, microbatches, v, schedule).iterations()

@@ -34,8 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
-from shardlib.strategies.pipeline import PipelineSpec
+from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution, iterations
 
 FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "bounded": 3}
 BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "bounded": 0}
@@ -83,15 +82,6 @@ def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...
         bounds.append((j, i))
         i = j
     return tuple(reversed(bounds))
-
-
-def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
-    """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
-    v·m+p-1 circular, m+2(p-1) bounded); 1 without stages."""
-    if stages == 1:
-        return 1
-    v = virtual if schedule == "circular" else 1
-    return PipelineSpec(stages, microbatches, v, schedule).iterations()
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
