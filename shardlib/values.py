@@ -57,7 +57,7 @@ def convert_value(name: str, raw: str | object, annotation: Any) -> Any:
             pass
     example = {bool: "true", int: "4", float: "0.5"}[annotation]
     raise ShardingError(
-        f"{name}={raw!r} is not a {annotation.__name__}. Fix: e.g. {name}={example}."
+        f"{name}={raw!r}: expected {annotation.__name__}. Fix: e.g. {name}={example}."
     )
 
 

@@ -25,12 +25,12 @@ from shardlib.model import (
     Decoder,
     ModelFactory,
     checkpoint_names,
-    convert_value,
     inventory,
     registry,
     resolve_model,
 )
 from shardlib.ops import active_ops, run_blocks, use_ops
+from shardlib.values import convert_value
 
 # --- a model defined here, reached as ``test_model_api:make_toy`` ----------------------------
 
@@ -85,12 +85,12 @@ def test_a_module_function_is_a_factory_with_typed_keyword_overrides():
     [
         ("llama-huge", {}, r"'llama-huge' is not a registered preset.*llama-tiny"),
         ("llama-tiny", {"depth": "2"}, r"no field 'depth'.*Fix: use one of .*layers"),
-        ("llama-tiny", {"layers": "two"}, r"model.layers='two' is not a int.*layers=4"),
+        ("llama-tiny", {"layers": "two"}, r"model.layers='two': expected int.*layers=4"),
         ("moe-tiny", {"moe_every": "3"}, r"moe_every=3.*Fix"),
         ("no_such_package_xyz:make", {}, r"cannot import 'no_such_package_xyz'.*PYTHONPATH"),
         ("test_model_api:make_tiy", {}, r"no function 'make_tiy'.*make_toy"),
         ("test_model_api:make_toy", {"depth": "1"}, r"no argument 'depth'.*bias, width"),
-        ("test_model_api:make_toy", {"bias": "maybe"}, r"model.bias='maybe' is not a bool"),
+        ("test_model_api:make_toy", {"bias": "maybe"}, r"model.bias='maybe': expected bool"),
     ],
 )
 def test_bad_names_say_how_to_fix_them(name, overrides, message):

@@ -182,5 +182,5 @@ def test_bad_overrides(overrides, needle):
 def test_bad_model_fields():
     with pytest.raises(ValueError, match="kv_heads"):
         make_setup(parse_overrides(["model.kv_heads=5"], TINY), mesh_spec(data=8).build())
-    with pytest.raises(ShardingError, match="no setting 'depth'"):
+    with pytest.raises(ShardingError, match="no field 'depth'.*Fix"):
         make_setup(parse_overrides(["model.depth=5"], TINY), mesh_spec(data=8).build())
