@@ -1,5 +1,6 @@
 """Benchmarks, and the programs and formulas they share with the tests.
 
-Run a benchmark from the repository root with the root on the path, e.g.
-``PYTHONPATH=. python benchmarks/pipeline.py``.
+Each benchmark is a script (``python benchmarks/pipeline.py``); the ones that import their
+siblings put the repository root on ``sys.path`` themselves, and the tests import the
+shared modules as ``benchmarks.<name>``.
 """

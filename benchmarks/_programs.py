@@ -8,7 +8,7 @@ from flax import nnx
 
 from shardlib.layout import constrain, use_layout
 from shardlib.ops import use_ops
-from shardlib.train.staging import cast_params, layer_loop
+from shardlib.staging import cast_params
 
 
 def layer_stack_program(setup):
@@ -21,13 +21,15 @@ def layer_stack_program(setup):
     offload) on one gradient-accumulation micro-batch.
     """
     plan, target = setup.plan, setup.target
-    graphdef, layers = setup.graphdef, layer_loop(setup)
+    graphdef, dtype = setup.graphdef, setup.compute_dtype
+    layers = plan.layer_loop(target, dtype)
     names = ("batch", "seq", "embed")
     x_sharding = jax.sharding.NamedSharding(setup.mesh, setup.rules.spec(names))
 
     def stack_loss(params, x_BLD):
         with use_layout(setup.mesh, setup.rules):
-            model = nnx.merge(graphdef, cast_params(setup, params))
+            cast = cast_params(params, dtype, offload_params=plan.offload.params)
+            model = nnx.merge(graphdef, cast)
             block_graph, blocks_state = nnx.split(model.blocks)
 
             def block_fn(layer_state, x):

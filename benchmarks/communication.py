@@ -1,6 +1,6 @@
 """Per-device communication and memory of the train step vs the published formulas.
 
-    PYTHONPATH=. python benchmarks/communication.py   # llama-small (~12M params), fp32, 8 CPUs
+    python benchmarks/communication.py   # llama-small (~12M params), fp32, 8 CPUs
 
 Compiles (never runs) the step for DP=8, FSDP=8 and TP=4 and prints, per plan, the wire bytes
 measured from the optimized HLO next to REFERENCE.md's formula. CPU figures: XLA's CPU backend
@@ -9,6 +9,11 @@ those all-reduces as reduce-scatters.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 
 import shardlib
 

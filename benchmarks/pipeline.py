@@ -1,6 +1,6 @@
 """Pipeline and rematerialisation figures, measured from compiled programs (nothing is run).
 
-Run:  PYTHONPATH=. python benchmarks/pipeline.py [--quick]
+Run:  python benchmarks/pipeline.py [--quick]
 
 Tables (CPU backend, simulated devices; FLOPs are counted from the optimized HLO with loop
 trip counts applied, memory is ``memory_analysis()`` per device):
@@ -14,6 +14,11 @@ trip counts applied, memory is ``memory_analysis()`` per device):
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 
 import argparse
 import math

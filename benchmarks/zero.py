@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 (and ZeRO-2 + optimizer offload) vs the ZeRO table, per device, N = 8.
 
-    PYTHONPATH=. python benchmarks/zero.py    # llama-small (~12M params), fp32 Adam, data=8
+    python benchmarks/zero.py    # llama-small (~12M params), fp32 Adam, data=8
 
 Compiles (never runs) the train step from abstract shapes for each stage and prints the
 model-state bytes one device holds and the bytes it sends per step, next to REFERENCE.md's
@@ -11,6 +11,11 @@ counts those all-reduces as reduce-scatters (half their wire bytes).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 
 import shardlib
 

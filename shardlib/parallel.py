@@ -3,9 +3,9 @@
 A plan is the mesh (named axes and sizes) plus one section per strategy. A mesh axis
 switches its strategy on (``fsdp`` -> FSDP, ``tensor`` -> Megatron, ...); a section holds
 that strategy's knobs. The plan alone yields the rules, runs every strategy's own checks
-and hands the trainer its layer loop. A mesh TOML carries it as ``[mesh]`` plus
-``[parallel.<section>]`` tables, read straight into the sections' fields; ``shardlib plan``
-writes the same tables.
+and hands the trainer its layer loop and gradient function (``shardlib.staging``). A mesh
+TOML carries it as ``[mesh]`` plus ``[parallel.<section>]`` tables, read straight into the
+sections' fields; ``shardlib plan`` writes the same tables.
 
 The composition order of the rules is written once, in ``rules``.
 """
@@ -21,6 +21,7 @@ from typing import Any
 from shardlib.errors import ShardingError
 from shardlib.mesh import MeshSpec
 from shardlib.rules import Rules, base_rules, compose
+from shardlib.staging import layer_loop, make_grad_fn
 from shardlib.strategies.context import ContextParallel, reorder_tokens
 from shardlib.strategies.data import DataParallel
 from shardlib.strategies.expert import ExpertParallel, with_dispatched_batch
@@ -126,6 +127,17 @@ class ParallelPlan:
         """(inputs, targets, positions) of a [b, seq + 1] batch in the order the model sees
         (context parallelism's zig-zag order; positions None for the natural order)."""
         return reorder_tokens(tokens_BL1, self.attention_plan())
+
+    def layer_loop(self, target: Target, dtype):
+        """``layers(block_fn, blocks_state, carry)``: how the model's stacked blocks run
+        (remat policy, GPipe/circular pipeline, per-layer fetch of offloaded weights)."""
+        return layer_loop(self, target, dtype)
+
+    def value_and_grad(self, loss_fn, **model_parts):
+        """``jax.value_and_grad(loss_fn)``, or the bounded pipeline's own gradient function
+        (``staging.make_grad_fn``: ``graphdef``, ``dtype``, ``target``, ``rest_shardings``,
+        ``has_aux``)."""
+        return make_grad_fn(self, loss_fn, **model_parts)
 
     def pipeline_spec(self):
         """The pipeline on this mesh (None without a ``stage`` axis of size > 1)."""

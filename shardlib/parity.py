@@ -19,8 +19,7 @@ from shardlib.train.config import TrainConfig
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup
-from shardlib.train.staging import make_grad_fn
-from shardlib.train.step import make_loss_fn
+from shardlib.train.step import grad_function, make_loss_fn
 
 FP32_TOLERANCE = 1e-5
 
@@ -59,7 +58,7 @@ def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
         params = setup.init_state()["params"]
     else:
         params = jax.device_put(params, setup.param_shardings)
-    grad_fn = make_grad_fn(setup, make_loss_fn(setup))  # the pipeline's own, if any
+    grad_fn = grad_function(setup, make_loss_fn(setup))  # the pipeline's own, if any
 
     def grads(p, t):
         with use_layout(setup.mesh, setup.rules):

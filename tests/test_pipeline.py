@@ -24,8 +24,7 @@ from shardlib.parity import FP32_TOLERANCE
 from shardlib.train.config import TrainConfig, override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
-from shardlib.train.staging import make_grad_fn
-from shardlib.train.step import make_loss_fn
+from shardlib.train.step import grad_function, make_loss_fn
 
 # 16 layers so that p = 8 with v = 2 splits evenly; batch 8 of 16 tokens keeps runs short.
 BASE = train_config(steps=3, batch=8, seq=16, warmup=1, **{"model.layers": 16})
@@ -135,7 +134,7 @@ def test_bounded_gradients_leaf_by_leaf():
     grads = []
     for mesh in (_mesh(CASES["bounded-p2-fsdp2-tp2"][0]), single_device_mesh()):
         setup = make_setup(cfg, mesh)
-        grad_fn = make_grad_fn(setup, make_loss_fn(setup))
+        grad_fn = grad_function(setup, make_loss_fn(setup))
 
         def grad(params, tokens, setup=setup, grad_fn=grad_fn):
             with use_layout(setup.mesh, setup.rules):

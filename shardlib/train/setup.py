@@ -83,7 +83,7 @@ class TrainSetup:
         if not self.plan.offload.params:
             return shardings
         host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings["blocks"])
-        return {**shardings, "blocks": host}  # fetched one layer at a time (staging.py)
+        return {**shardings, "blocks": host}  # fetched one layer at a time (shardlib/staging.py)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:

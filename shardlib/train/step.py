@@ -16,8 +16,9 @@ from flax import nnx
 
 from shardlib.layout import constrain, use_layout
 from shardlib.ops import run_blocks, use_ops
+from shardlib.staging import cast_params, on_device
 from shardlib.strategies.offload import DEVICE_MEMORY
-from shardlib.train import layouts, precision, staging
+from shardlib.train import layouts, precision
 from shardlib.train.data import BATCH_NAMES
 
 if TYPE_CHECKING:
@@ -40,11 +41,11 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     """
     graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
     attention = plan.attention_plan()
-    layers = staging.layer_loop(setup)  # remat policy, pipeline schedule, param offload
+    layers = plan.layer_loop(setup.target, dtype)  # remat, pipeline schedule, param offload
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
-        params = staging.cast_params(setup, params)
+        params = cast_params(params, dtype, offload_params=plan.offload.params)
         model = nnx.merge(graphdef, params)
         inputs_BL, targets_BL, positions_L = plan.split_tokens(tokens_BL1)
         block_graph, blocks_state = nnx.split(model.blocks)
@@ -61,6 +62,19 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
         return (loss, metrics) if with_metrics else loss
 
     return loss_fn
+
+
+def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False):
+    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout."""
+    rest = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
+    return setup.plan.value_and_grad(
+        loss_fn,
+        graphdef=setup.graphdef,
+        dtype=setup.compute_dtype,
+        target=setup.target,
+        rest_shardings=rest,
+        has_aux=has_aux,
+    )
 
 
 def accumulate_grads(
@@ -123,7 +137,7 @@ def build_train_step(setup: TrainSetup):
                 loss, extra = loss_fn(p, t)
                 return (loss * scale if scaled else loss), extra
 
-            grad_fn = staging.make_grad_fn(setup, fn, has_aux=True)  # bounded pipeline: its own
+            grad_fn = grad_function(setup, fn, has_aux=True)  # bounded pipeline: its own
             (loss, extra), grads = accumulate_grads(
                 fn,
                 params,
@@ -138,7 +152,7 @@ def build_train_step(setup: TrainSetup):
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
             if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
-                grads, opt_state, params = staging.on_device((grads, opt_state, params))
+                grads, opt_state, params = on_device((grads, opt_state, params))
             grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
             if plan.offload.optimizer:
                 opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)

@@ -12,6 +12,7 @@ in this one place:
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
   fetched copy is never saved for the backward pass (it is fetched again there).
 
+``ParallelPlan.layer_loop`` and ``ParallelPlan.value_and_grad`` hand these to the trainer.
 Models plug in through the decoder protocol (``shardlib.model.Decoder``): ``embed``, the
 stacked ``blocks`` and ``head``; the layer loop runs the blocks.
 """
@@ -26,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardlib.ops import scan_blocks
 from shardlib.strategies.pipeline import PipelineSpec, pipeline_layers
 from shardlib.strategies.pipeline_1f1b import bounded_value_and_grad
-from shardlib.strategies.remat import RematSpec, remat_block
+from shardlib.strategies.remat import remat_block
 
 FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
 
@@ -46,15 +47,14 @@ def _fetch(block_fn, dtype):
     return fetched
 
 
-def layer_loop(setup):
+def layer_loop(plan, target, dtype):
     """The function that runs the model's blocks, for GPipe/circular/no pipeline."""
-    plan = setup.plan
-    remat = plan.remat.spec(setup.target)
+    remat = plan.remat.spec(target)
     offload = plan.offload.params
 
     def stage_layers(block_fn, blocks_state, x):
         if offload:
-            block_fn = _fetch(block_fn, setup.compute_dtype)
+            block_fn = _fetch(block_fn, dtype)
         block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
         return scan_blocks(block_fn, blocks_state, x)
 
@@ -64,10 +64,9 @@ def layer_loop(setup):
     return pipeline_layers(spec, stage_layers)
 
 
-def cast_params(setup, params):
+def cast_params(params, dtype, *, offload_params: bool = False):
     """Master weights to the compute dtype; offloaded blocks are cast layer by layer instead."""
-    dtype = setup.compute_dtype
-    keep = {"blocks"} if setup.plan.offload.params else set()
+    keep = {"blocks"} if offload_params else set()
     return {
         k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v) for k, v in params.items()
     }
@@ -78,15 +77,18 @@ def on_device(tree):
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
-def make_grad_fn(setup, loss_fn, *, has_aux: bool = False):
+def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None, has_aux=False):
     """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the bounded pipeline.
 
-    With ``has_aux`` the loss is ``(loss, metrics)``; the bounded schedule reports none.
+    The bounded schedule computes its own gradients from the model's parts (``graphdef``:
+    embed, blocks, head); ``rest_shardings`` pins the layout of the parameters outside the
+    blocks. With ``has_aux`` the loss is ``(loss, metrics)``; the bounded schedule reports none.
     """
-    spec = setup.plan.pipeline_spec()
+    spec = plan.pipeline_spec()
     if spec is None or spec.schedule != "bounded":
         return jax.value_and_grad(loss_fn, has_aux=has_aux)
-    bounded = _bounded_grad_fn(setup, spec)
+    remat = plan.remat.spec(target)
+    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, plan.offload.params, rest_shardings)
     if not has_aux:
         return bounded
 
@@ -97,13 +99,9 @@ def make_grad_fn(setup, loss_fn, *, has_aux: bool = False):
     return with_aux
 
 
-def _bounded_grad_fn(setup, spec: PipelineSpec):
-    graphdef, dtype = setup.graphdef, setup.compute_dtype
-    remat: RematSpec = setup.plan.remat.spec(setup.target)
-    rest_shardings = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
-
+def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, offload_params, rest_shardings):
     def value_and_grad(params, tokens_BL1):
-        cast = cast_params(setup, params)
+        cast = cast_params(params, dtype, offload_params=offload_params)
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
         rest = {k: v for k, v in cast.items() if k != "blocks"}
 
