@@ -9,9 +9,8 @@ scale exceeds 65504); a parameter of 1e6 overflows the forward pass at any scale
 import jax
 import numpy as np
 import pytest
-from _state_parity import initial_state, reference, train
 
-from shardlib import mesh_spec
+from shardlib import mesh_spec, parity
 from shardlib.train.config import override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.loop import run
@@ -62,7 +61,7 @@ def same(a, b) -> bool:
 
 def test_scale_doubles_after_the_window(fp16):
     setup, step = fp16
-    state = initial_state(setup)
+    state = jax.device_put(parity.random_state(setup), setup.state_shardings)
     scales = []
     for i in range(4):
         state, m = step(state, i)
@@ -73,7 +72,7 @@ def test_scale_doubles_after_the_window(fp16):
 
 def test_overflow_skips_the_step_then_halves_and_training_resumes(fp16):
     setup, step = fp16
-    state = with_scale(initial_state(setup), 2.0**40)
+    state = with_scale(jax.device_put(parity.random_state(setup), setup.state_shardings), 2.0**40)
     before = snapshot(state)
     state, m = step(state, 0)  # overflow 1: hysteresis 2 -> 1, scale kept
     assert m["overflow"] == 1 and m["skipped_steps"] == 1 and m["loss_scale"] == 2.0**40
@@ -97,7 +96,7 @@ def test_overflow_skips_the_step_then_halves_and_training_resumes(fp16):
 
 def test_overflow_at_the_minimum_scale_is_an_error(fp16):
     setup, _ = fp16
-    state = initial_state(setup)
+    state = jax.device_put(parity.random_state(setup), setup.state_shardings)
     params = jax.device_get(state["params"])
     params["embedding"] = params["embedding"] + 1e6  # fp16 overflows in forward at any scale
     state = {**state, "params": jax.device_put(params, setup.param_shardings)}
@@ -108,7 +107,7 @@ def test_overflow_at_the_minimum_scale_is_an_error(fp16):
 
 def test_bf16_trains_close_to_fp32():
     cfg = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
-    _, result = train(override(cfg, {"precision": "bf16"}))  # fp32 reference: test_zero's
-    losses = reference(cfg)[0]
+    result = parity.one_device(override(cfg, {"precision": "bf16"}))  # fp32: test_zero's
+    losses = parity.one_device(cfg).losses
     assert np.allclose(result.losses, losses, rtol=2e-2), (result.losses, losses)
     assert max(abs(a - b) / b for a, b in zip(result.losses, losses, strict=True)) > 1e-5

@@ -1,19 +1,19 @@
 """ZeRO stages 0-3, HSDP and optimizer offload: layouts, parity with one device, and the
 compiled step's memory and traffic against the ZeRO table (compile-only, abstract shapes).
 
-Parity runs (tests/_state_parity.py) compare losses, gradient norms and the parameters after
-the last step with one shared one-device run. Gradient accumulation sums the same
-per-example terms (the core's ``test_accumulation_equals_the_full_batch``), so accumulated
-runs are held to the unaccumulated reference.
+Parity runs (``shardlib.parity`` from its ``random_state``) compare losses, gradient norms
+and the parameters after the last step with one shared one-device run. Gradient
+accumulation sums the same per-example terms (the core's
+``test_accumulation_equals_the_full_batch``), so accumulated runs are held to the
+unaccumulated reference.
 """
 
 import jax
 import pytest
-from _state_parity import assert_parity, reference, train
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.zero_figures import zero_figures
-from shardlib import ShardingError, mesh_spec
+from shardlib import ShardingError, mesh_spec, parity
 from shardlib.strategies.offload import HOST_MEMORY
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
@@ -24,9 +24,11 @@ CFG = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.lay
 
 
 def check_parity(cfg, axes, ref_cfg):
-    setup, result = train(cfg, **axes)
-    assert_parity(result, reference(ref_cfg))
-    return setup, result
+    setup = make_setup(cfg, mesh_spec(**axes).build())
+    got = parity.trace(setup, parity.random_state(setup), grads=False, params=True)
+    result = parity.compare_traces(got, parity.one_device(ref_cfg))
+    assert result.ok(), result
+    return setup, got
 
 
 # Without accumulation, zero=0 and zero=3 on data=8 are the core's dp8 and fsdp8 parity tests
