@@ -11,27 +11,30 @@ import jax
 import numpy as np
 import pytest
 
-import models
 from models import moe_routing
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.cli import main
 from shardlib.explain import explain
 from shardlib.mesh import MESHES_DIR
+from shardlib.model import inventory, resolve_model
 from shardlib.parity import FP32_TOLERANCE, Trace, compare, compare_traces, reference_mesh, trace
 from shardlib.strategies.expert import expert_axis
-from shardlib.train.config import TrainConfig
+from shardlib.train.config import TrainConfig, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
 
 
-def moe_cfg(steps: int = 5, **model) -> TrainConfig:
+def moe_cfg(steps: int = 5, dispatch: str = "einsum", **model) -> TrainConfig:
+    """moe-tiny with one MoE block; ``dispatch`` is a layout setting (``shardlib.ops``), not a
+    model field: the trainer hands it to ``use_ops(dispatch=...)``."""
     overrides = {"layers": 1, "moe_every": 1, **model}
-    return TrainConfig(
+    return train_config(
         model="moe-tiny",
         steps=steps,
         batch=16,
         seq=32,
-        model_overrides=tuple(sorted(overrides.items())),
+        dispatch=dispatch,
+        **{f"model.{k}": v for k, v in sorted(overrides.items())},
     )
 
 
@@ -87,7 +90,7 @@ def test_balanced_router_has_unit_aux_loss():
 
 def test_expert_weights_resolve_to_the_expert_axis():
     setup = make_setup(moe_cfg(), mesh_spec(fsdp=2, expert=2, tensor=2).build())
-    experts = setup.param_specs["moe_blocks"]["moe"]["experts"]
+    experts = setup.param_specs["blocks"]["moe"]["moe"]["experts"]  # [groups, E, ...]
     assert experts["w_gate"] == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
     assert experts["w_down"] == jax.sharding.PartitionSpec(None, "expert", "tensor", "fsdp")
     assert setup.rules.activations["batch"] == ("fsdp", "expert")
@@ -254,21 +257,25 @@ def test_cli_trains_moe_tiny_and_reports_router_metrics(tmp_path):
 
 
 def test_mixtral_preset_has_the_published_size():
-    cfg = models.config("mixtral-8x7b")
-    assert cfg.param_count() == pytest.approx(46.7e9, rel=0.01)
+    factory = resolve_model("mixtral-8x7b")
+    assert factory.config.param_count() == pytest.approx(46.7e9, rel=0.01)
+    assert inventory(factory).param_count == factory.config.param_count()
 
 
 def test_capacity_follows_the_reference_formula():
     """ceil(k * tokens / E * factor): REFERENCE.md's ceil(tokens / E * cf), doubled for k=2."""
-    cfg = models.config("moe-tiny", top_k=1, capacity_factor=1.25)
-    assert cfg.capacity(100) == math.ceil(100 / 8 * 1.25)
-    assert models.config("moe-tiny", top_k=2, capacity_factor=1.25).capacity(100) == 32
-    assert models.config("moe-tiny", no_drop=True).capacity(100) == 100
-    assert models.config("moe-tiny", capacity_factor=100.0).capacity(100) == 100  # at most all
+
+    def config(**overrides):
+        return resolve_model("moe-tiny", overrides).config
+
+    assert config(top_k=1, capacity_factor=1.25).capacity(100) == math.ceil(100 / 8 * 1.25)
+    assert config(top_k=2, capacity_factor=1.25).capacity(100) == 32
+    assert config(no_drop=True).capacity(100) == 100
+    assert config(capacity_factor=100.0).capacity(100) == 100  # at most all
 
 
 def test_bad_moe_settings_are_reported_by_the_cli(capsys):
-    assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.dispatch=a2a"]) == 2
+    assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "dispatch=a2a"]) == 2
     assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.moe_every=3"]) == 2
     err = capsys.readouterr().err
     assert "dispatch='a2a'" in err and "moe_every=3" in err
@@ -280,7 +287,7 @@ def test_moe_with_a_stage_axis_is_refused_before_compiling():
     from shardlib.train.setup import make_setup
 
     cfg = parse_overrides(["model=moe-tiny", "model.layers=4", "batch=8", "seq=16"])
-    with pytest.raises(ShardingError, match="not pipelined"):
+    with pytest.raises(ShardingError, match="statistics.*Fix: drop the stage axis"):
         make_setup(cfg, mesh_spec(stage=2, data=4).build())
 
 
