@@ -224,7 +224,6 @@ class Block(nnx.Module):
         return constrain(x_BLD, RESIDUAL)
 
 
-scan_layers = scan_blocks  # the old name of ``shardlib.ops.scan_blocks``
 
 
 def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs):

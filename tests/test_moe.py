@@ -190,7 +190,7 @@ def compiled_steps(moe_reference):
         with jax.set_mesh(setup.mesh):
             step = setup.train_step.lower(*args).compile()
         tokens = global_batch(
-            load_tokens(None), 0, cfg.batch, cfg.seq, cfg.seed, setup.batch_sharding
+            load_tokens(None), 0, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
         )
         _, metrics = step(jax.device_put(first, setup.state_shardings), tokens)
         out[name] = (setup, report, jax.device_get(metrics))
@@ -211,9 +211,9 @@ def a2a_formula_bytes(setup) -> float:
     """REFERENCE.md: 4 all-to-alls per MoE layer, k*b*s*h*(N-1)/N elements each per device."""
     axes = dict(setup.mesh.shape)
     n = axes["expert"]
-    b = setup.cfg.batch // math.prod(axes[a] for a in setup.rules.activations["batch"])
+    b = setup.cfg.data.batch // math.prod(axes[a] for a in setup.rules.activations["batch"])
     k, h = setup.model_cfg.top_k, setup.model_cfg.embed
-    return 4 * k * b * setup.cfg.seq * h * (n - 1) / n * 4  # fp32
+    return 4 * k * b * setup.cfg.data.seq * h * (n - 1) / n * 4  # fp32
 
 
 @pytest.mark.parametrize("name", [n for n in COMM if n != "e1"])

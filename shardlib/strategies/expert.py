@@ -84,7 +84,7 @@ def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
         raise ShardingError(
             f"shard_map dispatch: the activation rule 'expert' -> {axes} spans several mesh "
             "axes; the explicit all-to-all runs over one. Fix: map 'expert' to one axis or "
-            "use model.dispatch=einsum."
+            "use dispatch=einsum."
         )
     batch = rules.activations.get("batch", ())
     if not batch or batch[-1] != axes[0]:
@@ -92,6 +92,6 @@ def expert_axis(rules: Rules, mesh_sizes: dict[str, int]) -> str | None:
             f"shard_map dispatch: the activation 'batch' rule {batch} must end with the "
             f"expert axis {axes[0]!r} (GShard folds it into the batch, innermost) so that the "
             "all-to-all's concatenation restores contiguous groups. Fix: compose "
-            "expert_parallel() after the other batch strategies, or use model.dispatch=einsum."
+            "expert_parallel() after the other batch strategies, or use dispatch=einsum."
         )
     return axes[0] if mesh_sizes.get(axes[0], 1) > 1 else None

@@ -230,7 +230,7 @@ def stage_mask(p: int, ndim: int) -> jax.Array:
 def pipeline_layers(spec: PipelineSpec, stage_layers):
     """A ``layers(block_fn, blocks_state, x)`` running GPipe or circular over ``spec.stages``.
 
-    ``stage_layers`` applies k stacked blocks on one stage (the model's ``scan_layers``,
+    ``stage_layers`` applies k stacked blocks on one stage (``shardlib.ops.scan_blocks``,
     with a remat policy already around ``block_fn``).
     """
     p, m, v = spec.stages, spec.microbatches, spec.virtual_stages
