@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.layout import constrain
-from shardlib.ops import attention, run_blocks, scan_blocks
+from shardlib.ops import attention, run_blocks
 
 init_normal = nnx.initializers.normal
 # The residual stream between blocks (and the norms on it) has its own logical dims, so that
@@ -222,8 +222,6 @@ class Block(nnx.Module):
         x_BLD = checkpoint_name(x_BLD, "attn_residual")
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, RESIDUAL)
-
-
 
 
 def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs):

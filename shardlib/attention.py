@@ -32,7 +32,8 @@ IMPLS = ("dense", "chunked", "cudnn")
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """How attention runs; built from the train config and mesh by ``attention_plan``."""
+    """How attention runs on a mesh: ``ContextParallel.attention_plan`` resolves the plan's
+    ``[parallel.context]`` settings against the mesh's context axis."""
 
     context: str = "none"
     """Across the context axis: none | ring | all_to_all (Ulysses) | all_gather."""

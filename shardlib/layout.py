@@ -98,6 +98,13 @@ def path_str(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+def names_at(names: dict, key_path) -> tuple[str | None, ...] | None:
+    """The logical names stored for one leaf of a parallel tree (``tree_flatten_with_path``)."""
+    for key in key_path:
+        names = names[key.key]
+    return names
+
+
 def resolve_specs(
     shapes: dict,
     names: dict,
@@ -111,10 +118,8 @@ def resolve_specs(
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     specs = []
     for key_path, leaf in flat:
-        node = names
-        for key in key_path:
-            node = node[key.key]
         where = f"{prefix}.{path_str(key_path)}"
+        node = names_at(names, key_path)
         specs.append(resolve_spec(where, tuple(leaf.shape), node, rules, axes, kind))
     return jax.tree_util.tree_unflatten(treedef, specs)
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.errors import ShardingError
-from shardlib.layout import abstract_state, path_str
+from shardlib.layout import abstract_state, names_at, path_str
 from shardlib.values import convert_value
 
 ENTRY_POINT_GROUP = "shardlib.models"
@@ -223,9 +223,7 @@ def inventory(factory: ModelFactory) -> Inventory:
     flat_shapes, _ = jax.tree_util.tree_flatten_with_path(shapes)
     params = []
     for key_path, leaf in flat_shapes:
-        node = names
-        for key in key_path:
-            node = node[key.key]
+        node = names_at(names, key_path)
         params.append(ParamEntry(path_str(key_path), tuple(leaf.shape), node))
     stacked = {p.shape[0] for p in params if p.path.startswith("blocks.")}
     if len(stacked) > 1:

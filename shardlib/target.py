@@ -45,15 +45,12 @@ class Target:
         return self.dims.get("expert", 0)
 
     @classmethod
-    def from_names(cls, shapes: Mapping, names: Mapping, **step) -> Target:
-        """Facts from parallel trees of parameter shapes and logical names."""
-        import jax
-
+    def from_params(cls, params, **step) -> Target:
+        """Facts from ``(path, shape, names)`` entries (``shardlib.model.Inventory.params``)."""
         dims: dict[str, int] = {}
         layers = 1
-        flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple) or x is None)
-        for shape, dim_names in zip(jax.tree.leaves(shapes), flat_names, strict=True):
-            for size, name in zip(shape.shape, dim_names or (), strict=False):
+        for _, shape, names in params:
+            for size, name in zip(shape, names or (), strict=False):
                 if name == "layers":
                     layers = size
                 elif name is not None:

@@ -205,9 +205,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
     model = resolve_model(cfg.model, dict(cfg.model_overrides))
     inv = inventory(model)
-    target = Target.from_names(
-        inv.shapes,
-        inv.names,
+    target = Target.from_params(
+        inv.params,
         checkpoint_names=inv.checkpoint_names,
         block_stats=inv.block_stats,
         batch=cfg.data.batch,
