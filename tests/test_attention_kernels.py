@@ -89,7 +89,9 @@ def test_chunked_matches_dense(qkv, causal):
     assert _max_rel(fn(q, k, v, do), _dense(q, k, v, do, causal)) < TOL
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize(
+    "n", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+)
 def test_ring_matches_dense(qkv, n):
     """Zig-zag ring with and without the causal mask; the contiguous causal ring at n=4."""
     q, k, v, do = qkv

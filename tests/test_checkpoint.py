@@ -22,6 +22,8 @@ from shardlib.export import read_params
 from shardlib.train.loop import run
 from shardlib.train.preempt import Preemption
 
+pytestmark = pytest.mark.slow  # compiles and trains: the full suite, not the inner loop
+
 
 def test_resume_after_stop_is_bitwise_and_old_checkpoints_are_dropped():
     r = cube_runs()

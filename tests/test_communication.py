@@ -14,6 +14,8 @@ from shardlib.explain import explain
 from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
 
+pytestmark = pytest.mark.slow  # compiles and trains: the full suite, not the inner loop
+
 SMALL = train_config(model="llama-small", batch=16, seq=128)
 PSI = models.config("llama-small").param_count()
 

@@ -149,6 +149,7 @@ def moe_model(**overrides) -> Moe:
     return build(resolve_model("moe-tiny", {"layers": "4", "moe_every": "2", **overrides}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "moe"])
 def test_embed_blocks_head_give_the_logits_of_call(family):
     model = build(resolve_model("llama-tiny")) if family == "llama" else moe_model()
@@ -179,6 +180,7 @@ def _leaf(suffix: str, layer: int, shape: tuple) -> jax.Array:
     return noise * shape[-2 if len(shape) > 1 else 0] ** -0.5
 
 
+@pytest.mark.slow
 def test_moe_numbers_are_those_of_the_two_stack_model():
     """Expected values from the previous models/moe.py (dense_blocks + moe_blocks stacks, at
     commit d5ff25b) with the same ``_leaf`` parameters mapped to its layer order."""
@@ -220,6 +222,7 @@ def test_use_ops_nests_and_restores():
             pass
 
 
+@pytest.mark.slow
 def test_shard_map_and_einsum_exchange_agree_on_an_expert_mesh():
     """8 devices, data=2 x expert=4: both forms give the one-device logits and router loss."""
     model = moe_model(layers="2")

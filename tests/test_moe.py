@@ -147,6 +147,7 @@ def moe_reference():
     return full, light, first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_moe_parity_fp32(name, moe_reference):
     axes, dispatch, top_k, full = PARITY[name]
@@ -197,6 +198,7 @@ def compiled_steps(moe_reference):
     return out
 
 
+@pytest.mark.slow
 def test_dropped_tokens_do_not_depend_on_the_mesh(compiled_steps):
     _, _, ref = compiled_steps["e1"]
     assert ref["moe_dropped"] > 0, "capacity_factor 1 should drop tokens"
@@ -216,6 +218,7 @@ def a2a_formula_bytes(setup) -> float:
     return 4 * k * b * setup.cfg.data.seq * h * (n - 1) / n * 4  # fp32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in COMM if n != "e1"])
 def test_all_to_all_bytes_per_moe_layer_match_the_formula(name, compiled_steps):
     setup, report, _ = compiled_steps[name]
@@ -227,6 +230,7 @@ def test_all_to_all_bytes_per_moe_layer_match_the_formula(name, compiled_steps):
     assert not gathers, gathers  # experts stay put; only tokens cross the expert axis
 
 
+@pytest.mark.slow
 def test_expert_weight_bytes_fall_as_one_over_the_expert_axis(compiled_steps):
     def expert_bytes(report) -> int:
         return sum(
@@ -243,6 +247,7 @@ def test_expert_weight_bytes_fall_as_one_over_the_expert_axis(compiled_steps):
 # --- the command line --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_trains_moe_tiny_and_reports_router_metrics(tmp_path):
     metrics = tmp_path / "moe.jsonl"
     argv = ["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "steps=15", "batch=16"]
@@ -274,6 +279,7 @@ def test_capacity_follows_the_reference_formula():
     assert config(capacity_factor=100.0).capacity(100) == 100  # at most all
 
 
+@pytest.mark.slow
 def test_bad_moe_settings_are_reported_by_the_cli(capsys):
     assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "dispatch=a2a"]) == 2
     assert main(["train", "--mesh", "cpu-8-expert", "model=moe-tiny", "model.moe_every=3"]) == 2

@@ -11,6 +11,8 @@ from shardlib.train.config import override, train_config
 from shardlib.train.optim import OPTIMIZERS, schedule
 from shardlib.train.setup import make_setup
 
+pytestmark = pytest.mark.slow  # compiles and trains: the full suite, not the inner loop
+
 # The config of tests/test_zero.py (one shared one-device reference for adamw); with
 # factored_min_dim=32 adafactor factors llama-tiny's [embed=64, mlp=256] weights.
 CFG = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})

@@ -7,11 +7,14 @@ factory lookup, on the 2 x 2 x 2 preset, and must train exactly like one device.
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from shardlib import cli
 from shardlib.layout import constrain
 from shardlib.ops import attention
+
+pytestmark = pytest.mark.slow  # compiles and trains: the full suite, not the inner loop
 
 FACTORY = f"{__name__}:make_model"
 WORDS = ["batch=8", "seq=16", "model.layers=2", "precision=fp32"]

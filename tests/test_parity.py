@@ -39,7 +39,10 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+# the 2 x 2 x 2 case stays in the fast subset (pytest -m "not slow") as its parity smoke test
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "3d" else pytest.mark.slow) for n in MESHES]
+)
 def test_parity_fp32(name, reference):
     axes = MESHES[name]
     setup = make_setup(CFG, mesh_spec(**axes).build())
@@ -49,12 +52,14 @@ def test_parity_fp32(name, reference):
     assert result.ok(), result
 
 
+@pytest.mark.slow
 def test_parity_with_gradient_accumulation(reference):
     axes = MESHES["3d"]
     result = compare(make_setup(CFG_ACCUM, mesh_spec(**axes).build()), reference(CFG_ACCUM))
     assert result.ok(), result
 
 
+@pytest.mark.slow
 def test_accumulation_equals_the_full_batch(reference):
     """Two micro-batches of 8 give the same loss as one batch of 16 (mean of equal means)."""
     one, accum = reference(CFG), reference(CFG_ACCUM)

@@ -120,6 +120,7 @@ def reference(compiled):
     return compiled(BASE, None).train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_parity(name, compiled, reference):
     """Loss and gradient norm of 3 steps equal one device's (fp32, 1e-5 relative)."""
@@ -128,6 +129,7 @@ def test_pipeline_parity(name, compiled, reference):
     assert rel.max() <= FP32_TOLERANCE, (name, got, reference)
 
 
+@pytest.mark.slow
 def test_bounded_gradients_leaf_by_leaf():
     """The hand-written 1F1B backward gives every parameter's gradient, not just the norm."""
     cfg = _cfg("bounded-p2-fsdp2-tp2", steps=1)
@@ -150,6 +152,7 @@ def test_bounded_gradients_leaf_by_leaf():
     assert max(jax.tree.leaves(errs)) <= FP32_TOLERANCE, errs
 
 
+@pytest.mark.slow
 def test_bounded_memory_is_flat_in_microbatches_gpipe_grows(compiled):
     """Same micro-batch size, 4x the micro-batches: bounded temp bytes stay, GPipe's grow."""
     axes = CASES["bounded-p2-fsdp2-tp2"][0]
@@ -164,6 +167,7 @@ def test_bounded_memory_is_flat_in_microbatches_gpipe_grows(compiled):
     assert temp["bounded", 16] < temp["gpipe", 16] / 2, temp
 
 
+@pytest.mark.slow
 def test_parameter_bytes_per_device_fall_as_one_over_p():
     def block_bytes(p):
         setup = make_setup(_cfg("gpipe-p8"), _mesh({"stage": p}))
@@ -192,6 +196,7 @@ def stack_flops():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,v,m",
     [("gpipe", 1, 4), ("gpipe", 1, 8), ("gpipe", 1, 16), ("circular", 2, 4), ("circular", 2, 16)],

@@ -195,6 +195,7 @@ def test_the_planner_does_not_import_models():
 # --- compiled checks (8 simulated devices) ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prediction_matches_the_compiled_step():
     """DP, FSDP and TP at once; benchmarks/planner_validation.py checks plans of every kind."""
     from shardlib.planner.validate import validate
@@ -205,6 +206,7 @@ def test_prediction_matches_the_compiled_step():
     assert abs(check.wire_ratio - 1) <= 0.05, check
 
 
+@pytest.mark.slow
 def test_zero_remat_and_offload_terms_match_the_compiled_step():
     """ZeRO-1 with accumulation (its per-micro-batch re-gather), selective remat and the
     optimizer state in pinned host memory: device and host bytes both predicted."""
@@ -220,6 +222,7 @@ def test_zero_remat_and_offload_terms_match_the_compiled_step():
     assert check.predicted_host == pytest.approx(check.compiled_host, abs=64)
 
 
+@pytest.mark.slow
 def test_plan_that_does_not_fit_plain_dp_is_written_compiled_and_trained(tmp_path, capsys):
     """An 80 MB device: two-layer llama-small needs ~110 MB per device with plain DP; the
     written plan must fit (per the compiled memory) and `shardlib train --mesh plan.toml`

@@ -155,6 +155,7 @@ def test_moe_flops_count_the_capacity_slots():
 # --- compiled checks (8 simulated devices) ----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "workload, plan",
     [

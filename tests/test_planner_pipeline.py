@@ -98,6 +98,7 @@ def test_bubble_is_computed_and_reported_as_bubble_time():
     assert est.bubble_s == pytest.approx(3 / 16 * est.compute_s, rel=0.1)
 
 
+@pytest.mark.slow
 def test_compiled_gpipe_matches_prediction():
     from shardlib.planner.validate import validate
 

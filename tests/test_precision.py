@@ -59,6 +59,7 @@ def same(a, b) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
 
 
+@pytest.mark.slow
 def test_scale_doubles_after_the_window(fp16):
     setup, step = fp16
     state = jax.device_put(parity.random_state(setup), setup.state_shardings)
@@ -70,6 +71,7 @@ def test_scale_doubles_after_the_window(fp16):
     assert scales == [2.0**16, 2.0**16, 2.0**17, 2.0**17]
 
 
+@pytest.mark.slow
 def test_overflow_skips_the_step_then_halves_and_training_resumes(fp16):
     setup, step = fp16
     state = with_scale(jax.device_put(parity.random_state(setup), setup.state_shardings), 2.0**40)
@@ -94,6 +96,7 @@ def test_overflow_skips_the_step_then_halves_and_training_resumes(fp16):
     assert m["skipped_steps"] == 2 + len(scales) - 3
 
 
+@pytest.mark.slow
 def test_overflow_at_the_minimum_scale_is_an_error(fp16):
     setup, _ = fp16
     state = jax.device_put(parity.random_state(setup), setup.state_shardings)
@@ -105,6 +108,7 @@ def test_overflow_at_the_minimum_scale_is_an_error(fp16):
         run(setup, state=state, show=False)
 
 
+@pytest.mark.slow
 def test_bf16_trains_close_to_fp32():
     cfg = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
     result = parity.one_device(override(cfg, {"precision": "bf16"}))  # fp32: test_zero's

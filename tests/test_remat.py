@@ -69,12 +69,14 @@ def runs():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES[1:])
 def test_remat_policy_trains_exactly_like_none(policy, runs):
     got, ref = runs(remat=policy)[0], runs(remat="none")[0]
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-6, (policy, got, ref)
 
 
+@pytest.mark.slow
 def test_remat_memory_and_the_extra_forward(runs):
     """temp bytes: full < dots < none and full < selective < none (selective drops the
     attention scores that dots keeps); full remat costs about one more forward (~1.33x)."""
@@ -85,6 +87,7 @@ def test_remat_memory_and_the_extra_forward(runs):
     assert 1.2 <= full[2] / none[2] <= 1.4, full[2] / none[2]
 
 
+@pytest.mark.slow
 def test_offload_moves_named_residuals_to_host():
     """The gradient program stores the named residuals in host memory space (``<host>``).
 
@@ -102,6 +105,7 @@ def test_offload_moves_named_residuals_to_host():
     )
 
 
+@pytest.mark.slow
 def test_offloaded_parameters_live_on_host_and_train_the_same(runs):
     out, _, _, text = runs(offload_params=True)
     assert np.abs(out - runs(remat="none")[0]).max() / np.abs(out).max() <= 1e-6

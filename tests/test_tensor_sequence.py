@@ -59,6 +59,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_fp32(name, reference):
     axes, overrides = CASES[name]
@@ -75,6 +76,7 @@ LOSS_ONLY = [(kind, n) for kind in ("ring", "all_to_all", "all_gather") for n in
 LOSS_ONLY = [c for c in LOSS_ONLY if f"{c[0]}-cp{c[1]}" not in CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, n", LOSS_ONLY)
 def test_context_parity_losses(kind, n, reference):
     ref, state = reference
@@ -133,6 +135,7 @@ def _layer_collectives(setup):
     return [op for op in gpu_collectives(text.as_text(), setup.mesh) if op.count == layers]
 
 
+@pytest.mark.slow
 def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
     mesh = _mesh(tensor=4)
     tp = _layer_collectives(make_setup(COMM_CFG, mesh))
@@ -148,6 +151,7 @@ def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
     assert abs(sp_wire / tp_wire - 1) < 0.05, (sp_wire, tp_wire)
 
 
+@pytest.mark.slow
 def test_ulysses_all_to_all_bytes_per_layer():
     """Forward: q, k, v and the output each cross once, s·h/N elements per device each."""
     n, mha = 4, {"model.kv_heads": 16}  # MHA, as in the Ulysses paper's formula

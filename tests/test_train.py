@@ -3,12 +3,14 @@
 import json
 
 import numpy as np
+import pytest
 
 from shardlib.cli import main
 from shardlib.mesh import MESHES_DIR
 from shardlib.train.data import batch_starts, embedded_corpus
 
 
+@pytest.mark.slow
 def test_cli_train_writes_metrics_and_the_loss_falls(tmp_path):
     metrics = tmp_path / "run.jsonl"
     code = main(
@@ -47,6 +49,7 @@ def test_data_is_a_pure_function_of_seed_and_step():
     assert not np.array_equal(a, batch_starts(len(corpus), 4, 8, 64, seed=0))
 
 
+@pytest.mark.slow
 def test_token_file_data(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(5000, dtype=np.uint16).tofile(path)
@@ -67,6 +70,7 @@ def test_token_file_data(tmp_path):
     assert main(["train", "--mesh", "cpu-8-dp", "steps=1", f"data={path}"]) == 2  # vocab 256
 
 
+@pytest.mark.slow
 def test_cli_explain_writes_the_layout_json(tmp_path):
     path = tmp_path / "layout.json"
     code = main(
@@ -99,6 +103,7 @@ def test_cli_explain_writes_the_layout_json(tmp_path):
     assert any("wq" in p and "fsdp" in s and "tensor" in s for p, s in specs.items()), specs
 
 
+@pytest.mark.slow
 def test_cli_parity_exits_zero_when_layouts_agree(capsys):
     assert (
         main(

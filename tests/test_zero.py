@@ -45,6 +45,7 @@ CASES = {
 PARITY = [(n, m) for n in CASES for m in (1, 2) if (n, m) not in (("zero0", 1), ("zero3", 1))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,microbatches", PARITY)
 def test_zero_parity(name, microbatches):
     axes, stage = CASES[name]
@@ -84,6 +85,7 @@ def test_zero_without_a_data_axis_is_a_clear_error():
         override(CFG, {"zero": 4})
 
 
+@pytest.mark.slow
 def test_offloaded_optimizer_state_lives_in_host_memory():
     cfg = override(CFG, {"zero": 2, "offload_optimizer": True})
     _, result = check_parity(cfg, {"data": 8}, ref_cfg=CFG)
@@ -94,6 +96,7 @@ def test_offloaded_optimizer_state_lives_in_host_memory():
 
 # Compile-only: the ZeRO table (fp32 Adam, N = 8). The benchmark prints the same figures for
 # llama-small (benchmarks/zero.py); the ratios do not depend on the model's size.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,offload", [(0, False), (1, False), (2, False), (3, False), (2, True)]
 )
