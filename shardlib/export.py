@@ -116,8 +116,11 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
 
 
 def export(directory: str | Path, out: str | Path, *, step: int | None = None) -> Exported:
-    """Write the parameters of ``step`` (default: latest complete) to ``out``."""
-    step, tensors, meta = read_params(directory, step)
+    """Write the parameters of ``step`` (default: latest complete) to ``out``.
+
+    ``directory`` may be relative (``--checkpoint ckpt``): orbax reads absolute paths only.
+    """
+    step, tensors, meta = read_params(Path(directory).absolute(), step)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {"step": step, "model": meta["model"], "config": meta["config"]}

@@ -80,6 +80,14 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def test_export_takes_a_relative_checkpoint_path(tmp_path, monkeypatch):
+    """The README's ``shardlib export --checkpoint ckpt``: orbax itself wants absolute paths."""
+    r = cube_runs()
+    monkeypatch.chdir(r.directory.parent)
+    assert main(["export", "--checkpoint", r.directory.name, "--out", str(tmp_path / "p.npz")]) == 0
+    assert dict(np.load(tmp_path / "p.npz")).keys() == r.final_params.keys()
+
+
 def test_export_is_readable_without_shardlib(tmp_path):
     import orbax.checkpoint as ocp
 
