@@ -148,9 +148,6 @@ class TrainConfig:
     """The mesh and every parallelism strategy (``shardlib.parallel``)."""
 
 
-SECTIONS = ("run", "data", "optimizer", "precision", "checkpoint", "parallel")
-
-
 def _sections(obj, prefix: str = "") -> dict[str, Any]:
     """``{"run": Run(), "parallel.pipeline": PipelineParallel(), ...}``: every nested section
     (the mesh is not a setting: it comes from ``--mesh``)."""
@@ -240,20 +237,4 @@ def flatten_table(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
             out.update(flatten_table(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value
-    return out
-
-
-def as_table(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings of ``cfg`` that differ from the defaults, as dotted keys (for TOML)."""
-    default = TrainConfig()
-    out: dict[str, Any] = {}
-    for name in ("model",):
-        if getattr(cfg, name) != getattr(default, name):
-            out[name] = getattr(cfg, name)
-    for section in SECTIONS[:-1]:
-        have, base = getattr(cfg, section), getattr(default, section)
-        for f in dataclasses.fields(have):
-            if getattr(have, f.name) != getattr(base, f.name):
-                out[f"{section}.{f.name}"] = getattr(have, f.name)
-    out.update({f"model.{k}": v for k, v in cfg.model_overrides})
     return out
