@@ -219,7 +219,14 @@ class Inventory:
 
 def inventory(factory: ModelFactory) -> Inventory:
     """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly."""
-    graphdef, shapes, names = abstract_state(lambda: factory.make(nnx.Rngs(0)))
+    built: list[type] = []  # the model's class, seen once while it is built abstractly
+
+    def make():
+        model = factory.make(nnx.Rngs(0))
+        built.append(type(model))
+        return model
+
+    graphdef, shapes, names = abstract_state(make)
     flat_shapes, _ = jax.tree_util.tree_flatten_with_path(shapes)
     params = []
     for key_path, leaf in flat_shapes:
@@ -240,7 +247,7 @@ def inventory(factory: ModelFactory) -> Inventory:
         count,
         stacked.pop() if stacked else 0,
         tuple(params),
-        checkpoint_names=checkpoint_names(factory),
+        checkpoint_names=_class_checkpoint_names(built[0]),
         block_stats=_returns_stats(graphdef, shapes),
     )
 
@@ -270,4 +277,8 @@ def checkpoint_names(factory_or_model: ModelFactory | nnx.Module) -> tuple[str, 
                 model_type = type(nnx.eval_shape(lambda: factory_or_model.make(nnx.Rngs(0))))
     else:
         model_type = type(factory_or_model)
+    return _class_checkpoint_names(model_type)
+
+
+def _class_checkpoint_names(model_type: type) -> tuple[str, ...]:
     return tuple(getattr(model_type, "checkpoint_names", ()))
