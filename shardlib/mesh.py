@@ -23,7 +23,11 @@ from shardlib.errors import ShardingError
 
 
 class Axis(StrEnum):
-    """The mesh axis names shardlib's strategies know. Name them here once."""
+    """The names of the built-in strategies' mesh axes, as constants.
+
+    Which axes a mesh may have is not decided here: each strategy's plan section declares
+    the axes it switches on (``ParallelPlan.known_axes``), so a new strategy names its axis
+    in its own module. A bare ``MeshSpec`` is just named axes."""
 
     DATA = "data"  # pure data parallel: batch split, everything else replicated
     FSDP = "fsdp"  # ZeRO-3: batch split, parameters/grads/optimizer state sharded
@@ -35,7 +39,6 @@ class Axis(StrEnum):
     STAGE = "stage"  # pipeline stages
 
 
-KNOWN_AXES = tuple(a.value for a in Axis)
 MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
 
 
@@ -64,12 +67,6 @@ class MeshSpec:
             raise ShardingError(f"mesh {self.source}: no axes. Fix: add e.g. `[mesh] data = -1`.")
         if len(set(names)) != len(names):
             raise ShardingError(f"mesh {self.source}: axis names repeat: {names}.")
-        unknown = [n for n in names if n not in KNOWN_AXES]
-        if unknown:
-            raise ShardingError(
-                f"mesh {self.source}: unknown mesh axis {unknown[0]!r}. "
-                f"Fix: use one of {', '.join(KNOWN_AXES)}."
-            )
         wild = [n for n, s in self.axes if s == -1]
         if len(wild) > 1:
             raise ShardingError(

@@ -8,11 +8,27 @@ TOML carries it as ``[mesh]`` plus ``[parallel.<section>]`` tables, read straigh
 sections' fields; ``shardlib plan`` writes the same tables.
 
 The composition order of the rules is written once, in ``rules``.
+
+A section is a frozen dataclass in its strategy's module (``shardlib/strategies/``) that
+declares what it brings, so nothing else has to list it:
+
+* ``axes`` (class attribute): the mesh axis names it switches on, each with what it does.
+  The plan accepts a mesh whose axes are all declared by some section, and nothing else;
+* ``logical_names`` (class attribute): names it adds to the models' vocabulary
+  (``rules.LOGICAL_NAMES``), replicated unless a rule splits them;
+* ``rules(mesh_axes) -> list[Rules]`` for the axes present; optional ``refine(rules)``
+  derives entries from the composed table; optional ``check(mesh_axes, rules, target)``
+  holds the strategy's refusals.
+
+Adding a strategy is its module, one field here (and its place in ``rules``' order), an
+op in ``shardlib.ops`` if the model has to call one, and one planner term.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,11 +36,12 @@ from typing import Any
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import MeshSpec
+from shardlib.ops import use_ops
 from shardlib.rules import Rules, base_rules, compose
 from shardlib.staging import layer_loop, make_grad_fn
 from shardlib.strategies.context import ContextParallel, reorder_tokens
 from shardlib.strategies.data import DataParallel
-from shardlib.strategies.expert import ExpertParallel, with_dispatched_batch
+from shardlib.strategies.expert import ExpertParallel
 from shardlib.strategies.offload import Offload
 from shardlib.strategies.pipeline import PipelineParallel
 from shardlib.strategies.remat import Remat
@@ -55,9 +72,29 @@ class ParallelPlan:
     offload: Offload = field(default_factory=Offload)
     """Optimizer state or block weights in host memory."""
 
+    def __post_init__(self) -> None:
+        known = self.known_axes()
+        unknown = [n for n, _ in self.mesh.axes if n not in known]
+        if unknown:
+            listed = "; ".join(f"{a} ({what})" for a, what in known.items())
+            raise ShardingError(
+                f"mesh {self.mesh.source}: unknown mesh axis {unknown[0]!r}; no strategy "
+                f"switches on with it. Fix: use one of {listed}."
+            )
+
     @property
     def sections(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh")
+
+    @classmethod
+    def known_axes(cls) -> dict[str, str]:
+        """Every mesh axis a section declares, with what it does (``axes``)."""
+        return _declared("axes")
+
+    @classmethod
+    def logical_names(cls) -> tuple[str, ...]:
+        """Logical names the sections add to the models' vocabulary (``logical_names``)."""
+        return tuple(_declared("logical_names"))
 
     @cached_property
     def mesh_axes(self) -> dict[str, int]:
@@ -97,10 +134,14 @@ class ParallelPlan:
         parallelism; expert comes last because GShard folds it innermost into the batch.
         """
         axes = self.mesh_axes
-        parts = [base_rules()]
-        for section in (self.pipeline, self.data, self.context, self.tensor, self.expert):
+        order = (self.pipeline, self.data, self.context, self.tensor, self.expert)
+        parts = [base_rules(self.logical_names())]
+        for section in order:
             parts += section.rules(axes)
-        rules = with_dispatched_batch(compose(*parts))
+        rules = compose(*parts)
+        for section in order:
+            refine = getattr(section, "refine", None)
+            rules = refine(rules) if refine is not None else rules
         rules.check_mesh(axes, where="plan")
         return rules
 
@@ -122,6 +163,11 @@ class ParallelPlan:
     def attention_plan(self):
         """How ``shardlib.ops.attention`` runs on this mesh."""
         return self.context.attention_plan(self.mesh_axes)
+
+    def ops(self):
+        """Context manager: the model's ops (``shardlib.ops``) take this plan's forms:
+        the attention kernel of the context section, the expert section's exchange."""
+        return use_ops(attention=self.attention_plan(), dispatch=self.expert.dispatch)
 
     def split_tokens(self, tokens_BL1):
         """(inputs, targets, positions) of a [b, seq + 1] batch in the order the model sees
@@ -185,6 +231,17 @@ class ParallelPlan:
 
 def _section_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(ParallelPlan) if f.name != "mesh")
+
+
+@functools.cache
+def _declared(attribute: str) -> dict[str, str]:
+    """The union of one declared class attribute over the section types, in field order."""
+    hints = typing.get_type_hints(ParallelPlan)
+    out: dict[str, str] = {}
+    for name in _section_names():
+        for key, what in getattr(hints[name], attribute).items():
+            out[str(key)] = what
+    return out
 
 
 def rules_for_mesh(mesh_axes: Mapping[str, int], *, sequence_parallel: bool = False) -> Rules:

@@ -25,7 +25,7 @@ from shardlib.errors import ShardingError
 
 Kind = Literal["params", "activations"]
 
-LOGICAL_NAMES = (
+LOGICAL_NAMES = (  # the models' vocabulary; a strategy may add names of its own
     "batch",  # examples in a (micro-)batch
     "seq",  # token positions (activations)
     "res_seq",  # token positions of the residual stream: norms, residual adds (Megatron-SP)
@@ -37,9 +37,7 @@ LOGICAL_NAMES = (
     "head_dim",  # width of one head
     "vocab",  # vocabulary
     "layers",  # stacked (scanned) layers
-    "stage",  # pipeline stages (leading dim of staged weights)
     "expert",  # experts of a mixture-of-experts layer
-    "batch_no_expert",  # groups dim of dispatched MoE tokens: batch axes minus the expert axis
 )
 MEGATRON_DIMS = ("heads", "kv_heads", "mlp", "vocab")
 """The dims Megatron tensor parallelism splits (1D, and the column axis of 2D/3D)."""
@@ -104,9 +102,10 @@ class Rules:
                         )
 
 
-def base_rules() -> Rules:
-    """Every known logical name, replicated. Strategies fill entries in."""
-    empty = {n: () for n in LOGICAL_NAMES}
+def base_rules(extra_names: tuple[str, ...] = ()) -> Rules:
+    """Every logical name of the models' vocabulary (and ``extra_names``: those strategies
+    add, ``ParallelPlan.logical_names``), replicated. Strategies fill entries in."""
+    empty = {n: () for n in (*LOGICAL_NAMES, *extra_names)}
     return Rules(params=empty, activations=empty)
 
 

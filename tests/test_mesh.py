@@ -30,7 +30,6 @@ def test_mesh_over_a_subset_of_devices():
         ({"data": 3}, 8, "needs 3 devices but 8 are available"),
         ({"data": -1, "fsdp": -1}, 8, "both -1"),
         ({"data": 3, "fsdp": -1}, 8, "does not\ndivide"),
-        ({"pipeline": 8}, 8, "unknown mesh axis 'pipeline'"),
         ({"data": 0}, 8, "has size 0"),
     ],
 )

@@ -106,3 +106,26 @@ def test_settings_and_the_plan_meet_in_one_config():
     assert cfg.run.steps == 7 and cfg.optimizer.lr == 0.01
     assert cfg.parallel.pipeline.schedule == "bounded"
     assert cfg.model_overrides == (("layers", "4"),)
+
+
+def test_the_sections_declare_the_mesh_axes_and_the_names_they_bring():
+    # the mesh axes a plan accepts are the union of the sections' declarations
+    assert set(ParallelPlan.known_axes()) == {
+        "data",
+        "fsdp",
+        "tensor",
+        "tensor2",
+        "tensor3",
+        "context",
+        "expert",
+        "stage",
+    }
+    assert set(ParallelPlan.logical_names()) == {"stage", "batch_no_expert"}
+    rules = ParallelPlan(mesh=mesh_spec(stage=2, data=2, expert=2)).rules
+    assert rules.params["stage"] == ("stage",)
+    assert rules.activations["batch_no_expert"] == ("data",)  # batch minus the expert axis
+    with pytest.raises(ShardingError) as err:
+        ParallelPlan(mesh=mesh_spec(pipeline=8))
+    message = str(err.value)
+    assert "unknown mesh axis 'pipeline'" in message
+    assert "stage (pipeline stages" in message  # names the axes there are, and what they do

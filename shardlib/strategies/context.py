@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -51,6 +52,9 @@ def reorder_tokens(tokens_BL1, plan: AttentionPlan):
 @dataclass(frozen=True)
 class ContextParallel:
     """``[parallel.context]``: the sequence over a ``context`` axis, and the attention kernel."""
+
+    axes: ClassVar[dict[str, str]] = {Axis.CONTEXT: "sequence split; attention across it"}
+    logical_names: ClassVar[dict[str, str]] = {}
 
     attention: str = "ring"
     """Attention across the ``context`` axis: ring | all_to_all (Ulysses) | all_gather."""

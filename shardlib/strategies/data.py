@@ -6,6 +6,7 @@ step, 2(N-1)/N of the gradient bytes on the wire); no communication is written h
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
@@ -21,6 +22,14 @@ def data_parallel(*, axis: str = Axis.DATA) -> Rules:
 @dataclass(frozen=True)
 class DataParallel:
     """``[parallel.data]``: batch splitting over ``data`` and ``fsdp``, and the ZeRO stage."""
+
+    axes: ClassVar[dict[str, str]] = {
+        Axis.DATA: "batch split; parameters replicated (or ZeRO-1/2 state sharded)",
+        Axis.FSDP: "batch split; parameters, gradients and optimizer state sharded (ZeRO-3)",
+    }
+    """The mesh axes this section switches on, and what each does."""
+    logical_names: ClassVar[dict[str, str]] = {}
+    """Logical names this strategy adds to the models' vocabulary (``rules.LOGICAL_NAMES``)."""
 
     zero: int = 0
     """ZeRO stage over the ``data`` axis: 0 replicated, 1 + optimizer state sharded,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
@@ -45,6 +46,11 @@ DISPATCHES = ("einsum", "shard_map")
 class ExpertParallel:
     """``[parallel.expert]``: experts over the ``expert`` axis and how tokens reach them."""
 
+    axes: ClassVar[dict[str, str]] = {Axis.EXPERT: "experts split; batch folded over it"}
+    logical_names: ClassVar[dict[str, str]] = {
+        "batch_no_expert": "groups dim of dispatched MoE tokens: batch axes minus the expert axis"
+    }
+
     dispatch: str = "einsum"
     """einsum: XLA derives the all-to-all; shard_map: shardlib writes it explicitly."""
 
@@ -56,6 +62,10 @@ class ExpertParallel:
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         return [expert_parallel(axis=Axis.EXPERT)] if Axis.EXPERT in mesh_axes else []
+
+    def refine(self, rules: Rules) -> Rules:
+        """The composed rules with ``batch_no_expert`` derived (``with_dispatched_batch``)."""
+        return with_dispatched_batch(rules)
 
     def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
         if self.dispatch == "shard_map":

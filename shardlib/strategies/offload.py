@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
@@ -24,6 +25,9 @@ DEVICE_MEMORY = "device"
 @dataclass(frozen=True)
 class Offload:
     """``[parallel.offload]``: what lives in host memory between steps."""
+
+    axes: ClassVar[dict[str, str]] = {}  # no mesh axis of its own
+    logical_names: ClassVar[dict[str, str]] = {}
 
     optimizer: bool = False
     """Keep optimizer state in pinned host memory between steps (ZeRO-Offload)."""

@@ -29,6 +29,7 @@ memory does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,11 @@ class PipelineSpec:
 @dataclass(frozen=True)
 class PipelineParallel:
     """``[parallel.pipeline]``: how the stacked layers run when the mesh has a ``stage`` axis."""
+
+    axes: ClassVar[dict[str, str]] = {Axis.STAGE: "pipeline stages: layers split"}
+    logical_names: ClassVar[dict[str, str]] = {
+        "stage": "pipeline stages (leading dim of staged weights and of the state buffer)"
+    }
 
     schedule: str = "gpipe"
     """gpipe | circular | bounded (1F1B-like); used when the mesh has a stage axis > 1."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 
@@ -93,6 +94,9 @@ def parse_remat(text: str, known_names: tuple[str, ...] = ()) -> RematSpec:
 @dataclass(frozen=True)
 class Remat:
     """``[parallel.remat]``: what each block keeps for the backward pass."""
+
+    axes: ClassVar[dict[str, str]] = {}  # no mesh axis of its own
+    logical_names: ClassVar[dict[str, str]] = {}
 
     policy: str = "none"
     """none | full | dots | selective | names:<a,b> | offload:<a,b> (module docstring)."""

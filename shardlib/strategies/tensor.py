@@ -10,6 +10,7 @@ the intermediate results split instead of gathering them.
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
@@ -29,6 +30,13 @@ def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
 class TensorParallel:
     """``[parallel.tensor]``: Megatron 1D over ``tensor``, 2D/3D when the mesh also has
     ``tensor2`` (and ``tensor3``), and Megatron sequence parallelism on top of 1D."""
+
+    axes: ClassVar[dict[str, str]] = {
+        Axis.TENSOR: "Megatron tensor parallel (the column axis of 2D/3D)",
+        Axis.TENSOR2: "second axis of 2D/3D tensor parallel (rows)",
+        Axis.TENSOR3: "third axis of 3D tensor parallel (depth)",
+    }
+    logical_names: ClassVar[dict[str, str]] = {}
 
     sequence_parallel: bool = False
     """Megatron-SP: split the residual stream's tokens over the tensor axis."""

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.ops import run_blocks, use_ops
+from shardlib.ops import run_blocks
 from shardlib.staging import cast_params, on_device
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.train import layouts, precision
@@ -40,7 +40,6 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     ``jax.value_and_grad(..., has_aux=True)``.
     """
     graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
-    attention = plan.attention_plan()
     layers = plan.layer_loop(setup.target, dtype)  # remat, pipeline schedule, param offload
 
     def loss_fn(params, tokens_BL1):
@@ -49,7 +48,7 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
         model = nnx.merge(graphdef, params)
         inputs_BL, targets_BL, positions_L = plan.split_tokens(tokens_BL1)
         block_graph, blocks_state = nnx.split(model.blocks)
-        with use_ops(attention=attention, dispatch=plan.expert.dispatch):
+        with plan.ops():  # the attention kernel and MoE exchange the plan picks
             x_BLD = model.embed(inputs_BL, dtype=dtype)
             x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L, layers=layers)
             logits_BLV = model.head(x_BLD, dtype=dtype)
