@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.ops import use_ops
 from shardlib.staging import cast_params
 
 
@@ -35,7 +34,7 @@ def layer_stack_program(setup):
             def block_fn(layer_state, x):
                 return nnx.merge(block_graph, layer_state)(x, None)  # natural token order
 
-            with use_ops(attention=plan.attention_plan(), dispatch=plan.expert.dispatch):
+            with plan.ops():
                 y_BLD = layers(block_fn, blocks_state, constrain(x_BLD, names))
             return jnp.mean(jnp.square(y_BLD.astype(jnp.float32)))
 
