@@ -80,6 +80,7 @@ def _prepare(args) -> tuple:
 
     from shardlib.parallel import ParallelPlan
     from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
+    from shardlib.xla_flags import apply_gpu_defaults
 
     # [mesh] and [parallel.*] make the plan; [train] holds typed settings (the planner's too)
     plan = ParallelPlan.from_mesh_spec(spec)
@@ -88,6 +89,7 @@ def _prepare(args) -> tuple:
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
     cfg = parse_overrides(overrides, base)
+    apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
 
 
@@ -110,14 +112,19 @@ def cmd_train(args, console: Console) -> int:
     if not losses:
         console.print(f"nothing to do: the checkpoint is already at step {cfg.run.steps}")
         return 0
-    steady = [r["tokens_per_s"] for r in result.records if not r["compiled"]]
-    tps = sum(steady) / len(steady) if steady else float("nan")
+    steady = [r for r in result.records if not r["warmup"]] or result.records
+    tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    mfu = sum(r["mfu"] for r in steady) / len(steady)
+    last = result.records[-1]
     console.print(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps, "
-        f"{tps:,.0f} tokens/s after compilation"
+        f"{tps:,.0f} tokens/s after the first step, MFU {mfu:.2%} "
+        f"(peak {result.peak_flops / 1e9:,.1f} GFLOP/s per device: {result.peak_source}), "
+        f"goodput {last['goodput']:.0%}"
     )
-    if cfg.run.metrics:
-        console.print(f"metrics: {cfg.run.metrics}")
+    for name in ("jsonl", "tensorboard", "wandb"):
+        if getattr(cfg.metrics, name):
+            console.print(f"metrics.{name}: {getattr(cfg.metrics, name)}")
     return 0
 
 

@@ -19,8 +19,10 @@ from shardlib.train.setup import TrainSetup
 
 RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
-NOT_TRAJECTORY = {"run.steps", "run.metrics", "checkpoint.dir", "checkpoint.every",
-                  "checkpoint.keep", "checkpoint.resume"}  # fmt: skip
+NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
+                  "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.resume"}  # fmt: skip
+NOT_TRAJECTORY_SECTIONS = ("metrics.",)
 
 
 def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
@@ -28,7 +30,10 @@ def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
     return [
         f"{k} {saved.get(k)!r} -> {v!r}"
         for k, v in now.items()
-        if k not in NOT_TRAJECTORY and k in saved and saved[k] != v
+        if k not in NOT_TRAJECTORY
+        and not k.startswith(NOT_TRAJECTORY_SECTIONS)
+        and k in saved
+        and saved[k] != v
     ]
 
 

@@ -1,10 +1,11 @@
 """The training configuration: one nested, frozen section per concern.
 
-``TrainConfig`` holds the model choice and the sections ``run``, ``data``, ``optimizer``,
-``precision``, ``checkpoint`` and ``parallel`` (the ``ParallelPlan``: mesh and strategies).
-Every field is set on the command line as ``section.field=VALUE``
-(``optimizer.lr=1e-3``, ``parallel.pipeline.schedule=bounded``). Three short forms are
-accepted, derived from the sections themselves rather than from a table of aliases:
+``TrainConfig`` holds the model choice and the sections ``run``, ``metrics``, ``data``,
+``optimizer``, ``precision``, ``checkpoint`` and ``parallel`` (the ``ParallelPlan``: mesh
+and strategies). Every field is set on the command line as
+``section.field=VALUE`` (``optimizer.lr=1e-3``, ``parallel.pipeline.schedule=bounded``).
+Three short forms are accepted, derived from the sections themselves rather than from a
+table of aliases:
 
 * a field name alone, when exactly one section has it (training sections before
   ``parallel``): ``steps=50``, ``lr=1e-3``, ``zero=1``;
@@ -35,12 +36,38 @@ class Run:
     """Optimizer steps to run."""
     seed: int = 0
     """Seeds parameter initialisation and the data order."""
-    metrics: str | None = None
-    """Path of a JSON-lines file with one record per step."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache: auto (a per-user directory), off, or a directory.
+    A restarted run loads its compiled step instead of compiling it again."""
+    profile_steps: str = ""
+    """START:END: a ``jax.profiler`` trace of these steps (1-based, both included; START >= 2,
+    step 1 warms up); empty: no trace. Open it with TensorBoard's profile plugin or xprof."""
+    profile_dir: str = "profiles"
+    """Directory of the trace (``plugins/profile/<time>/*.xplane.pb`` below it)."""
+    gpu_flags: bool = True
+    """On GPUs, add shardlib's XLA performance flags (``shardlib.xla_flags``) to XLA_FLAGS;
+    a flag already in XLA_FLAGS keeps the user's value."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ShardingError(f"config: run.steps={self.steps} must be >= 1. Fix: steps=100.")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Where each step's record goes; every writer that is set gets it
+    (``shardlib.train.metrics``)."""
+
+    jsonl: str | None = None
+    """JSON-lines file, one record per step (``metrics=run.jsonl``)."""
+    tensorboard: str | None = None
+    """Directory of TensorBoard event files (``tensorboard --logdir DIR``)."""
+    wandb: str | None = None
+    """Weights & Biases project (``pip install wandb``); offline unless WANDB_MODE is set."""
+    wandb_dir: str = "wandb"
+    """Where W&B keeps its files (offline runs are synced later with ``wandb sync``)."""
+    peak_flops: float = 0.0
+    """One device's peak FLOP/s for MFU; 0: the table of known devices (measured on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +167,7 @@ class TrainConfig:
     model_overrides: tuple[tuple[str, Any], ...] = ()
     """Model settings given as ``model.NAME=VALUE`` (pairs: hashable)."""
     run: Run = field(default_factory=Run)
+    metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     optimizer: Optimizer = field(default_factory=Optimizer)
     precision: Precision = field(default_factory=Precision)
@@ -194,6 +222,10 @@ def canonical_key(key: str, cfg: TrainConfig) -> str:
                     f"setting {key!r} is ambiguous. Fix: write one of {', '.join(candidates)}."
                 )
             return found
+    section = key.rpartition(".")[0]
+    if section in sections:  # a known section, an unknown field: list that section's
+        known = ", ".join(_leaves(sections[section]))
+        raise ShardingError(f"config has no setting {key!r}. Fix: {section} has {known}.")
     raise ShardingError(
         f"config has no setting {key!r}. Settings: model, model.NAME, {', '.join(sorted(leaves))}."
     )

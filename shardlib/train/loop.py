@@ -1,8 +1,12 @@
-"""The training loop: data in, steps run, progress shown, metrics written."""
+"""The training loop: data in, steps run, progress shown, metrics written.
+
+Each step's record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU
+and HFU (``train.metrics``), memory in use where the backend reports it, the loss scale and
+MoE statistics where they apply, and the running goodput (``train.goodput``).
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -13,10 +17,21 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from shardlib.checkpoint import jsonable
 from shardlib.train.checkpoints import RunCheckpoints
 from shardlib.train.data import check_vocab, global_batch, load_tokens
+from shardlib.train.goodput import Goodput
+from shardlib.train.metrics import (
+    Writers,
+    compiled_flops,
+    device_peak,
+    model_flops,
+    open_writers,
+    previous_records,
+)
 from shardlib.train.precision import check_record
 from shardlib.train.preempt import Preemption
+from shardlib.train.profiling import ProfileWindow, enable_compile_cache
 from shardlib.train.setup import TrainSetup
 
 
@@ -30,6 +45,10 @@ class RunResult:
     """Why the run stopped before ``cfg.run.steps`` (a signal, or ``stop_after``); None if not."""
     checkpoint: Path | None = None
     """The last checkpoint this run saved (None without ``checkpoint_dir``)."""
+    peak_flops: float = 0.0
+    """One device's peak FLOP/s the MFU figures use."""
+    peak_source: str = ""
+    """Where ``peak_flops`` comes from (data sheet, measurement, setting)."""
 
     @property
     def losses(self) -> list[float]:
@@ -52,11 +71,23 @@ def _progress(console: Console) -> Progress:
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
         TextColumn("{task.fields[tps]:>9,.0f} tok/s"),
+        TextColumn("MFU {task.fields[mfu]:6.2%}"),
         TextColumn("{task.fields[dt]:.3f} s/step"),
         TimeRemainingColumn(),
         console=console,
         transient=False,
     )
+
+
+def compile_step(setup: TrainSetup, state: dict, tokens) -> tuple:
+    """The train step compiled ahead of time for these inputs, and the seconds it took.
+
+    Compiling before step 1 keeps compilation out of every step time (and out of a profile
+    window), reports it on its own, and hands MFU the executable's FLOPs.
+    """
+    t0 = time.perf_counter()
+    compiled = setup.train_step.lower(state, tokens).compile()
+    return compiled, time.perf_counter() - t0
 
 
 def run(
@@ -70,9 +101,10 @@ def run(
     """Train for ``setup.cfg.run.steps`` steps from ``state`` (None: the latest checkpoint in
     ``cfg.checkpoint.dir`` if there is one, else a fresh initialisation).
 
-    Step times exclude nothing: the first step includes compilation and is marked so.
-    Only process 0 prints and writes metrics. SIGTERM/SIGINT, or reaching step
-    ``stop_after``, end the run at the next step boundary with a checkpoint.
+    The step is compiled before step 1 (through the persistent cache, ``run.compile_cache``);
+    step times are execution only. Only process 0 prints and writes metrics. SIGTERM/SIGINT,
+    or reaching step ``stop_after``, end the run at the next step boundary with a checkpoint.
+    Bad metrics, profile or cache settings fail here, before anything is compiled.
     """
     cfg = setup.cfg
     leader = jax.process_index() == 0
@@ -82,32 +114,59 @@ def run(
         if leader:
             console.print(message, highlight=False)
 
+    t_start, started_at = time.perf_counter(), time.time()
+    enable_compile_cache(cfg.run.compile_cache)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
     if state is None and ckpt is not None:
         state = ckpt.resume()
     state = setup.init_state() if state is None else state
     start = int(jax.device_get(state["step"]))
+    run_cfg = cfg.run
+    profile = ProfileWindow(
+        run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
+    )
+    goodput = Goodput(started_at=started_at)
+    if start:  # an earlier attempt's totals, when its metrics.jsonl is there
+        goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
+    peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
+    flops, _ = model_flops(setup)
+    devices = setup.mesh.devices.size
     tokens_per_step = cfg.data.batch * cfg.data.seq
-    result = RunResult()
+    result = RunResult(peak_flops=peak, peak_source=peak_source)
     with ExitStack() as stack:
         preempt = stack.enter_context(Preemption())
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
-        sink = None
-        if cfg.run.metrics and leader:
-            Path(cfg.run.metrics).parent.mkdir(parents=True, exist_ok=True)
-            sink = stack.enter_context(open(cfg.run.metrics, "a" if start else "w"))
+        writers = (
+            open_writers(cfg.metrics, append=bool(start), config=jsonable(cfg))
+            if leader
+            else Writers([])
+        )
+        stack.callback(writers.close)
+        stack.callback(profile.close)
+        goodput.startup_s += time.perf_counter() - t_start  # initialisation or restore
+        compiled = None
         progress = None
         if show and leader:
             progress = stack.enter_context(_progress(console))
             task = progress.add_task(
-                "train", total=cfg.run.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0
-            )
+                "train", total=cfg.run.steps, completed=start, loss=float("nan"), tps=0.0,
+                mfu=0.0, dt=0.0,
+            )  # fmt: skip
+        data_t0 = time.perf_counter()
         for step, tokens in batches(setup, start):
+            goodput.data_s += time.perf_counter() - data_t0
+            if compiled is None:
+                compiled, goodput.compile_s = compile_step(setup, state, tokens)
+                hw_flops = compiled_flops(compiled) * devices
+                say(f"compiled the step in {goodput.compile_s:.2f} s")
+            profile.before(step + 1)
             t0 = time.perf_counter()
-            state, metrics = setup.train_step(state, tokens)
+            state, metrics = compiled(state, tokens)
             metrics = jax.device_get(metrics)  # waits for the step: honest step times
             dt = time.perf_counter() - t0
+            profile.after(step + 1)
+            goodput.productive_s += dt
             record = {
                 "step": step + 1,
                 "loss": float(metrics["loss"]),
@@ -115,25 +174,31 @@ def run(
                 "lr": float(metrics["lr"]),
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
-                "compiled": step == start,
+                "mfu": flops / (dt * devices * peak),
+                "hfu": hw_flops / (dt * devices * peak),
+                "warmup": step == start,
             }
             record.update({k: float(v) for k, v in metrics.items() if k not in record})
+            record.update(_memory_in_use())
             check_record(record, cfg.precision)  # fp16 overflow at the minimum loss scale
-            result.records.append(record)
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-            if progress is not None:
-                progress.update(
-                    task, advance=1, loss=record["loss"], tps=record["tokens_per_s"], dt=dt
-                )
             done = step + 1
             if done < cfg.run.steps and (preempt.should_stop(done) or done == stop_after):
                 result.stopped_by = preempt.reason or f"stop_after={stop_after}"
             if ckpt is not None:
+                t_save = time.perf_counter()
                 ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.run.steps)
+                goodput.checkpoint_s += time.perf_counter() - t_save
+            record.update(goodput.record())
+            result.records.append(record)
+            writers.write(record)
+            if progress is not None:
+                progress.update(
+                    task, advance=1, loss=record["loss"], tps=record["tokens_per_s"],
+                    mfu=record["mfu"], dt=dt,
+                )  # fmt: skip
             if result.stopped_by:
                 break
+            data_t0 = time.perf_counter()
     result.state = state
     result.checkpoint = ckpt.last if ckpt is not None else None
     if result.stopped_by:
@@ -144,3 +209,10 @@ def run(
         )
         say(f"stopped by {result.stopped_by} after step {done}: {where}")
     return result
+
+
+def _memory_in_use() -> dict:
+    """Bytes in use on the first local device, where the backend reports it (GPU, TPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    keys = ("bytes_in_use", "peak_bytes_in_use")
+    return {f"memory_{k}": float(stats[k]) for k in keys if k in stats}
