@@ -1,8 +1,9 @@
 """Search the plans of a workload on a cluster: enumerate, prune by memory, rank by time.
 
-The space (``Space``): every factorisation of the device count into data x stage x fsdp x
-expert x context x tensor (tensor inside one host), ZeRO stage over ``data``, pipeline
-schedule and virtual stages, micro-batch count, rematerialisation and offload.
+The space (``Space``): every factorisation of the device count over the mesh axes the
+planner terms declare (``planner.terms.SEARCH_AXES``: data, stage, fsdp, expert, context,
+tensor), each size admitted by its axis's own constraint, then ZeRO stage over ``data``,
+pipeline schedule and virtual stages, micro-batch count, rematerialisation and offload.
 
 ``search`` is exact under the cost model but does not cost every point:
 1. meshes are visited in order of a lower bound on their step time (compute at m = 1 plus
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner.candidate import REMAT, candidate
+from shardlib.planner.candidate import AXIS_ORDER, REMAT, batch_ways, candidate
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, estimate
+from shardlib.planner.terms import SEARCH_AXES
 from shardlib.planner.workload import Workload
 
 
@@ -62,51 +64,31 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[str, int]]:
-    """Axis sizes whose product is the device count and whose dims divide (cheap checks)."""
-    n, w = cluster.num_devices, workload
-    max_t = space.max_tensor or cluster.devices_per_host
-    tensor_ok = math.gcd(*w.tensor_sizes)
-    for tensor in _divisors(n):
-        if tensor > max_t or tensor_ok % tensor:
-            continue
-        for context in _divisors(n // tensor):
-            if context > 1 and (not space.context or w.seq % (2 * context)):
+    """Axis sizes whose product is the device count and whose dims divide (cheap checks).
+
+    The axes of ``SEARCH_AXES`` in their order, each over the divisors of the devices left
+    that its ``admits`` takes; the last axis gets what is left; the batch must split over
+    the batch axes. Yields ``{axis: size}`` for every axis of ``AXIS_ORDER``.
+    """
+
+    def walk(i: int, left: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
+        axis = SEARCH_AXES[i]
+        name, last = str(axis.axis), i == len(SEARCH_AXES) - 1
+        for size in (left,) if last else _divisors(left):
+            if size > 1 and not axis.admits(workload, cluster, space, chosen, size):
                 continue
-            if context > 1 and w.experts:  # the MoE model takes no ring token positions
-                continue
-            rest = n // (tensor * context)
-            for expert in _divisors(rest):
-                if expert > 1 and (not w.experts or w.experts % expert):
-                    continue
-                for stage in _divisors(rest // expert):
-                    if stage > 1 and (not space.pipeline or stage > min(space.max_stage, w.layers)):
-                        continue
-                    if stage > 1 and w.experts:  # the trainer does not pipeline MoE models
-                        continue
-                    # ring attention inside pipeline stages is not in the cost model (compiled:
-                    # memory 0.78x, bytes 0.85x of the prediction): not searched
-                    if stage > 1 and context > 1:
-                        continue
-                    left = rest // (expert * stage)
-                    for fsdp in _divisors(left):
-                        data = left // fsdp
-                        if w.global_batch % (data * fsdp * expert):
-                            continue
-                        if fsdp > 1 and w.embed % fsdp:
-                            continue
-                        yield dict(
-                            data=data,
-                            stage=stage,
-                            fsdp=fsdp,
-                            expert=expert,
-                            context=context,
-                            tensor=tensor,
-                        )
+            sizes = {**chosen, name: size}
+            if not last:
+                yield from walk(i + 1, left // size, sizes)
+            elif workload.global_batch % batch_ways(sizes) == 0:
+                yield {str(a): sizes[a] for a in AXIS_ORDER}
+
+    yield from walk(0, cluster.num_devices, {})
 
 
 def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
     """Sequences per batch replica (data, FSDP and expert replicas each get their own rows)."""
-    return workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+    return workload.global_batch // batch_ways(mesh)
 
 
 def knob_groups(

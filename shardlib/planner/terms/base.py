@@ -4,25 +4,66 @@ A term is one small function per strategy, ``term(ctx) -> Contribution``: the by
 to each device's memory, the collectives it runs (kind, mesh axes, the unsharded buffer M
 of REFERENCE.md, executions per step), and the FLOPs or seconds it adds. ``cost.estimate``
 sums them; nothing else knows a strategy's formula.
+
+A term that owns a mesh axis also declares it for the search (``SearchAxis``): where the
+axis sits in the mesh, which sizes it admits, whether the batch splits over it. The
+declarations are collected in ``planner.terms.SEARCH_AXES``; the search and ``candidate``
+read nothing else about axes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from shardlib.errors import ShardingError
 from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
-from shardlib.planner.candidate import PlanView
 from shardlib.planner.workload import ParamInfo, Workload
 from shardlib.strategies.pipeline import PipelineSpec
 
+if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
+    from shardlib.planner.candidate import PlanView
+    from shardlib.planner.cluster import Cluster
+    from shardlib.planner.search import Space
+
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
 ADAM_BYTES = 8  # Adam m and v, fp32
+
+
+Admits = Callable[["Workload", "Cluster", "Space", Mapping[str, int], int], bool]
+"""``admits(workload, cluster, space, chosen, size)``: may the axis take ``size`` (> 1),
+given the sizes ``chosen`` for the axes before it in ``SEARCH_AXES``?"""
+
+
+def admits_any(workload, cluster, space, chosen, size) -> bool:
+    """No constraint of its own (the batch split is checked for every batch axis at once)."""
+    return True
+
+
+@dataclass(frozen=True)
+class SearchAxis:
+    """A mesh axis a strategy owns, as the search sizes it (one per term that owns an axis)."""
+
+    axis: Axis
+    """The mesh axis."""
+    placement: int
+    """Where it sits in the mesh, outermost smallest. The last axes vary fastest over device
+    ids and so stay inside a host (the fastest link): the axis whose collectives sit on the
+    critical path of every layer goes innermost, once-per-step traffic outermost."""
+    admits: Admits
+    """Which sizes > 1 the axis may take (1, the axis absent, always may): the checks the
+    search makes before costing, so that a size the trainer refuses is never enumerated."""
+    splits_batch: bool
+    """Whether each index along the axis gets its own rows of the batch (data, FSDP and
+    expert replicas): the global batch must divide by the product of these sizes."""
+    rule: str = ""
+    """The admission constraint in words, for the error when a fixed size is refused."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +118,11 @@ class Context:
     backend: str
     """``gpu`` (reduce-scatter for sharded gradients, as the GPU/TPU pipelines do) or
     ``cpu`` (the CPU backend's all-reduce + slice: what compiled validation measures)."""
+    p: PlanView = field(repr=False, compare=False)
+    """The plan's axis sizes and knobs (``candidate.PlanView(plan)``, made by the caller:
+    ``candidate`` reads the axes the terms declare, so the terms do not import it)."""
     calib: dict = field(default_factory=dict)
     """Fitted coefficients (``planner.calibration.COEFFICIENTS``)."""
-    p: PlanView = field(init=False, repr=False, compare=False)
-    """The plan's axis sizes and knobs (``candidate.PlanView``), made once."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p", PlanView(self.plan))
 
     @property
     def w(self) -> Workload:
