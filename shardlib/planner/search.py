@@ -17,10 +17,11 @@ pipeline schedule and virtual stages, micro-batch count, rematerialisation and o
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
@@ -57,6 +58,43 @@ class Space:
     """Try context parallelism."""
     pipeline: bool = True
     """Try pipeline parallelism."""
+    fixed: tuple[tuple[str, int], ...] = ()
+    """Mesh axis sizes every plan has (``shardlib plan --fix tensor=8``); the other axes are
+    searched."""
+    staged_only: bool = False
+    """Only meshes with a stage axis (a fixed schedule or virtual stage count needs one)."""
+
+    def fixing(self, settings: Mapping[str, int | str | bool]) -> Space:
+        """This space with ``settings`` fixed: axis sizes filter the meshes, a knob
+        (``zero``, ``microbatches``, ``schedule``, ``virtual``, ``remat``, ``offload``)
+        becomes a menu of one. Unknown names raise ShardingError."""
+        axes = {str(a) for a in AXIS_ORDER}
+        menus = {"zero": "zero", "microbatches": "microbatches", "schedule": "schedules"}
+        menus |= {"virtual": "virtual", "remat": "remat", "offload": "offload"}
+        unknown = sorted(set(settings) - axes - set(menus))
+        if unknown:
+            raise ShardingError(
+                f"--fix {', '.join(unknown)}: not an axis or knob. Fix: use "
+                f"{', '.join([*AXIS_ORDER, *menus])}."
+            )
+        fixed = tuple((k, int(v)) for k, v in settings.items() if k in axes)
+        changes: dict = {k: (v,) for k, v in settings.items() if k in menus}
+        changes = {menus[k]: v for k, v in changes.items()}
+        virtual, schedule = settings.get("virtual"), settings.get("schedule")
+        if virtual is not None:  # v > 1 is the circular schedule's, v = 1 the others'
+            circular = ("circular",) if virtual > 1 else ("gpipe", "bounded")
+            if schedule is not None and schedule not in circular:
+                raise ShardingError(
+                    f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
+                    "the circular schedule only. Fix: fix one of the two."
+                )
+            changes["schedules"] = (schedule,) if schedule else circular
+            if virtual == 1:
+                changes.pop("virtual")
+        staged = "schedule" in settings or virtual is not None
+        return dataclasses.replace(
+            self, fixed=self.fixed + fixed, staged_only=self.staged_only or staged, **changes
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,10 +109,14 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
     the batch axes. Yields ``{axis: size}`` for every axis of ``AXIS_ORDER``.
     """
 
+    fixed = dict(space.fixed)
+
     def walk(i: int, left: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
         axis = SEARCH_AXES[i]
         name, last = str(axis.axis), i == len(SEARCH_AXES) - 1
         for size in (left,) if last else _divisors(left):
+            if fixed.get(name, size) != size:
+                continue
             if size > 1 and not axis.admits(workload, cluster, space, chosen, size):
                 continue
             sizes = {**chosen, name: size}
@@ -95,13 +137,15 @@ def knob_groups(
     workload: Workload, mesh: dict[str, int], space: Space
 ) -> Iterator[list[ParallelPlan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
+    if space.staged_only and mesh["stage"] == 1:
+        return
     per_replica = _per_replica(workload, mesh)
     # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
     # merges and places the reductions in ways the cost model does not follow (compiled:
     # HSDP + ZeRO-2 memory 1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those
     # combinations are not searched
     plain = all(mesh[a] == 1 for a in ("fsdp", "context", "expert", "stage"))
-    zeros = space.zero if mesh["data"] > 1 and plain else (0,)
+    zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "circular"]
         if "circular" in space.schedules:
@@ -139,7 +183,8 @@ def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
     return any(REMAT.index(f.remat.policy) <= r and f.offload.optimizer <= o for f in fitting)
 
 
-def _estimate(workload, plan, cluster) -> Estimate | None:
+def estimate_or_none(workload, plan, cluster) -> Estimate | None:
+    """The plan's estimate, or None where a dim does not divide (a ShardingError)."""
     try:
         return estimate(workload, plan, cluster)
     except ShardingError:
@@ -160,7 +205,7 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     bound = math.inf
     for schedule, virtual, m in options:
         plan = candidate(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
-        est = _estimate(workload, plan, cluster)
+        est = estimate_or_none(workload, plan, cluster)
         if est is not None:
             bound = min(bound, est.compute_s + _critical_s(est, cluster))
     return bound
@@ -207,7 +252,7 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
             for plan in group:
                 if _dominated(plan, fitting):
                     continue
-                est = _estimate(workload, plan, cluster)
+                est = estimate_or_none(workload, plan, cluster)
                 evaluated += 1
                 if est is None or not est.fits:
                     continue
@@ -231,7 +276,7 @@ def exhaustive(workload: Workload, cluster: Cluster, space: Space = Space()) -> 
         count += 1
         for group in knob_groups(workload, mesh, space):
             for plan in group:
-                est = _estimate(workload, plan, cluster)
+                est = estimate_or_none(workload, plan, cluster)
                 evaluated += 1
                 if est is not None and est.fits:
                     fits.append(est)
