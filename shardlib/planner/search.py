@@ -11,7 +11,8 @@ pipeline schedule and virtual stages, micro-batch count, rematerialisation and o
    once that bound exceeds the k-th best plan found (branch and bound);
 2. for one mesh, ZeRO stage, schedule and micro-batch count, more rematerialisation or
    offload never makes a step faster (more FLOPs, more host traffic), so once a
-   (remat, offload) pair fits, every pair that is at least as heavy on both is skipped.
+   (remat, offload) pair fits, every pair that is at least as heavy on both is skipped,
+   and so is every such pair once one is slower than the k-th best plan found.
 ``exhaustive`` costs every point; the tests check that both return the same optimum.
 """
 
@@ -37,8 +38,10 @@ from shardlib.planner.workload import Workload
 class Space:
     """Which values each knob may take."""
 
-    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    """Micro-batch counts tried (those that divide the per-replica batch)."""
+    microbatches: tuple[int, ...] | None = None
+    """Micro-batch counts tried (those that divide the per-replica batch); None: every
+    divisor of the per-replica batch, so that a batch such as 1536 = 3 x 512 finds the
+    m = 3k a pipeline needs (m >= stages still applies)."""
     zero: tuple[int, ...] = (0, 1, 2)
     """ZeRO stages over the data axis (only 0 when data = 1)."""
     schedules: tuple[str, ...] = ("gpipe", "bounded", "circular")
@@ -133,6 +136,13 @@ def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
     return workload.global_batch // batch_ways(mesh)
 
 
+def microbatch_menu(space: Space, per_replica: int) -> tuple[int, ...]:
+    """The micro-batch counts ``space`` tries for ``per_replica`` sequences per replica."""
+    if space.microbatches is None:
+        return tuple(_divisors(per_replica))
+    return space.microbatches
+
+
 def knob_groups(
     workload: Workload, mesh: dict[str, int], space: Space
 ) -> Iterator[list[ParallelPlan]]:
@@ -152,7 +162,8 @@ def knob_groups(
             scheds += [("circular", v) for v in space.virtual]
     else:
         scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
-    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, space.microbatches):
+    menu = microbatch_menu(space, per_replica)
+    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, menu):
         if per_replica % m:
             continue
         # the trainer's constraints (strategies/pipeline.py): equal stages; circular m >= p
@@ -178,7 +189,8 @@ def rank_key(est: Estimate) -> tuple[float, float, float]:
 
 
 def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
-    """Some fitting plan of the group has no more remat and no more offload."""
+    """Some plan of ``fitting`` (the group's fitting plans, or those already too slow) has
+    no more remat and no more offload."""
     r, o = REMAT.index(plan.remat.policy), plan.offload.optimizer
     return any(REMAT.index(f.remat.policy) <= r and f.offload.optimizer <= o for f in fitting)
 
@@ -200,7 +212,7 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     options = [("gpipe", 1, 1)]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
-        m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
+        m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
         options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
     bound = math.inf
     for schedule, virtual, m in options:
@@ -248,12 +260,17 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
         visited += 1
         for group in knob_groups(workload, mesh, space):
             fitting: list[ParallelPlan] = []
+            too_slow: list[ParallelPlan] = []  # slower than the k-th best: so are heavier
             best_here: Estimate | None = None
+            worst = -heap[0][0][0] if len(heap) >= top else math.inf
             for plan in group:
-                if _dominated(plan, fitting):
+                if _dominated(plan, fitting) or _dominated(plan, too_slow):
                     continue
                 est = estimate_or_none(workload, plan, cluster)
                 evaluated += 1
+                if est is not None and rank_key(est)[0] > worst:
+                    too_slow.append(plan)
+                    continue
                 if est is None or not est.fits:
                     continue
                 fitting.append(plan)
