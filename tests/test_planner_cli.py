@@ -85,6 +85,7 @@ BAD = [  # (arguments, words the one-line error must contain)
     (["plan", "--cluster", "a100-8", "--model", "llama-70b", "--fix", "tensor=3"], "tensor=3"),
     (["plan", "--cluster", "a100-8", "--model", "llama-70b", "model.layers=400"], "fits on"),
     (["plan", "--cluster", "a100-8", "--fix", "pipeline=2"], "not a mesh axis or knob"),
+    (["plan", "--cluster", "a100-8", *MODEL, "--fix", "fsdp=8,zero=1"], "settings together"),
     (["estimate", "--cluster", "a100-8", "--set", "tensor=16"], "tensor"),
     (["estimate", "--cluster", "a100-8"], "--mesh"),
     (["plan", "--cluster", "CLUSTER"], "lacks inter_host_gbps"),

@@ -66,6 +66,13 @@ def no_plan_error(workload: Workload, cluster: Cluster, space: Space) -> str:
     """One line: no plan fits, how far the lightest one is, what to change."""
     where = f"{cluster.num_devices} devices of {format_bytes(cluster.memory_bytes)}"
     light = lightest(workload, cluster, space)
+    if light is None and space != Space():
+        return (
+            f"plan: no plan of {workload.model} on {cluster.num_devices} devices has all the "
+            "fixed settings together (ZeRO needs a data axis alone; schedule, virtual and "
+            "m >= stages need a stage axis; m must divide the batch per replica). Fix: fix "
+            "fewer settings (--fix)."
+        )
     need = f" (the lightest needs {format_bytes(light.memory_bytes)} per device)" if light else ""
     fixed = " or fix fewer settings (--fix)" if space != Space() else ""
     return (
