@@ -153,8 +153,8 @@ def knob_groups(
     # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
     # merges and places the reductions in ways the cost model does not follow (compiled:
     # HSDP + ZeRO-2 memory 1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those
-    # combinations are not searched
-    plain = all(mesh[a] == 1 for a in ("fsdp", "context", "expert", "stage"))
+    # combinations are not searched (nor beside an axis added later, until measured)
+    plain = all(s == 1 for a, s in mesh.items() if a not in ("data", "tensor"))
     zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "circular"]
