@@ -25,6 +25,7 @@ from shardlib.errors import ShardingError
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
 from shardlib.planner.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
+from shardlib.planner.terms import SEARCH_AXES
 from shardlib.planner.workload import Workload
 
 SCHEDULES = ("gpipe", "bounded", "circular")
@@ -148,12 +149,8 @@ def _workload(args, train: dict | None = None) -> Workload:
         "precision": train.pop("precision.compute", None),
     }
     values = {
-        k: v
-        if v is not None
-        else from_file[k]
-        if from_file[k] is not None
-        else WORKLOAD_DEFAULTS[k]
-        for k, v in given.items()
+        k: next(v for v in (given[k], from_file[k], WORKLOAD_DEFAULTS[k]) if v is not None)
+        for k in given
     }
     overrides = {k.removeprefix("model."): v for k, v in train.items() if k.startswith("model.")}
     overrides |= _model_overrides(args.overrides)
@@ -176,8 +173,6 @@ def _flat(table: dict, prefix: str = "") -> dict:
 def _check_fixed(workload: Workload, cluster: Cluster, space: Space) -> None:
     """Each fixed axis size is one some mesh of the unfixed space has, and together they
     leave some mesh: else a one-line error naming the sizes that would do."""
-    from shardlib.planner.terms import SEARCH_AXES
-
     free = list(meshes(workload, cluster, dataclasses.replace(space, fixed=())))
     n = cluster.num_devices
     for name, size in space.fixed:
