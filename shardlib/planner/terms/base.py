@@ -131,8 +131,7 @@ class Context:
     @cached_property
     def splits(self) -> dict[str, dict[str, int]]:
         """Per parameter: mesh axis -> ways it splits that parameter."""
-        p = self.p
-        return param_splits(self.w, p.data, p.fsdp, p.tensor, p.expert)
+        return param_splits(self.w, self.p.axes)
 
     def shard(self, param: ParamInfo, *, without: tuple[str, ...] = ()) -> int:
         """Ways ``param`` is split on one device, ignoring the axes in ``without``."""
@@ -141,8 +140,7 @@ class Context:
     @cached_property
     def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
         """(param, ways split, ways split by axes other than fsdp) per parameter."""
-        p = self.p
-        return param_table(self.w, p.data, p.fsdp, p.tensor, p.expert)
+        return param_table(self.w, self.p.axes)
 
     @cached_property
     def layer_elements(self) -> float:
@@ -211,8 +209,8 @@ class Context:
 
 
 @functools.lru_cache(maxsize=4096)
-def param_table(w: Workload, data: int, fsdp: int, tensor: int, expert: int) -> tuple:
-    splits = param_splits(w, data, fsdp, tensor, expert)
+def param_table(w: Workload, axes: tuple[tuple[str, int], ...]) -> tuple:
+    splits = param_splits(w, axes)
     return tuple(
         (param, _shard(splits[param.name], ()), _shard(splits[param.name], (str(Axis.FSDP),)))
         for param in w.params
@@ -224,27 +222,16 @@ def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def param_splits(
-    w: Workload, data: int, fsdp: int, tensor: int, expert: int
-) -> dict[str, dict[str, int]]:
+def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, dict[str, int]]:
     """How the real rules (``shardlib.parallel.ParallelPlan.rules``) split each parameter.
 
-    Every axis but ``stage`` and ``context`` goes through the rules of a plan on those axes,
-    so the planner and the trainer agree by construction (the stage axis splits the stacked
-    ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device`` counts it;
-    context splits activations only). Cached per mesh: the search's candidates on one mesh
-    share it. Raises ShardingError when a dim does not divide.
+    The mesh ``axes`` go through the rules of a plan on them, so the planner and the trainer
+    agree by construction, whatever axes the terms declare (the stage axis splits the
+    stacked ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device``
+    counts it; context splits activations only). Cached per mesh: the search's candidates
+    on one mesh share it. Raises ShardingError when a dim does not divide.
     """
-    sizes = {
-        str(a): s
-        for a, s in (
-            (Axis.DATA, data),
-            (Axis.FSDP, fsdp),
-            (Axis.EXPERT, expert),
-            (Axis.TENSOR, tensor),
-        )
-        if s > 1
-    }
+    sizes = {str(a): s for a, s in axes if s > 1}
     rules = rules_for_mesh(sizes or {"data": 1}).params
     where = " x ".join(f"{a}={s}" for a, s in sizes.items()) or "data=1"
     out: dict[str, dict[str, int]] = {}
