@@ -1,4 +1,4 @@
-"""``shardlib`` command line: train, explain, parity, export, plan.
+"""``shardlib`` command line: train, explain, parity, export, plan, estimate.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import MeshSpec, load_mesh, simulate_cpu_devices
@@ -173,8 +174,10 @@ def cmd_export(args, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console(stderr=True)
-    from shardlib.planner.cli import cmd_plan
+    errors = Console(stderr=True)
+    # the planner's results go to stdout (tools read them); training logs stay on stderr
+    console = Console() if args.command in ("plan", "estimate") else errors
+    from shardlib.planner.cli import cmd_estimate, cmd_plan
 
     handler = {
         "train": cmd_train,
@@ -182,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         "parity": cmd_parity,
         "export": cmd_export,
         "plan": cmd_plan,
+        "estimate": cmd_estimate,
     }[args.command]
     try:
         return handler(args, console)
     except ShardingError as err:
-        console.print(f"[red]error:[/] {err}", highlight=False)
+        errors.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 2
     except ValueError as err:  # model/config validation outside shardlib's own types
-        console.print(f"[red]error:[/] {type(err).__name__}: {err}", highlight=False)
+        message = f"{type(err).__name__}: {escape(str(err))}"
+        errors.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
         return 2
 
 

@@ -105,3 +105,21 @@ def test_compiled_gpipe_matches_prediction():
     check = validate(_w(), candidate(data=2, stage=4, microbatches=4, schedule="gpipe"))
     assert check.memory_ratio == pytest.approx(1.0, abs=0.05)
     assert check.wire_ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_micro_batch_menu_is_every_divisor_the_schedule_allows():
+    """12 sequences per replica over 4 stages: m = 4, 6 or 12 (a power-of-two menu offers
+    only 4); for llama-1b the search takes 12, the smallest bubble."""
+    from shardlib.planner import PlanView, load_cluster
+    from shardlib.planner.search import Space, knob_groups, search
+
+    w = Workload.from_preset("llama-small", 24, 128, layers=8)
+    mesh = {"data": 2, "stage": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    offered = {PlanView(g[0]).microbatches for g in knob_groups(w, mesh, Space())}
+    assert offered == {4, 6, 12}
+    w, fixed = Workload.from_preset("llama-1b", 24, 2048), {"data": 2, "stage": 4}
+    cluster = load_cluster("h100-8")
+    best = search(w, cluster, Space().fixing(fixed), top=1).best[0]
+    assert PlanView(best.plan).microbatches == 12
+    powers = Space(microbatches=(1, 2, 4, 8, 16, 32, 64)).fixing(fixed)
+    assert PlanView(search(w, cluster, powers, top=1).best[0].plan).microbatches == 4

@@ -7,26 +7,39 @@ in ``AXIS_ORDER`` and the sections those knobs set. ``PlanView`` is a read-only 
 plan (axis sizes, the micro-batch count whichever section holds it, the schedule in the
 trainer's words): it keeps nothing the plan does not say.
 
-Mesh axes are always laid out in ``AXIS_ORDER`` (outermost first). The last axes vary
-fastest over device ids and so stay inside a host: tensor parallelism (an all-reduce on the
-critical path of every layer) is innermost, then context, expert and FSDP (per-layer
-traffic that overlaps compute), then pipeline stages and data parallelism, whose traffic is
-a once-per-step gradient reduction or small point-to-point sends that tolerate a slow link.
+Mesh axes are always laid out in ``AXIS_ORDER`` (outermost first), the order of the
+``placement`` each planner term declares for its axis (``planner.terms.SEARCH_AXES``). The
+last axes vary fastest over device ids and so stay inside a host: tensor parallelism (an
+all-reduce on the critical path of every layer) is innermost, then context, expert and FSDP
+(per-layer traffic that overlaps compute), then pipeline stages and data parallelism, whose
+traffic is a once-per-step gradient reduction or small point-to-point sends that tolerate a
+slow link.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 from shardlib.mesh import Axis, MeshSpec
 from shardlib.parallel import ParallelPlan
+from shardlib.planner.terms import SEARCH_AXES
 from shardlib.strategies.data import DataParallel
 from shardlib.strategies.offload import Offload
 from shardlib.strategies.pipeline import PipelineParallel
 from shardlib.strategies.remat import Remat
 
-AXIS_ORDER = (Axis.DATA, Axis.STAGE, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT, Axis.TENSOR)
+AXIS_ORDER: tuple[Axis, ...] = tuple(a.axis for a in sorted(SEARCH_AXES, key=lambda a: a.placement))
+"""The searched mesh axes, outermost first (by their terms' ``placement``)."""
+BATCH_AXES: tuple[str, ...] = tuple(str(a.axis) for a in SEARCH_AXES if a.splits_batch)
+"""Axes whose every index gets its own rows of the batch."""
+
+
+def batch_ways(sizes: Mapping[str, int]) -> int:
+    """Ways the batch is split over the mesh ``sizes`` (absent axes: 1)."""
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+
 
 REMAT = ("none", "selective", "full")
 """Remat policies the cost model knows, lightest first: keep everything; drop attention
@@ -35,29 +48,28 @@ scores; keep layer inputs (``Remat.policy``)."""
 
 def candidate(
     *,
-    data: int = 1,
-    stage: int = 1,
-    fsdp: int = 1,
-    expert: int = 1,
-    context: int = 1,
-    tensor: int = 1,
     zero: int = 0,
     microbatches: int = 1,
     schedule: str = "gpipe",
     virtual: int = 1,
     remat: str = "none",
     offload: bool = False,
+    **sizes: int,
 ) -> ParallelPlan:
     """The ``ParallelPlan`` of one point of the search space.
 
+    ``sizes`` are the mesh axis sizes by name (``data=8, tensor=2``; absent axes are 1).
     ``microbatches`` are the pipeline's with a stage axis (``pipeline.microbatches``) and
     gradient accumulation without one (``data.microbatches``): the cost model has one count.
     ``schedule`` and ``virtual`` are ``PipelineParallel``'s (gpipe, bounded = 1F1B,
     circular = interleaved); ``offload`` keeps the optimizer state on the host.
     """
-    sizes = dict(data=data, stage=stage, fsdp=fsdp, expert=expert, context=context, tensor=tensor)
-    axes = tuple((str(a), sizes[a.value]) for a in AXIS_ORDER if sizes[a.value] > 1)
-    staged = stage > 1
+    unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
+    if unknown:
+        known = ", ".join(AXIS_ORDER)
+        raise TypeError(f"candidate: no searched axis {sorted(unknown)}; axes: {known}.")
+    axes = tuple((str(a), sizes[a]) for a in AXIS_ORDER if sizes.get(a, 1) > 1)
+    staged = sizes.get(str(Axis.STAGE), 1) > 1
     return ParallelPlan(
         mesh=_mesh(axes or ((str(Axis.DATA), 1),)),
         data=_data(zero, 1 if staged else microbatches),
@@ -88,6 +100,7 @@ class PlanView:
         "context",
         "expert",
         "stage",
+        "batch_ways",
         "zero",
         "microbatches",
         "accumulation",
@@ -105,6 +118,8 @@ class PlanView:
         self.data, self.fsdp, self.tensor = get("data", 1), get("fsdp", 1), get("tensor", 1)
         self.context, self.expert, self.stage = get("context", 1), get("expert", 1), get("stage", 1)
         staged = self.stage > 1
+        self.batch_ways: int = batch_ways(self.sizes)
+        """Ways the batch is split (``BATCH_AXES``: data, FSDP and expert replicas)."""
         self.zero: int = plan.data.zero
         self.accumulation: int = plan.data.microbatches
         """Gradient-accumulation micro-batches (``data.microbatches``), stages or not."""
@@ -128,11 +143,6 @@ class PlanView:
     @property
     def size(self) -> int:
         return math.prod(self.sizes.values())
-
-    @property
-    def batch_ways(self) -> int:
-        """Ways the batch is split: data, FSDP and expert replicas each get their own rows."""
-        return self.data * self.fsdp * self.expert
 
     def mesh_text(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in self.axes)

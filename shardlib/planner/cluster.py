@@ -92,6 +92,13 @@ _FIELDS = {
     "compute_efficiency": ("compute_efficiency", float, 1.0),
 }
 
+_REQUIRED = tuple(
+    key
+    for key, (field, _, _) in _FIELDS.items()
+    if Cluster.__dataclass_fields__[field].default is dataclasses.MISSING and key != "name"
+)
+"""The preset keys of the fields ``Cluster`` has no default for."""
+
 
 def cluster_presets() -> list[Path]:
     return sorted(CLUSTERS_DIR.glob("*.toml"))
@@ -115,17 +122,26 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
             f"meshes/clusters/ ({', '.join(p.stem for p in cluster_presets())})."
         )
     unknown = sorted(set(table) - set(_FIELDS))
-    missing = sorted({"devices_per_host", "hosts", "memory_gb", "peak_tflops"} - set(table))
-    if unknown or missing:
+    missing = [key for key in _REQUIRED if key not in table]
+    if missing:
         raise ShardingError(
-            f"cluster {path}: unknown keys {unknown} / missing keys {missing}. "
-            f"Keys: {', '.join(_FIELDS)}."
+            f"cluster {path}: [cluster] lacks {', '.join(missing)}. Fix: add them (every "
+            f"preset needs {', '.join(_REQUIRED)}; see meshes/clusters/a100-8.toml)."
         )
-    values = {
-        field: kind(table[key] * scale)
-        for key, (field, kind, scale) in _FIELDS.items()
-        if key in table and key != "name"
-    }
+    if unknown:
+        raise ShardingError(
+            f"cluster {path}: unknown keys {', '.join(unknown)} in [cluster]. Fix: use only "
+            f"{', '.join(_FIELDS)}."
+        )
+    values = {}
+    for key, (field, kind, scale) in _FIELDS.items():
+        if key in table and key != "name":
+            if isinstance(table[key], bool) or not isinstance(table[key], int | float):
+                raise ShardingError(
+                    f"cluster {path}: {key} = {table[key]!r} is not a number. Fix: write it "
+                    "as a TOML number (memory_gb = 80.0)."
+                )
+            values[field] = kind(table[key] * scale)
     cluster = Cluster(
         name=table.get("name", path.stem),
         platform=doc.get("platform"),
@@ -133,5 +149,8 @@ def load_cluster(path_or_name: str | Path) -> Cluster:
         **values,
     )
     if cluster.devices_per_host < 1 or cluster.hosts < 1 or not cluster.peak_flops > 0:
-        raise ShardingError(f"cluster {path}: devices_per_host and hosts must be >= 1.")
+        raise ShardingError(
+            f"cluster {path}: devices_per_host, hosts and peak_tflops must be positive. "
+            "Fix: correct them in [cluster]."
+        )
     return cluster

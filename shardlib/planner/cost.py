@@ -186,7 +186,8 @@ def estimate(
 ) -> Estimate:
     """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time)."""
     check(workload, plan, cluster)
-    ctx = Context(workload, plan, backend, COEFFICIENTS if calib is None else calib)
+    calib = COEFFICIENTS if calib is None else calib
+    ctx = Context(workload, plan, backend, PlanView(plan), calib)
     parts = contributions(ctx, cluster)
     memory: dict[str, float] = defaultdict(float)
     comms: list[Comm] = []

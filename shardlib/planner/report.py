@@ -1,16 +1,17 @@
-"""Tables and the plain-words explanation of a search result."""
+"""Tables, JSON records and the plain-words explanation of a search result or an estimate."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.errors import ShardingError
 from shardlib.explain.report import format_bytes
-from shardlib.planner.candidate import PlanView, candidate
+from shardlib.planner.candidate import PlanView
 from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate, estimate
-from shardlib.planner.search import Result
+from shardlib.planner.cost import Estimate, collective_seconds
+from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
 from shardlib.planner.workload import Workload
 
 
@@ -46,18 +47,79 @@ def plans_table(result: Result, cluster: Cluster, title: str) -> Table:
     return table
 
 
-def _baseline(workload: Workload, cluster: Cluster, mesh: dict[str, int]) -> Estimate | None:
-    """The fastest fitting micro-batch count on ``mesh``, else its smallest memory."""
-    options = []
-    for m in (1, 2, 4, 8, 16, 32, 64, 128):
-        try:
-            options.append(estimate(workload, candidate(**mesh, microbatches=m), cluster))
-        except ShardingError:
+def lightest(workload: Workload, cluster: Cluster, space: Space) -> Estimate | None:
+    """The plan of ``space`` that needs the least memory, fitting or not: per mesh, the
+    heaviest remat and offload at the most micro-batches of each (zero, schedule) group."""
+    best = None
+    for mesh in meshes(workload, cluster, space):
+        groups = list(knob_groups(workload, mesh, space))
+        most = max((PlanView(g[-1]).microbatches for g in groups), default=0)
+        for group in groups:
+            if PlanView(group[-1]).microbatches == most:
+                est = estimate_or_none(workload, group[-1], cluster)
+                if est is not None and (best is None or est.memory_bytes < best.memory_bytes):
+                    best = est
+    return best
+
+
+def no_plan_error(workload: Workload, cluster: Cluster, space: Space) -> str:
+    """One line: no plan fits, how far the lightest one is, what to change."""
+    where = f"{cluster.num_devices} devices of {format_bytes(cluster.memory_bytes)}"
+    light = lightest(workload, cluster, space)
+    if light is None and space != Space():
+        return (
+            f"plan: no plan of {workload.model} on {cluster.num_devices} devices has all the "
+            "fixed settings together (ZeRO needs a data axis alone; schedule, virtual and "
+            "m >= stages need a stage axis; m must divide the batch per replica). Fix: fix "
+            "fewer settings (--fix)."
+        )
+    need = f" (the lightest needs {format_bytes(light.memory_bytes)} per device)" if light else ""
+    fixed = " or fix fewer settings (--fix)" if space != Space() else ""
+    return (
+        f"plan: no layout of {workload.model} (batch {workload.global_batch} x seq "
+        f"{workload.seq}) fits on {where}{need}. Fix: more hosts (--hosts), a smaller "
+        f"--global-batch or --seq{fixed}."
+    )
+
+
+FAMILIES = (
+    ("Plain data parallelism", lambda n: {"data": n}),
+    ("Pure FSDP", lambda n: {"fsdp": n}),
+    ("Without a pipeline", lambda n: {"stage": 1}),
+)
+"""The simpler layouts the explanation compares with: each is the search with these sizes
+fixed (the knobs still searched), under the same cost model."""
+
+
+def family_lines(workload: Workload, cluster: Cluster, best: Estimate) -> list[str]:
+    """For each simpler family: its best fitting plan and how much slower it is, or why none."""
+    n, lines = cluster.num_devices, []
+    for name, sizes in FAMILIES:
+        fixed = sizes(n)
+        if fixed == {"stage": 1} and PlanView(best.plan).stage == 1:
+            continue  # the best plan has no pipeline already
+        space = Space().fixing(fixed)
+        found = search(workload, cluster, space, top=1).best
+        what = f"{name} ({', '.join(f'{k}={v}' for k, v in fixed.items())})"
+        if found:
+            e, p = found[0], PlanView(found[0].plan)
+            ratio = e.step_s / best.step_s - 1
+            than = f", {abs(ratio):.1%} {'slower' if ratio > 0 else 'faster'}" if ratio else ""
+            lines.append(
+                f"{what}: best {p.mesh_text()} ({p.knobs_text()}), {e.step_s:.3f} s per step "
+                f"(MFU {e.mfu:.1%}){than}."
+            )
             continue
-    fitting = [e for e in options if e.fits]
-    if fitting:
-        return min(fitting, key=lambda e: e.step_s)
-    return min(options, key=lambda e: e.memory_bytes, default=None)
+        light = lightest(workload, cluster, space)
+        if light is None:
+            lines.append(f"{what}: over {n} devices it does not divide the batch or the model.")
+        else:
+            p = PlanView(light.plan)
+            lines.append(
+                f"{what} needs {format_bytes(light.memory_bytes)} per device even at its "
+                f"lightest ({p.mesh_text()}, {p.knobs_text()}): it does not fit."
+            )
+    return lines
 
 
 def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list[str]:
@@ -99,22 +161,7 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
                 f"Runner-up {runner_up.mesh_text()} ({runner_up.knobs_text()}) is as fast; "
                 "the tie goes to less exposed communication, then less memory."
             )
-    n = cluster.num_devices
-    for name, mesh in (("Plain data parallelism", {"data": n}), ("Pure FSDP", {"fsdp": n})):
-        est = _baseline(workload, cluster, mesh)
-        if est is None:
-            lines.append(f"{name} over {n} devices does not divide the batch or the model.")
-        elif not est.fits:
-            lines.append(
-                f"{name} needs {format_bytes(est.memory_bytes)} per device even with "
-                f"{PlanView(est.plan).microbatches} micro-batches: it does not fit."
-            )
-        else:
-            lines.append(
-                f"{name} fits with {PlanView(est.plan).microbatches} micro-batch(es) but takes "
-                f"{est.step_s:.3f} s per step (MFU {est.mfu:.1%})."
-            )
-    return lines
+    return lines + family_lines(workload, cluster, best)
 
 
 def render(
@@ -133,3 +180,102 @@ def render(
     )
     for line in explain_choice(result, workload, cluster):
         console.print(line, highlight=False)
+
+
+def axis_times(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """Per group of mesh axes (``"data"``, ``"stage,fsdp"``): wire bytes per device and
+    step, the seconds they take on their link, and the part on the critical path."""
+    out: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"wire_bytes": 0.0, "seconds": 0.0, "critical_seconds": 0.0}
+    )
+    for comm in est.comms:
+        row, seconds = out[",".join(comm.axes)], collective_seconds(comm, cluster, est.plan)
+        row["wire_bytes"] += comm.wire_bytes
+        row["seconds"] += seconds
+        row["critical_seconds"] += 0.0 if comm.overlap else seconds
+    return dict(out)
+
+
+def estimate_record(est: Estimate, workload: Workload, cluster: Cluster) -> dict:
+    """One plan's figures as plain JSON values (bytes, seconds), for ``--json``."""
+    view = PlanView(est.plan)
+    return {
+        "model": workload.model,
+        "params": workload.param_count,
+        "global_batch": workload.global_batch,
+        "seq": workload.seq,
+        "cluster": cluster.name,
+        "devices": cluster.num_devices,
+        "mesh": dict(view.axes),
+        "parallel": est.plan.tables(),
+        "knobs": view.knobs_text(),
+        "memory_bytes": dict(est.memory),
+        "memory_total_bytes": est.memory_bytes,
+        "device_memory_bytes": cluster.memory_bytes,
+        "fits": est.fits,
+        "axes": axis_times(est, cluster),
+        "compute_s": est.compute_s,
+        "comm_s": est.comm_s,
+        "exposed_comm_s": est.exposed_comm_s,
+        "bubble_s": est.bubble_s,
+        "host_s": est.host_s,
+        "step_s": est.step_s,
+        "tokens_per_s": est.tokens_per_s,
+        "mfu": est.mfu,
+    }
+
+
+def result_record(
+    result: Result, workload: Workload, cluster: Cluster, space: Space, seconds: float
+) -> dict:
+    """A search result as JSON values: the plans fastest first, the search's counts and the
+    explanation's sentences."""
+    return {
+        "fixed": dict(space.fixed),
+        "plans": [estimate_record(e, workload, cluster) for e in result.best],
+        "meshes": result.meshes,
+        "meshes_visited": result.meshes_visited,
+        "evaluated": result.evaluated,
+        "search_s": seconds,
+        "explanation": explain_choice(result, workload, cluster),
+    }
+
+
+def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console: Console):
+    """``shardlib estimate``'s tables: memory by part, communication by mesh axis, time."""
+    view = PlanView(est.plan)
+    wide = Console(file=console.file, width=max(console.width, 120))
+    console.print(
+        f"{workload.model} ({workload.param_count / 1e9:.2f} B params), global batch "
+        f"{workload.global_batch} x seq {workload.seq}, {workload.precision}, on {cluster.name} "
+        f"({cluster.num_devices} devices): {view.mesh_text()} ({view.knobs_text()})",
+        highlight=False,
+    )
+    memory = Table(title="memory per device")
+    memory.add_column("part")
+    memory.add_column("bytes", justify="right")
+    for part, size in sorted(est.memory.items(), key=lambda kv: -kv[1]):
+        memory.add_row(part, format_bytes(size))
+    fits = "fits" if est.fits else "does NOT fit"
+    memory.add_row(
+        "total (device)", f"{format_bytes(est.memory_bytes)} / {format_bytes(cluster.memory_bytes)}"
+    )
+    wide.print(memory)
+    comms = Table(title="communication per mesh axis, per device and step")
+    for col in ("axes", "wire bytes", "time", "on the critical path"):
+        comms.add_column(col, justify="left" if col == "axes" else "right")
+    for axes, row in sorted(axis_times(est, cluster).items()):
+        comms.add_row(
+            axes,
+            format_bytes(row["wire_bytes"]),
+            f"{row['seconds']:.4f} s",
+            f"{row['critical_seconds']:.4f} s",
+        )
+    wide.print(comms)
+    console.print(
+        f"step {est.step_s:.4f} s = compute {est.compute_s:.4f} s + exposed communication "
+        f"{est.exposed_comm_s:.4f} s (of {est.comm_s:.4f} s) + bubble {est.bubble_s:.4f} s + "
+        f"host {est.host_s:.4f} s; {est.tokens_per_s:,.0f} tokens/s; MFU {est.mfu:.1%}; "
+        f"memory {fits}.",
+        highlight=False,
+    )

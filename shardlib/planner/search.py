@@ -1,8 +1,9 @@
 """Search the plans of a workload on a cluster: enumerate, prune by memory, rank by time.
 
-The space (``Space``): every factorisation of the device count into data x stage x fsdp x
-expert x context x tensor (tensor inside one host), ZeRO stage over ``data``, pipeline
-schedule and virtual stages, micro-batch count, rematerialisation and offload.
+The space (``Space``): every factorisation of the device count over the mesh axes the
+planner terms declare (``planner.terms.SEARCH_AXES``: data, stage, fsdp, expert, context,
+tensor), each size admitted by its axis's own constraint, then ZeRO stage over ``data``,
+pipeline schedule and virtual stages, micro-batch count, rematerialisation and offload.
 
 ``search`` is exact under the cost model but does not cost every point:
 1. meshes are visited in order of a lower bound on their step time (compute at m = 1 plus
@@ -10,23 +11,26 @@ schedule and virtual stages, micro-batch count, rematerialisation and offload.
    once that bound exceeds the k-th best plan found (branch and bound);
 2. for one mesh, ZeRO stage, schedule and micro-batch count, more rematerialisation or
    offload never makes a step faster (more FLOPs, more host traffic), so once a
-   (remat, offload) pair fits, every pair that is at least as heavy on both is skipped.
+   (remat, offload) pair fits, every pair that is at least as heavy on both is skipped,
+   and so is every such pair once one is slower than the k-th best plan found.
 ``exhaustive`` costs every point; the tests check that both return the same optimum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner.candidate import REMAT, candidate
+from shardlib.planner.candidate import AXIS_ORDER, REMAT, batch_ways, candidate
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, estimate
+from shardlib.planner.terms import SEARCH_AXES
 from shardlib.planner.workload import Workload
 
 
@@ -34,8 +38,10 @@ from shardlib.planner.workload import Workload
 class Space:
     """Which values each knob may take."""
 
-    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    """Micro-batch counts tried (those that divide the per-replica batch)."""
+    microbatches: tuple[int, ...] | None = None
+    """Micro-batch counts tried (those that divide the per-replica batch); None: every
+    divisor of the per-replica batch, so that a batch such as 1536 = 3 x 512 finds the
+    m = 3k a pipeline needs (m >= stages still applies)."""
     zero: tuple[int, ...] = (0, 1, 2)
     """ZeRO stages over the data axis (only 0 when data = 1)."""
     schedules: tuple[str, ...] = ("gpipe", "bounded", "circular")
@@ -55,6 +61,43 @@ class Space:
     """Try context parallelism."""
     pipeline: bool = True
     """Try pipeline parallelism."""
+    fixed: tuple[tuple[str, int], ...] = ()
+    """Mesh axis sizes every plan has (``shardlib plan --fix tensor=8``); the other axes are
+    searched."""
+    staged_only: bool = False
+    """Only meshes with a stage axis (a fixed schedule or virtual stage count needs one)."""
+
+    def fixing(self, settings: Mapping[str, int | str | bool]) -> Space:
+        """This space with ``settings`` fixed: axis sizes filter the meshes, a knob
+        (``zero``, ``microbatches``, ``schedule``, ``virtual``, ``remat``, ``offload``)
+        becomes a menu of one. Unknown names raise ShardingError."""
+        axes = {str(a) for a in AXIS_ORDER}
+        menus = {"zero": "zero", "microbatches": "microbatches", "schedule": "schedules"}
+        menus |= {"virtual": "virtual", "remat": "remat", "offload": "offload"}
+        unknown = sorted(set(settings) - axes - set(menus))
+        if unknown:
+            raise ShardingError(
+                f"--fix {', '.join(unknown)}: not an axis or knob. Fix: use "
+                f"{', '.join([*AXIS_ORDER, *menus])}."
+            )
+        fixed = tuple((k, int(v)) for k, v in settings.items() if k in axes)
+        changes: dict = {k: (v,) for k, v in settings.items() if k in menus}
+        changes = {menus[k]: v for k, v in changes.items()}
+        virtual, schedule = settings.get("virtual"), settings.get("schedule")
+        if virtual is not None:  # v > 1 is the circular schedule's, v = 1 the others'
+            circular = ("circular",) if virtual > 1 else ("gpipe", "bounded")
+            if schedule is not None and schedule not in circular:
+                raise ShardingError(
+                    f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
+                    "the circular schedule only. Fix: fix one of the two."
+                )
+            changes["schedules"] = (schedule,) if schedule else circular
+            if virtual == 1:
+                changes.pop("virtual")
+        staged = "schedule" in settings or virtual is not None
+        return dataclasses.replace(
+            self, fixed=self.fixed + fixed, staged_only=self.staged_only or staged, **changes
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,71 +105,65 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[str, int]]:
-    """Axis sizes whose product is the device count and whose dims divide (cheap checks)."""
-    n, w = cluster.num_devices, workload
-    max_t = space.max_tensor or cluster.devices_per_host
-    tensor_ok = math.gcd(*w.tensor_sizes)
-    for tensor in _divisors(n):
-        if tensor > max_t or tensor_ok % tensor:
-            continue
-        for context in _divisors(n // tensor):
-            if context > 1 and (not space.context or w.seq % (2 * context)):
+    """Axis sizes whose product is the device count and whose dims divide (cheap checks).
+
+    The axes of ``SEARCH_AXES`` in their order, each over the divisors of the devices left
+    that its ``admits`` takes; the last axis gets what is left; the batch must split over
+    the batch axes. Yields ``{axis: size}`` for every axis of ``AXIS_ORDER``.
+    """
+
+    fixed = dict(space.fixed)
+
+    def walk(i: int, left: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
+        axis = SEARCH_AXES[i]
+        name, last = str(axis.axis), i == len(SEARCH_AXES) - 1
+        for size in (left,) if last else _divisors(left):
+            if fixed.get(name, size) != size:
                 continue
-            if context > 1 and w.experts:  # the MoE model takes no ring token positions
+            if size > 1 and not axis.admits(workload, cluster, space, chosen, size):
                 continue
-            rest = n // (tensor * context)
-            for expert in _divisors(rest):
-                if expert > 1 and (not w.experts or w.experts % expert):
-                    continue
-                for stage in _divisors(rest // expert):
-                    if stage > 1 and (not space.pipeline or stage > min(space.max_stage, w.layers)):
-                        continue
-                    if stage > 1 and w.experts:  # the trainer does not pipeline MoE models
-                        continue
-                    # ring attention inside pipeline stages is not in the cost model (compiled:
-                    # memory 0.78x, bytes 0.85x of the prediction): not searched
-                    if stage > 1 and context > 1:
-                        continue
-                    left = rest // (expert * stage)
-                    for fsdp in _divisors(left):
-                        data = left // fsdp
-                        if w.global_batch % (data * fsdp * expert):
-                            continue
-                        if fsdp > 1 and w.embed % fsdp:
-                            continue
-                        yield dict(
-                            data=data,
-                            stage=stage,
-                            fsdp=fsdp,
-                            expert=expert,
-                            context=context,
-                            tensor=tensor,
-                        )
+            sizes = {**chosen, name: size}
+            if not last:
+                yield from walk(i + 1, left // size, sizes)
+            elif workload.global_batch % batch_ways(sizes) == 0:
+                yield {str(a): sizes[a] for a in AXIS_ORDER}
+
+    yield from walk(0, cluster.num_devices, {})
 
 
 def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
     """Sequences per batch replica (data, FSDP and expert replicas each get their own rows)."""
-    return workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
+    return workload.global_batch // batch_ways(mesh)
+
+
+def microbatch_menu(space: Space, per_replica: int) -> tuple[int, ...]:
+    """The micro-batch counts ``space`` tries for ``per_replica`` sequences per replica."""
+    if space.microbatches is None:
+        return tuple(_divisors(per_replica))
+    return space.microbatches
 
 
 def knob_groups(
     workload: Workload, mesh: dict[str, int], space: Space
 ) -> Iterator[list[ParallelPlan]]:
     """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
+    if space.staged_only and mesh["stage"] == 1:
+        return
     per_replica = _per_replica(workload, mesh)
     # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
     # merges and places the reductions in ways the cost model does not follow (compiled:
     # HSDP + ZeRO-2 memory 1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those
-    # combinations are not searched
-    plain = all(mesh[a] == 1 for a in ("fsdp", "context", "expert", "stage"))
-    zeros = space.zero if mesh["data"] > 1 and plain else (0,)
+    # combinations are not searched (nor beside an axis added later, until measured)
+    plain = all(s == 1 for a, s in mesh.items() if a not in ("data", "tensor"))
+    zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "circular"]
         if "circular" in space.schedules:
             scheds += [("circular", v) for v in space.virtual]
     else:
         scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
-    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, space.microbatches):
+    menu = microbatch_menu(space, per_replica)
+    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, menu):
         if per_replica % m:
             continue
         # the trainer's constraints (strategies/pipeline.py): equal stages; circular m >= p
@@ -152,12 +189,14 @@ def rank_key(est: Estimate) -> tuple[float, float, float]:
 
 
 def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
-    """Some fitting plan of the group has no more remat and no more offload."""
+    """Some plan of ``fitting`` (the group's fitting plans, or those already too slow) has
+    no more remat and no more offload."""
     r, o = REMAT.index(plan.remat.policy), plan.offload.optimizer
     return any(REMAT.index(f.remat.policy) <= r and f.offload.optimizer <= o for f in fitting)
 
 
-def _estimate(workload, plan, cluster) -> Estimate | None:
+def estimate_or_none(workload, plan, cluster) -> Estimate | None:
+    """The plan's estimate, or None where a dim does not divide (a ShardingError)."""
     try:
         return estimate(workload, plan, cluster)
     except ShardingError:
@@ -173,12 +212,12 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     options = [("gpipe", 1, 1)]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
-        m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
+        m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
         options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
     bound = math.inf
     for schedule, virtual, m in options:
         plan = candidate(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
-        est = _estimate(workload, plan, cluster)
+        est = estimate_or_none(workload, plan, cluster)
         if est is not None:
             bound = min(bound, est.compute_s + _critical_s(est, cluster))
     return bound
@@ -221,12 +260,17 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
         visited += 1
         for group in knob_groups(workload, mesh, space):
             fitting: list[ParallelPlan] = []
+            too_slow: list[ParallelPlan] = []  # slower than the k-th best: so are heavier
             best_here: Estimate | None = None
+            worst = -heap[0][0][0] if len(heap) >= top else math.inf
             for plan in group:
-                if _dominated(plan, fitting):
+                if _dominated(plan, fitting) or _dominated(plan, too_slow):
                     continue
-                est = _estimate(workload, plan, cluster)
+                est = estimate_or_none(workload, plan, cluster)
                 evaluated += 1
+                if est is not None and rank_key(est)[0] > worst:
+                    too_slow.append(plan)
+                    continue
                 if est is None or not est.fits:
                     continue
                 fitting.append(plan)
@@ -249,7 +293,7 @@ def exhaustive(workload: Workload, cluster: Cluster, space: Space = Space()) -> 
         count += 1
         for group in knob_groups(workload, mesh, space):
             for plan in group:
-                est = _estimate(workload, plan, cluster)
+                est = estimate_or_none(workload, plan, cluster)
                 evaluated += 1
                 if est is not None and est.fits:
                     fits.append(est)

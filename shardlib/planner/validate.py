@@ -18,6 +18,10 @@ from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost import estimate
 from shardlib.planner.workload import Workload
 
+MAX_SIMULATED = 2048
+"""Most simulated CPU devices one process compiles for: above it the CPU backend refuses
+("Multiprocess computations aren't implemented", jax 0.10.2; REFERENCE.md)."""
+
 
 @dataclass(frozen=True)
 class Check:
@@ -49,6 +53,36 @@ class Check:
 
     def ok(self, memory_tol: float = 0.10, wire_tol: float = 0.05) -> bool:
         return abs(self.memory_ratio - 1) <= memory_tol and abs(self.wire_ratio - 1) <= wire_tol
+
+
+def simulable(workload: Workload, plan: ParallelPlan) -> tuple[Workload, ParallelPlan, str]:
+    """``plan`` (and its workload) on at most ``MAX_SIMULATED`` devices, and what changed.
+
+    A larger plan keeps its per-axis shape but fewer data-parallel replicas, with the global
+    batch cut by the same factor: each device's program is unchanged except the group
+    sizes of the data-parallel collectives (REFERENCE.md). Raises ShardingError when the
+    data axis cannot shrink far enough.
+    """
+    view = PlanView(plan)
+    if view.size <= MAX_SIMULATED:
+        return workload, plan, ""
+    data, batch = view.data, workload.global_batch
+    for cut in range(2, data + 1):
+        if data % cut == 0 and batch % cut == 0 and view.size // cut <= MAX_SIMULATED:
+            sizes = {**view.sizes, "data": data // cut}
+            small = plan.with_mesh_axes({a: s for a, s in sizes.items() if s > 1 or a != "data"})
+            note = (
+                f"validating data={data // cut} (of {data}) with global batch {batch // cut} "
+                f"(of {batch}): the plan needs {view.size} simulated devices, the CPU backend "
+                f"takes at most {MAX_SIMULATED}; each device's program is the same but for the "
+                "data-parallel group sizes."
+            )
+            return dataclasses.replace(workload, global_batch=batch // cut), small, note
+    raise ShardingError(
+        f"--validate: plan {view.mesh_text()} needs {view.size} simulated devices and the CPU "
+        f"backend compiles for at most {MAX_SIMULATED}; its data axis ({data}) cannot shrink "
+        "that far. Fix: validate the same layout on fewer hosts (--hosts)."
+    )
 
 
 def train_config(workload: Workload, plan: ParallelPlan, precision: str = "fp32"):

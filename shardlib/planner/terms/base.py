@@ -4,25 +4,66 @@ A term is one small function per strategy, ``term(ctx) -> Contribution``: the by
 to each device's memory, the collectives it runs (kind, mesh axes, the unsharded buffer M
 of REFERENCE.md, executions per step), and the FLOPs or seconds it adds. ``cost.estimate``
 sums them; nothing else knows a strategy's formula.
+
+A term that owns a mesh axis also declares it for the search (``SearchAxis``): where the
+axis sits in the mesh, which sizes it admits, whether the batch splits over it. The
+declarations are collected in ``planner.terms.SEARCH_AXES``; the search and ``candidate``
+read nothing else about axes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from shardlib.errors import ShardingError
 from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
-from shardlib.planner.candidate import PlanView
 from shardlib.planner.workload import ParamInfo, Workload
 from shardlib.strategies.pipeline import PipelineSpec
 
+if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
+    from shardlib.planner.candidate import PlanView
+    from shardlib.planner.cluster import Cluster
+    from shardlib.planner.search import Space
+
 MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this way)
 ADAM_BYTES = 8  # Adam m and v, fp32
+
+
+Admits = Callable[["Workload", "Cluster", "Space", Mapping[str, int], int], bool]
+"""``admits(workload, cluster, space, chosen, size)``: may the axis take ``size`` (> 1),
+given the sizes ``chosen`` for the axes before it in ``SEARCH_AXES``?"""
+
+
+def admits_any(workload, cluster, space, chosen, size) -> bool:
+    """No constraint of its own (the batch split is checked for every batch axis at once)."""
+    return True
+
+
+@dataclass(frozen=True)
+class SearchAxis:
+    """A mesh axis a strategy owns, as the search sizes it (one per term that owns an axis)."""
+
+    axis: Axis
+    """The mesh axis."""
+    placement: int
+    """Where it sits in the mesh, outermost smallest. The last axes vary fastest over device
+    ids and so stay inside a host (the fastest link): the axis whose collectives sit on the
+    critical path of every layer goes innermost, once-per-step traffic outermost."""
+    admits: Admits
+    """Which sizes > 1 the axis may take (1, the axis absent, always may): the checks the
+    search makes before costing, so that a size the trainer refuses is never enumerated."""
+    splits_batch: bool
+    """Whether each index along the axis gets its own rows of the batch (data, FSDP and
+    expert replicas): the global batch must divide by the product of these sizes."""
+    rule: str = ""
+    """The admission constraint in words, for the error when a fixed size is refused."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +118,11 @@ class Context:
     backend: str
     """``gpu`` (reduce-scatter for sharded gradients, as the GPU/TPU pipelines do) or
     ``cpu`` (the CPU backend's all-reduce + slice: what compiled validation measures)."""
+    p: PlanView = field(repr=False, compare=False)
+    """The plan's axis sizes and knobs (``candidate.PlanView(plan)``, made by the caller:
+    ``candidate`` reads the axes the terms declare, so the terms do not import it)."""
     calib: dict = field(default_factory=dict)
     """Fitted coefficients (``planner.calibration.COEFFICIENTS``)."""
-    p: PlanView = field(init=False, repr=False, compare=False)
-    """The plan's axis sizes and knobs (``candidate.PlanView``), made once."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "p", PlanView(self.plan))
 
     @property
     def w(self) -> Workload:
@@ -92,8 +131,7 @@ class Context:
     @cached_property
     def splits(self) -> dict[str, dict[str, int]]:
         """Per parameter: mesh axis -> ways it splits that parameter."""
-        p = self.p
-        return param_splits(self.w, p.data, p.fsdp, p.tensor, p.expert)
+        return param_splits(self.w, self.p.axes)
 
     def shard(self, param: ParamInfo, *, without: tuple[str, ...] = ()) -> int:
         """Ways ``param`` is split on one device, ignoring the axes in ``without``."""
@@ -102,8 +140,7 @@ class Context:
     @cached_property
     def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
         """(param, ways split, ways split by axes other than fsdp) per parameter."""
-        p = self.p
-        return param_table(self.w, p.data, p.fsdp, p.tensor, p.expert)
+        return param_table(self.w, self.p.axes)
 
     @cached_property
     def layer_elements(self) -> float:
@@ -172,8 +209,8 @@ class Context:
 
 
 @functools.lru_cache(maxsize=4096)
-def param_table(w: Workload, data: int, fsdp: int, tensor: int, expert: int) -> tuple:
-    splits = param_splits(w, data, fsdp, tensor, expert)
+def param_table(w: Workload, axes: tuple[tuple[str, int], ...]) -> tuple:
+    splits = param_splits(w, axes)
     return tuple(
         (param, _shard(splits[param.name], ()), _shard(splits[param.name], (str(Axis.FSDP),)))
         for param in w.params
@@ -185,27 +222,16 @@ def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def param_splits(
-    w: Workload, data: int, fsdp: int, tensor: int, expert: int
-) -> dict[str, dict[str, int]]:
+def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, dict[str, int]]:
     """How the real rules (``shardlib.parallel.ParallelPlan.rules``) split each parameter.
 
-    Every axis but ``stage`` and ``context`` goes through the rules of a plan on those axes,
-    so the planner and the trainer agree by construction (the stage axis splits the stacked
-    ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device`` counts it;
-    context splits activations only). Cached per mesh: the search's candidates on one mesh
-    share it. Raises ShardingError when a dim does not divide.
+    The mesh ``axes`` go through the rules of a plan on them, so the planner and the trainer
+    agree by construction, whatever axes the terms declare (the stage axis splits the
+    stacked ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device``
+    counts it; context splits activations only). Cached per mesh: the search's candidates
+    on one mesh share it. Raises ShardingError when a dim does not divide.
     """
-    sizes = {
-        str(a): s
-        for a, s in (
-            (Axis.DATA, data),
-            (Axis.FSDP, fsdp),
-            (Axis.EXPERT, expert),
-            (Axis.TENSOR, tensor),
-        )
-        if s > 1
-    }
+    sizes = {str(a): s for a, s in axes if s > 1}
     rules = rules_for_mesh(sizes or {"data": 1}).params
     where = " x ".join(f"{a}={s}" for a, s in sizes.items()) or "data=1"
     out: dict[str, dict[str, int]] = {}

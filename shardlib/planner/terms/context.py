@@ -19,7 +19,7 @@ activations of ring attention are in ``terms.model``.
 from __future__ import annotations
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
 POSITION_BYTES = 4  # int32 token positions travel with the K/V blocks (zig-zag order)
 GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dtype
@@ -32,6 +32,21 @@ GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dt
 # calibration fits ``ring_saved_qkv`` (saved per layer, replacing the dense ``layer_scores``)
 # and ``ring_working_qkv`` (live once: one layer's ring forward/backward working set), on
 # the context probes of ``planner.calibration.PROBES``.
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    # zig-zag ring attention takes two chunks per device; the MoE model takes no ring
+    # token positions
+    return space.context and workload.seq % (2 * size) == 0 and not workload.experts
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.CONTEXT,
+    placement=40,  # per-layer K/V hops that overlap the block's compute: inside, after tensor
+    admits=_admits,
+    splits_batch=False,
+    rule="splits the sequence in 2 chunks per device, dense models only",
+)
 
 
 def context(ctx: Context) -> Contribution:

@@ -28,8 +28,23 @@ import math
 from collections import defaultdict
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.base import (
+    MASTER_BYTES,
+    Comm,
+    Context,
+    Contribution,
+    SearchAxis,
+    admits_any,
+)
 from shardlib.planner.terms.pipeline import gradient_reductions
+
+SEARCH_AXIS = SearchAxis(
+    Axis.DATA,
+    placement=0,  # outermost: one gradient reduction per step, which tolerates a slow link
+    admits=admits_any,
+    splits_batch=True,
+    rule="any size that splits the batch",
+)
 
 _SEPARATE_WITH_FSDP = "lm_head"
 """The matrix whose context all-reduce runs unsliced under FSDP (equal in size to the

@@ -17,7 +17,7 @@ the MoE block's MLP all-reduces act on the dispatched buffer instead of b·s·h.
 from __future__ import annotations
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
 # Activations of an MoE model per token. What the compiled step keeps per MoE block (XLA's
 # buffer assignment of moe-tiny, 4 MoE blocks, data=2 x expert=4): six buffers of the
@@ -33,6 +33,19 @@ from shardlib.planner.terms.base import Comm, Context, Contribution
 # block of an MoE model, which runs unrolled inside the scanned group of ``moe_every``).
 # A model with one scanned group (layers = moe_every) compiles far smaller (XLA unrolls the
 # one-trip loop): over-predicted (1.4-1.5x), not fitted, and not searched differently.
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    return bool(workload.experts) and workload.experts % size == 0
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.EXPERT,
+    placement=30,  # per-layer all-to-alls: inside, next to context
+    admits=_admits,
+    splits_batch=True,  # each expert-axis device routes its own rows
+    rule="divides the expert count (MoE models only)",
+)
 
 
 def moe_saved_elements(ctx: Context) -> float:

@@ -15,8 +15,21 @@ weights live briefly: the embedding and head copies are the transient memory.
 from __future__ import annotations
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution
+from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution, SearchAxis
 from shardlib.planner.terms.pipeline import gradient_reductions
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    return workload.embed % size == 0
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.FSDP,
+    placement=20,  # per-layer gathers that prefetch behind compute: outside expert/context
+    admits=_admits,
+    splits_batch=True,
+    rule="divides the embed width",
+)
 
 _GATHERS_OUTSIDE = {"embedding": 1, "lm_head": 2, "final_norm.scale": 2}
 _GATHERS_OUTSIDE_NO_TENSOR = {**_GATHERS_OUTSIDE, "lm_head": 1}

@@ -34,7 +34,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution, iterations
+from shardlib.planner.terms.base import (
+    MASTER_BYTES,
+    Comm,
+    Context,
+    Contribution,
+    SearchAxis,
+    iterations,
+)
 
 FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "bounded": 3}
 BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "bounded": 0}
@@ -51,6 +58,23 @@ STAGE_ALL_REDUCES = 2
 # saves, per loop trip, the layout copies XLA derives from the picked round weights (stacked
 # [trips, ...] buffers of w1/w3, w2, wq/wk/wv, wo in the memory report):
 # ``pipe_circular_weights`` of a round's weights per trip (about 0.7).
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    if not space.pipeline or size > min(space.max_stage, workload.layers):
+        return False
+    # the trainer does not pipeline MoE models; ring attention inside pipeline stages is not
+    # in the cost model (compiled: memory 0.78x, bytes 0.85x of the prediction): not searched
+    return not workload.experts and chosen.get(str(Axis.CONTEXT), 1) == 1
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.STAGE,
+    placement=10,  # small point-to-point sends per micro-batch: outer, next to data
+    admits=_admits,
+    splits_batch=False,
+    rule="at most the layer count (and max_stage), dense models without a context axis",
+)
 
 
 def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...]:

@@ -12,11 +12,27 @@ gradient (b·s·h). These sit on the critical path: nothing overlaps them.
 
 from __future__ import annotations
 
+import math
+
 from shardlib.mesh import Axis
-from shardlib.planner.terms.base import Comm, Context, Contribution
+from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    max_tensor = space.max_tensor or cluster.devices_per_host
+    return size <= max_tensor and math.gcd(*workload.tensor_sizes) % size == 0
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.TENSOR,
+    placement=50,  # innermost: its all-reduces are on the critical path of every layer
+    admits=_admits,
+    splits_batch=False,
+    rule="divides the heads, kv-heads, MLP and vocab widths and stays inside one host",
+)
 
 
 def tensor(ctx: Context) -> Contribution:
