@@ -134,8 +134,10 @@ def test_search_space_has_experts_only_for_moe_and_no_moe_stages_or_context():
     moe = list(meshes(_moe(), cluster, Space()))
     assert any(m["expert"] > 1 for m in moe)
     assert all(m["stage"] == 1 and m["context"] == 1 for m in moe)
-    for plan in (candidate(stage=2, expert=4), candidate(context=2, expert=4)):
-        with pytest.raises(ShardingError, match="not pipelined"):
+    refusals = {"does not pipeline MoE": candidate(stage=2, expert=4)}
+    refusals["ring attention's token order"] = candidate(context=2, expert=4)
+    for needle, plan in refusals.items():
+        with pytest.raises(ShardingError, match=needle):
             estimate(_moe(), plan)
 
 

@@ -21,6 +21,7 @@ from shardlib.planner.candidate import REMAT, PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.coefficients import COEFFICIENTS
 from shardlib.planner.terms import (
+    SEARCH_AXES,
     context,
     dp,
     expert,
@@ -110,18 +111,9 @@ def check(workload: Workload, plan: ParallelPlan, cluster: Cluster | None) -> No
             f"plan {p.mesh_text()}: batch {w.global_batch} does not split into "
             f"{p.microbatches} micro-batches over {p.batch_ways} replicas"
         )
-    if w.seq % p.context or (p.context > 1 and (w.seq // p.context) % 2):
-        raise ShardingError(f"plan {p.mesh_text()}: seq {w.seq} does not split {p.context} ways")
-    if p.stage > 1:  # the pipeline strategy's own refusals: equal stages, circular m >= p
-        plan.pipeline.spec(p.sizes).check(w.layers, w.global_batch)
-    if p.expert > 1 and (not w.experts or w.experts % p.expert):
-        raise ShardingError(f"plan {p.mesh_text()}: {w.experts} experts over {p.expert}")
-    if w.experts and (p.stage > 1 or p.context > 1):
-        raise ShardingError(
-            f"plan {p.mesh_text()}: the MoE model is not pipelined and does not take ring "
-            "attention's token order (the trainer refuses a stage axis and fails with a "
-            "context axis); use expert/data/fsdp/tensor axes"
-        )
+    for axis in SEARCH_AXES:  # each strategy's own shape checks (its term's declaration)
+        if axis.check is not None and p.sizes.get(str(axis.axis), 1) > 1:
+            axis.check(w, p)
 
 
 _DEFAULT = ParallelPlan()

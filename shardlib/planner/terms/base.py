@@ -64,6 +64,9 @@ class SearchAxis:
     expert replicas): the global batch must divide by the product of these sizes."""
     rule: str = ""
     """The admission constraint in words, for the error when a fixed size is refused."""
+    check: Callable[[Workload, PlanView], None] | None = None
+    """``check(workload, view)``: the shape constraints of a given plan with this axis > 1,
+    raising ShardingError (``cost.check`` runs it before costing)."""
 
 
 @dataclass(frozen=True)

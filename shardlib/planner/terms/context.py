@@ -18,6 +18,7 @@ activations of ring attention are in ``terms.model``.
 
 from __future__ import annotations
 
+from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
@@ -40,12 +41,27 @@ def _admits(workload, cluster, space, chosen, size) -> bool:
     return space.context and workload.seq % (2 * size) == 0 and not workload.experts
 
 
+def _check(workload, view) -> None:
+    w, c = workload, view.context
+    if w.seq % (2 * c):
+        raise ShardingError(
+            f"plan {view.mesh_text()}: seq {w.seq} does not split into 2 chunks on each of "
+            f"{c} context devices. Fix: a context size that divides seq / 2."
+        )
+    if w.experts:
+        raise ShardingError(
+            f"plan {view.mesh_text()}: the MoE model does not take ring attention's token "
+            "order. Fix: use expert/data/fsdp/tensor axes."
+        )
+
+
 SEARCH_AXIS = SearchAxis(
     Axis.CONTEXT,
     placement=40,  # per-layer K/V hops that overlap the block's compute: inside, after tensor
     admits=_admits,
     splits_batch=False,
     rule="splits the sequence in 2 chunks per device, dense models only",
+    check=_check,
 )
 
 

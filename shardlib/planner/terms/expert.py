@@ -16,6 +16,7 @@ the MoE block's MLP all-reduces act on the dispatched buffer instead of b·s·h.
 
 from __future__ import annotations
 
+from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
@@ -39,12 +40,21 @@ def _admits(workload, cluster, space, chosen, size) -> bool:
     return bool(workload.experts) and workload.experts % size == 0
 
 
+def _check(workload, view) -> None:
+    if not workload.experts or workload.experts % view.expert:
+        raise ShardingError(
+            f"plan {view.mesh_text()}: {workload.experts} experts do not split over "
+            f"expert={view.expert}. Fix: an expert size that divides the expert count."
+        )
+
+
 SEARCH_AXIS = SearchAxis(
     Axis.EXPERT,
     placement=30,  # per-layer all-to-alls: inside, next to context
     admits=_admits,
     splits_batch=True,  # each expert-axis device routes its own rows
     rule="divides the expert count (MoE models only)",
+    check=_check,
 )
 
 

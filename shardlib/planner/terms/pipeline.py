@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import (
     MASTER_BYTES,
@@ -68,12 +69,23 @@ def _admits(workload, cluster, space, chosen, size) -> bool:
     return not workload.experts and chosen.get(str(Axis.CONTEXT), 1) == 1
 
 
+def _check(workload, view) -> None:
+    """The pipeline strategy's own refusals (equal stages, circular m >= p), and MoE."""
+    view.plan.pipeline.spec(view.sizes).check(workload.layers, workload.global_batch)
+    if workload.experts:
+        raise ShardingError(
+            f"plan {view.mesh_text()}: the trainer does not pipeline MoE models. Fix: use "
+            "expert/data/fsdp/tensor axes."
+        )
+
+
 SEARCH_AXIS = SearchAxis(
     Axis.STAGE,
     placement=10,  # small point-to-point sends per micro-batch: outer, next to data
     admits=_admits,
     splits_batch=False,
     rule="at most the layer count (and max_stage), dense models without a context axis",
+    check=_check,
 )
 
 
