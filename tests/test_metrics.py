@@ -39,6 +39,19 @@ def test_tensorboard_files_read_back_with_tensorboards_reader(tmp_path):
     # MFU against a stated peak: on CPU, a measured one shared by the simulated devices
     assert "cpu: measured" in result.peak_source and result.peak_flops > 0
     assert all(0 < r["mfu"] <= r["hfu"] for r in result.records)
+    assert all(r["memory_step_bytes"] > 0 for r in result.records)
+
+
+@pytest.mark.slow
+def test_wandb_logs_every_step_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    directory = tmp_path / "wandb"
+    settings = dict(metrics__wandb="shardlib-test", metrics__wandb_dir=str(directory))
+    run(_setup(tmp_path, **settings), show=False)
+    (log,) = directory.glob("wandb/offline-run-*/run-*.wandb")
+    data = log.read_bytes()  # the run's protobuf records: the metric names are in them
+    assert b"loss" in data and b"mfu" in data and b"goodput" in data
 
 
 @pytest.mark.slow

@@ -159,6 +159,7 @@ def run(
             if compiled is None:
                 compiled, goodput.compile_s = compile_step(setup, state, tokens)
                 hw_flops = compiled_flops(compiled) * devices
+                step_memory = _compiled_memory(compiled)
                 say(f"compiled the step in {goodput.compile_s:.2f} s")
             profile.before(step + 1)
             t0 = time.perf_counter()
@@ -179,6 +180,7 @@ def run(
                 "warmup": step == start,
             }
             record.update({k: float(v) for k, v in metrics.items() if k not in record})
+            record.update(step_memory)
             record.update(_memory_in_use())
             check_record(record, cfg.precision)  # fp16 overflow at the minimum loss scale
             done = step + 1
@@ -209,6 +211,17 @@ def run(
         )
         say(f"stopped by {result.stopped_by} after step {done}: {where}")
     return result
+
+
+def _compiled_memory(compiled) -> dict:
+    """Bytes per device the compiled step holds (``memory_analysis``: inputs, outputs not
+    aliased to them, temporaries), the figure every backend reports."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    held += stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    return {"memory_step_bytes": float(held)}
 
 
 def _memory_in_use() -> dict:

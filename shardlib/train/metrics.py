@@ -122,7 +122,12 @@ class WandB:
         self._run.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        teardown = getattr(wandb, "teardown", None)
+        if teardown is not None:  # waits for W&B's service to write everything out
+            teardown()
 
 
 class Writers:
