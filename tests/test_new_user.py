@@ -1,0 +1,120 @@
+"""What a new user hit on a first model of their own (issue 17), one test per point.
+
+Each bad input must be a one-line ``ShardingError`` naming the value and a fix (on the
+command line: exit code 2, no traceback), raised before any training step.
+"""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+
+import shardlib
+from shardlib import ShardingError
+from shardlib.cli import main
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error)
+    assert "\n" not in text, text
+    return text
+
+
+# --- 3. rules_for_mesh takes a Mesh, a MeshSpec or a mapping, and refuses unknown axes -------
+def test_rules_for_mesh_takes_a_mesh_a_spec_or_a_mapping():
+    mesh = shardlib.mesh_spec(data=2, tensor=4).build()
+    from_mesh = shardlib.rules_for_mesh(mesh)
+    assert from_mesh == shardlib.rules_for_mesh(shardlib.mesh_spec(data=2, tensor=4))
+    assert from_mesh == shardlib.rules_for_mesh({"data": 2, "tensor": 4})
+    assert from_mesh.spec(("batch", "mlp")) == P("data", "tensor")
+    assert shardlib.rules_for_mesh(shardlib.mesh_spec(fsdp=-1)).spec(("batch",)) == P("fsdp")
+
+
+def test_rules_for_mesh_refuses_an_unknown_axis():
+    with pytest.raises(ShardingError) as err:
+        shardlib.rules_for_mesh({"tensr": 8})
+    assert "'tensr'" in _one_line(err.value) and "Fix: use one of" in str(err.value)
+    with pytest.raises(ShardingError, match="jax.sharding.Mesh, a shardlib.MeshSpec"):
+        shardlib.rules_for_mesh(8)
+
+
+# --- 4. one call adds a logical name to both tables ------------------------------------------
+def test_with_name_adds_a_logical_name_to_both_tables():
+    rules = shardlib.rules_for_mesh({"tensor": 8}).with_name("classes", activations="tensor")
+    assert rules.params["classes"] == () and rules.activations["classes"] == ("tensor",)
+    assert rules.spec(("batch", "classes")) == P(None, "tensor")
+    with pytest.raises(ShardingError, match="'embed' is already in the params rules"):
+        rules.with_name("embed")
+    assert set(shardlib.LOGICAL_NAMES) <= set(rules.params)
+    for name in shardlib.ParallelPlan.logical_names():  # names strategies add
+        assert name in shardlib.rules_for_mesh({"data": 8}).params
+
+
+# --- 6. activation errors name the tensor ------------------------------------------------------
+def test_an_activation_error_names_the_line_that_constrained_it():
+    mesh = shardlib.mesh_spec(data=8).build()
+    rules = shardlib.rules_for_mesh(mesh)
+
+    def forward(x_BD):
+        with shardlib.use_layout(mesh, rules):
+            return shardlib.constrain(x_BD * 2, ("batch", "embed"))  # the line named
+
+    with pytest.raises(ShardingError) as err:
+        jax.jit(forward).lower(jax.ShapeDtypeStruct((3, 4), jnp.float32))
+    text = _one_line(err.value)
+    assert "activation [batch, embed] at test_new_user.py:" in text, text
+    assert "in test_an_activation_error_names_the_line_that_constrained_it.<locals>.forward" in text
+    assert "tensor 'activation'" not in text
+
+
+# --- 9. show_sharding: one label style, and how a 3-axis mesh is folded ----------------------
+def test_tile_labels_use_one_style_and_a_3d_mesh_says_how_it_is_folded():
+    mesh = shardlib.mesh_spec(data=2, fsdp=2, tensor=2).build()
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(shardlib.show_sharding(x))
+    out = console.file.getvalue()
+    assert "dev 0,1,2,3" in out and "dev 4,5,6,7" in out  # a run is listed like any set
+    assert "0-3" not in out
+    assert "column = fsdp·2 + tensor" in out
+    strided = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("tensor")))
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(shardlib.show_sharding(strided))
+    assert "dev 0,2,4,6" in console.file.getvalue()
+
+
+# --- 8. the command line checks every input before the first step ----------------------------
+def _cli_error(capsys, args: list[str]) -> str:
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "loss" not in captured.err + captured.out  # no progress line came first
+    lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+def test_cli_names_a_negative_step_count(capsys):
+    line = _cli_error(capsys, ["train", "--mesh", "cpu-8-dp", "steps=-1"])
+    assert "steps=-1" in line and "Fix:" in line
+
+
+def test_cli_refuses_a_boolean_mesh_size(capsys, tmp_path):
+    mesh = tmp_path / "bool.toml"
+    mesh.write_text("[mesh]\ndata = true\n")
+    line = _cli_error(capsys, ["train", "--mesh", str(mesh), "steps=1"])
+    assert "axis 'data' has size True" in line
+
+
+def test_cli_reports_an_odd_token_file_before_any_progress(capsys, tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.arange(40, dtype=np.uint16).tofile(tokens)
+    with tokens.open("ab") as f:
+        f.write(b"x")  # 81 bytes: not whole uint16 tokens
+    line = _cli_error(capsys, ["train", "--mesh", "cpu-8-dp", f"data={tokens}", "steps=2"])
+    assert "81 bytes" in line and "uint16" in line and "Fix:" in line
