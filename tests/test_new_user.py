@@ -9,7 +9,9 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
@@ -118,3 +120,59 @@ def test_cli_reports_an_odd_token_file_before_any_progress(capsys, tmp_path):
         f.write(b"x")  # 81 bytes: not whole uint16 tokens
     line = _cli_error(capsys, ["train", "--mesh", "cpu-8-dp", f"data={tokens}", "steps=2"])
     assert "81 bytes" in line and "uint16" in line and "Fix:" in line
+
+
+# --- 1, 2. a one-device build, and the optimizer's scalars on the whole mesh ------------------
+class _Annotated(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.normal(0.1), ("embed", "mlp"))
+        self.up = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)  # kernel [embed, mlp]
+
+    def __call__(self, x_BD):
+        return shardlib.constrain(self.up(x_BD), ("batch", "mlp"))
+
+
+def test_build_model_on_one_device_and_on_a_mesh():
+    model = shardlib.build_model(lambda: _Annotated(nnx.Rngs(0)))  # no mesh, no error
+    kernel = model.up.kernel[...]
+    assert len(kernel.sharding.device_set) == 1
+    mesh = shardlib.mesh_spec(tensor=8).build()
+    sharded = shardlib.build_model(lambda: _Annotated(nnx.Rngs(0)), mesh)  # rules_for_mesh
+    assert sharded.up.kernel[...].sharding.spec == P(None, "tensor")
+    np.testing.assert_array_equal(np.asarray(sharded.up.kernel[...]), np.asarray(kernel))
+    one = shardlib.reference_mesh(mesh)
+    assert one.axis_names == ("tensor",) and one.devices.size == 1
+
+
+def test_optimizer_scalars_are_replicated_over_the_mesh():
+    mesh = shardlib.mesh_spec(fsdp=8).build()
+    rules = shardlib.rules_for_mesh(mesh)
+    _, params = shardlib.abstract_params(lambda: _Annotated(nnx.Rngs(0)), mesh, rules)
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), params)
+    opt = shardlib.init_optimizer(optax.adam(1e-3), params)
+    assert opt[0].count.sharding.device_set == set(mesh.devices.flat)  # not device 0 alone
+    assert opt[0].mu["up"]["kernel"].sharding == params["up"]["kernel"].sharding
+    batch = shardlib.batch_sharding(mesh, rules, ("batch", None), shape=(16, 8))
+    assert batch.spec == P("fsdp")
+    with pytest.raises(ShardingError) as err:
+        shardlib.batch_sharding(mesh, rules, ("batch", None), shape=(3, 8))
+    assert "'batch'" in _one_line(err.value) and "size 3" in str(err.value)
+
+
+# --- 5. explain finds the parameters from its arguments, not from a substring -----------------
+def test_explain_takes_params_and_warns_when_it_has_to_guess():
+    mesh = shardlib.mesh_spec(data=8).build()
+    spec = NamedSharding(mesh, P())
+    weights = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=spec)}
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+    def forward(weights, x):
+        return (x @ weights["w"]).sum()
+
+    guessed = shardlib.explain(forward, weights, x)
+    assert guessed.params_count == 32 + 64 and "params=" in guessed.warnings[-1]
+    given = shardlib.explain(forward, weights, x, params=weights)
+    assert given.params_count == 32 and not given.warnings
+    assert shardlib.explain(forward, weights, x, params="weights").params_count == 32
+    with pytest.raises(ShardingError, match="params='wieghts' matches no input path"):
+        shardlib.explain(forward, weights, x, params="wieghts")
