@@ -57,6 +57,15 @@ def test_with_name_adds_a_logical_name_to_both_tables():
         assert name in shardlib.rules_for_mesh({"data": 8}).params
 
 
+def test_the_vocabulary_is_documented():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "logical_names.md").read_text()
+    for name in (*shardlib.LOGICAL_NAMES, *shardlib.ParallelPlan.logical_names()):
+        assert f"`{name}`" in page, name
+    assert "with_name" in page
+
+
 # --- 6. activation errors name the tensor ------------------------------------------------------
 def test_an_activation_error_names_the_line_that_constrained_it():
     mesh = shardlib.mesh_spec(data=8).build()
