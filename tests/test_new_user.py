@@ -185,3 +185,19 @@ def test_explain_takes_params_and_warns_when_it_has_to_guess():
     assert shardlib.explain(forward, weights, x, params="weights").params_count == 32
     with pytest.raises(ShardingError, match="params='wieghts' matches no input path"):
         shardlib.explain(forward, weights, x, params="wieghts")
+
+
+# --- 2. notebook 01 uses only top-level names --------------------------------------------------
+def test_notebook_01_uses_only_public_names():
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "01_annotate_a_flax_model.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert not re.findall(r"(?:from|import) shardlib\.\w+", code)  # no submodule imports
+    used = set(re.findall(r"\bshardlib\.(\w+)", code))
+    for names in re.findall(r"from shardlib import ([\w, ]+)", code):
+        used |= {n.strip() for n in names.split(",")}
+    assert used and used <= set(shardlib.__all__), used - set(shardlib.__all__)
