@@ -201,3 +201,41 @@ def test_notebook_01_uses_only_public_names():
     for names in re.findall(r"from shardlib import ([\w, ]+)", code):
         used |= {n.strip() for n in names.split(",")}
     assert used and used <= set(shardlib.__all__), used - set(shardlib.__all__)
+
+
+def test_a_collective_is_traced_to_the_input_it_moves_and_to_user_code():
+    from shardlib.explain import attribute, hlo
+
+    text = """HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[2,32]) -> f32[16,32] {
+  %param = f32[2,32]{1,0} parameter(0), metadata={op_name="state[\\'params\\'][\\'w\\']"}
+  %copy = f32[2,32]{1,0} copy(%param)
+  ROOT %all-gather = f32[16,32]{1,0} all-gather(%copy), replica_groups=[1,8]<=[8], GATHER
+}
+
+FileNames
+1 "/home/me/train.py"
+2 "/venv/lib/python3.12/site-packages/flax/nnx/nn/linear.py"
+
+FunctionNames
+1 "Model.__call__"
+2 "Linear.__call__"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=4 end_column=4}
+2 {file_name_id=1 function_name_id=1 line=12 end_line=12 column=4 end_column=4}
+3 {file_name_id=2 function_name_id=2 line=431 end_line=431 column=8 end_column=8}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=3}
+"""
+    text = text.replace("GATHER", 'dimensions={0}, metadata={op_name="f" stack_frame_id=3}')
+    module = hlo.parse_module(text)
+    assert attribute.moved_input(module, "main", "all-gather") == "state.params.w"
+    frames = attribute.stack_frames(text)  # frame 3 (flax) is called from frame 2 (train.py)
+    assert frames[3] == "train.py:12 in Model.__call__"
+    inst = module.computations["main"].instructions[-1]
+    assert attribute.source(inst.attrs, frames) == "train.py:12 in Model.__call__"

@@ -63,8 +63,21 @@ def _elements(inst: hlo.Instruction) -> int:
     return sum(max(1, a.elements) for a in arrays) if arrays else 0
 
 
+_INSTALLED = re.compile(r"[/\\](site-packages|dist-packages)[/\\]")
+_SHARDLIB = str(Path(__file__).resolve().parents[1])  # shardlib's own ops are library too
+
+
+def _library(path: str) -> bool:
+    return bool(_INSTALLED.search(path)) or path.startswith(_SHARDLIB)
+
+
 def stack_frames(text: str) -> dict[int, str]:
-    """``stack_frame_id`` -> ``file.py:42 in fn`` from the module's frame tables."""
+    """``stack_frame_id`` -> ``file.py:42 in fn`` from the module's frame tables.
+
+    The innermost frame is often inside a library (``linear.py:431 in Linear.__call__``);
+    the frames are walked outwards to the first one in the user's own code, which says
+    which of their layers asked for the op.
+    """
     tables: dict[str, dict[int, str]] = {}
     current = None
     for line in text.splitlines():
@@ -73,22 +86,39 @@ def stack_frames(text: str) -> dict[int, str]:
             continue
         m = re.match(r"^(\d+) (.*)$", line)
         if current is None or not m:
-            current = None if not m else current
+            current = None
             continue
         current[int(m.group(1))] = m.group(2)
-    files = {k: Path(v.strip('"')).name for k, v in tables.get("FileNames", {}).items()}
+    paths = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
     funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
-    places = {}
+    places: dict[int, tuple[str, str]] = {}  # location id -> (full path, "file.py:42 in fn")
     for k, v in tables.get("FileLocations", {}).items():
         ids = dict(re.findall(r"(\w+)=(\d+)", v))
-        file = files.get(int(ids.get("file_name_id", 0)), "?")
+        path = paths.get(int(ids.get("file_name_id", 0)), "?")
         func = funcs.get(int(ids.get("function_name_id", 0)), "?")
-        places[k] = f"{file}:{ids.get('line', '?')} in {func}"
-    out = {}
+        places[k] = (path, f"{Path(path).name}:{ids.get('line', '?')} in {func}")
+    frames: dict[int, tuple[int, int]] = {}  # frame id -> (location id, parent frame id)
     for k, v in tables.get("StackFrames", {}).items():
-        loc = re.search(r"file_location_id=(\d+)", v)
-        if loc and int(loc.group(1)) in places:
-            out[k] = places[int(loc.group(1))]
+        ids = dict(re.findall(r"(\w+)=(\d+)", v))
+        frames[k] = (int(ids.get("file_location_id", 0)), int(ids.get("parent_frame_id", 0)))
+    # jaxlib 0.10 prints each parent one above its id (a root frame names itself); a table
+    # where no frame names itself is read as printed.
+    shift = 1 if any(parent == k for k, (_, parent) in frames.items()) else 0
+    frames = {k: (loc, parent - shift) for k, (loc, parent) in frames.items()}
+    out = {}
+    for k in frames:
+        chosen, frame, seen = None, k, set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            location, parent = frames[frame]
+            if location in places:
+                chosen = chosen or places[location][1]  # innermost, the fallback
+                if not _library(places[location][0]):
+                    chosen = places[location][1]
+                    break
+            frame = parent
+        if chosen:
+            out[k] = chosen
     return out
 
 

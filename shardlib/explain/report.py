@@ -290,16 +290,15 @@ class LayoutReport:
         table = Table(title="Collectives (per device, per step)")
         table.add_column("kind", no_wrap=True)
         table.add_column("axes", overflow="fold")
-        for col in ("group", "count", "wire", "total wire"):
+        for col in ("group", "count", "total wire"):
             table.add_column(col, justify="right", no_wrap=True)
         table.add_column("moves", overflow="fold", ratio=1, min_width=12)
-        for op in self.collectives:
+        for op in self.collectives:  # per execution: total wire / count (to_json has both)
             table.add_row(
                 op.kind,
                 axes_key(op.axes),
                 str(op.group_size),
                 str(op.count),
-                format_bytes(op.wire_bytes),
                 format_bytes(op.total_wire_bytes),
                 op.moves,
             )
