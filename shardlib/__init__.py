@@ -2,6 +2,10 @@
 
 Name a mesh, annotate tensors with logical axis names, pick strategies (rules from logical
 names to mesh axes), and let XLA's sharding propagation complete the layout.
+
+Everything a training loop of one's own needs is a top-level name here (``__all__``): the
+mesh, the rules and the strategies that fill them, building a model on one device or in its
+shards, the shardings of the batch and of optax's state, ``explain`` and ``show_sharding``.
 """
 
 from shardlib.errors import ShardingError
@@ -9,31 +13,79 @@ from shardlib.errors import ShardingError
 # Imported eagerly so that the name ``shardlib.explain`` is the function: importing the
 # submodule later must not rebind the package attribute to the module.
 from shardlib.explain import explain
-from shardlib.layout import constrain, param_layout, shard_model, use_layout
-from shardlib.mesh import Axis, MeshSpec, load_mesh, mesh_spec, simulate_cpu_devices
+from shardlib.explain.report import LayoutReport, format_bytes
+from shardlib.layout import constrain, named_shardings, param_layout, shard_model, use_layout
+from shardlib.mesh import (
+    Axis,
+    MeshSpec,
+    load_mesh,
+    mesh_spec,
+    reference_mesh,
+    simulate_cpu_devices,
+)
 from shardlib.parallel import ParallelPlan, rules_for_mesh
 from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
-from shardlib.rules import Rules, base_rules, compose, resolve_spec
+from shardlib.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
+from shardlib.state import (
+    abstract_optimizer_state,
+    abstract_params,
+    batch_sharding,
+    build_model,
+    init_optimizer,
+    optimizer_shardings,
+)
+from shardlib.strategies import (
+    context_parallel,
+    data_parallel,
+    expert_parallel,
+    fsdp,
+    sequence_parallel,
+    tensor_2d,
+    tensor_3d,
+    tensor_parallel,
+)
+from shardlib.train.data import embedded_corpus, global_batch
 
 __all__ = [
+    "LOGICAL_NAMES",
     "Axis",
+    "LayoutReport",
     "MeshSpec",
     "ParallelPlan",
     "Rules",
     "ShardingError",
     "ShardingPicture",
+    "abstract_optimizer_state",
+    "abstract_params",
     "base_rules",
+    "batch_sharding",
+    "build_model",
     "compose",
     "constrain",
+    "context_parallel",
+    "data_parallel",
+    "embedded_corpus",
+    "expert_parallel",
     "explain",
+    "format_bytes",
+    "fsdp",
+    "global_batch",
+    "init_optimizer",
     "load_mesh",
     "mesh_spec",
+    "named_shardings",
+    "optimizer_shardings",
     "param_layout",
+    "reference_mesh",
     "resolve_spec",
     "rules_for_mesh",
+    "sequence_parallel",
     "shard_model",
     "sharding_picture",
     "show_sharding",
     "simulate_cpu_devices",
+    "tensor_2d",
+    "tensor_3d",
+    "tensor_parallel",
     "use_layout",
 ]

@@ -135,7 +135,9 @@ def cmd_explain(args, console: Console) -> int:
 
     mesh, cfg = _prepare(args)
     setup = make_setup(cfg, mesh)
-    report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
+    state = setup.abstract_state()
+    batch = setup.abstract_batch()
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
     report.render(console)
     if args.json:
         report.write_json(args.json)

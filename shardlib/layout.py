@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -49,14 +51,29 @@ def active_layout() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...], *, what: str = "activation"):
-    """Constrain ``x`` to the layout of its logical ``names``; a no-op outside use_layout."""
+def constrain(x: jax.Array, names: tuple[str | None, ...], *, what: str | None = None):
+    """Constrain ``x`` to the layout of its logical ``names``; a no-op outside use_layout.
+
+    ``what`` names the tensor in errors; by default the call site names it (``activation
+    [batch, seq, embed] at block.py:42 in Block.__call__``), so that a dim that does not
+    divide points at the line that constrained it rather than at "activation".
+    """
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
+    if what is None:
+        what = _call_site(names, sys._getframe(1))  # noqa: SLF001 - the caller's line
     spec = resolve_spec(what, tuple(x.shape), names, rules, mesh_axes(mesh), "activations")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _call_site(names: tuple[str | None, ...], frame) -> str:
+    """``activation [batch, seq, embed] at block.py:42 in Block.__call__``."""
+    code = frame.f_code
+    where = getattr(code, "co_qualname", code.co_name)
+    listed = ", ".join(str(n) for n in names)
+    return f"activation [{listed}] at {Path(code.co_filename).name}:{frame.f_lineno} in {where}"
 
 
 def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:

@@ -170,6 +170,24 @@ def single_device_mesh(names: tuple[str, ...] = (Axis.DATA,)):
     return MeshSpec(tuple((n, 1) for n in names)).build(jax.devices()[:1])
 
 
+def reference_mesh(mesh: Any = None):
+    """The one-device mesh to compare a layout with: the same axis names, every axis size 1.
+
+    ``mesh`` is a built mesh, a ``MeshSpec``, a tuple of axis names, or None (one ``data``
+    axis). Keeping the names lets the very same rules and ``constrain`` calls run on it: every
+    split becomes a split into one piece, so the program is the unsharded one.
+    """
+    if mesh is None:
+        names: tuple[str, ...] = (Axis.DATA,)
+    elif isinstance(mesh, MeshSpec):
+        names = mesh.names
+    elif hasattr(mesh, "axis_names"):
+        names = tuple(mesh.axis_names)
+    else:
+        names = tuple(mesh)
+    return single_device_mesh(names)
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Make the CPU backend expose ``n`` fake devices.
 

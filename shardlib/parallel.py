@@ -26,18 +26,20 @@ op in ``shardlib.ops`` if the model has to call one, and one planner term.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shardlib.errors import ShardingError
-from shardlib.mesh import MeshSpec
+from shardlib.mesh import MESHES_DIR, MeshSpec, load_mesh
 from shardlib.ops import use_ops
-from shardlib.rules import Rules, base_rules, compose
+from shardlib.rules import Indivisible, Rules, base_rules, compose, divides
 from shardlib.staging import layer_loop, make_grad_fn
 from shardlib.strategies.context import ContextParallel, reorder_tokens
 from shardlib.strategies.data import DataParallel
@@ -49,6 +51,9 @@ from shardlib.strategies.tensor import TensorParallel
 from shardlib.strategies.zero import StateRules, zero
 from shardlib.target import Target
 from shardlib.values import replace_path
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclass(frozen=True)
@@ -154,10 +159,11 @@ class ParallelPlan:
     def check(self, target: Target) -> None:
         """Every strategy's own refusals, before anything is compiled or allocated."""
         rules, axes = self.state_rules.params, self.mesh_axes
-        for section in self.sections:
-            check = getattr(section, "check", None)
-            if check is not None:
-                check(axes, rules, target)
+        with suggest_presets(batch=target.micro_batch):
+            for section in self.sections:
+                check = getattr(section, "check", None)
+                if check is not None:
+                    check(axes, rules, target)
 
     # --- what the trainer runs ---------------------------------------------------------------
     def attention_plan(self):
@@ -244,10 +250,76 @@ def _declared(attribute: str) -> dict[str, str]:
     return out
 
 
-def rules_for_mesh(mesh_axes: Mapping[str, int], *, sequence_parallel: bool = False) -> Rules:
-    """The rules of the default plan on a mesh: each mesh axis switches on its strategy."""
-    plan = ParallelPlan(
-        mesh=MeshSpec(tuple(mesh_axes.items())),
-        tensor=TensorParallel(sequence_parallel=sequence_parallel),
-    )
+def presets_that_fit(fail: Indivisible, batch: int | None = None) -> list[str]:
+    """Mesh presets of the same device count on which the failing tensor, and the batch,
+    divide, judged by each preset's own plan and rules.
+
+    Matching the preset's axis *names* against the failing rule is not enough: with batch=3,
+    ``cpu-8-fsdp`` has no ``data`` axis but splits the batch 8 ways over ``fsdp``. ``batch``
+    (one micro-batch, where known) must divide too, so a preset that mends a weight but
+    breaks the batch is not offered, and two presets never send the user back and forth.
+    """
+    fits = []
+    for path in sorted(Path(MESHES_DIR).glob("*.toml")):
+        try:
+            spec = load_mesh(path)
+            if spec.fixed_size != fail.devices:
+                continue
+            plan = ParallelPlan.from_mesh_spec(spec)
+            rules, axes = plan.state_rules.params, plan.mesh_axes
+        except (ShardingError, OSError, ValueError, TypeError):
+            continue
+        if not divides(fail.shape, fail.names, rules.table(fail.kind), axes):
+            continue
+        if batch is not None and not divides((batch,), ("batch",), rules.activations, axes):
+            continue
+        fits.append(path.stem)
+    return fits
+
+
+@contextlib.contextmanager
+def suggest_presets(batch: int | None = None) -> Iterator[None]:
+    """Re-raise a "dim does not divide" error with the presets that would fit it.
+
+    The error comes from ``rules.resolve_spec``, which knows one tensor and no presets;
+    the suggestion needs each preset's plan, so it is added here, where plans are known.
+    """
+    try:
+        yield
+    except ShardingError as error:
+        fail = getattr(error, "indivisible", None)
+        if fail is None or getattr(error, "suggested", False):
+            raise
+        fits = presets_that_fit(fail, batch)
+        hint = f" Presets that fit: {', '.join(fits)}." if fits else ""
+        better = ShardingError(f"{error}{hint}")
+        better.indivisible, better.suggested = fail, True
+        raise better from None
+
+
+def rules_for_mesh(
+    mesh: Mesh | MeshSpec | Mapping[str, int], *, sequence_parallel: bool = False
+) -> Rules:
+    """The rules of the default plan on a mesh: each mesh axis switches on its strategy.
+
+    ``mesh`` is a built ``jax.sharding.Mesh``, a ``MeshSpec`` or ``{axis: size}``. The plan
+    refuses an axis no strategy declares (``ParallelPlan.known_axes``), so a typo such as
+    ``tensr`` fails here instead of yielding rules that replicate everything.
+    """
+    if isinstance(mesh, MeshSpec):
+        spec = mesh
+    elif hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):  # a jax Mesh
+        spec = MeshSpec(tuple(zip(mesh.axis_names, mesh.devices.shape, strict=True)))
+    elif isinstance(mesh, Mapping):
+        spec = MeshSpec(tuple(mesh.items()))
+    else:
+        raise ShardingError(
+            f"rules_for_mesh: got {type(mesh).__name__} {mesh!r}. Fix: pass a "
+            "jax.sharding.Mesh, a shardlib.MeshSpec or a mapping {axis name: size}."
+        )
+    plan = ParallelPlan(mesh=spec, tensor=TensorParallel(sequence_parallel=sequence_parallel))
+    if spec.fixed_size is None:  # a -1 axis: the devices of this process's backend
+        import jax
+
+        plan = plan.with_devices(jax.device_count())
     return plan.rules

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from shardlib.layout import use_layout
-from shardlib.mesh import MeshSpec
+from shardlib.mesh import MeshSpec, reference_mesh
 from shardlib.train import precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.data import global_batch, load_tokens
@@ -43,11 +43,6 @@ class ParityResult:
     def ok(self, tol: float = FP32_TOLERANCE) -> bool:
         errs = (self.max_rel_loss_err, self.max_rel_grad_norm_err, self.max_rel_grad_err)
         return max(*errs, self.max_rel_param_err) <= tol
-
-
-def reference_mesh(mesh: Mesh) -> Mesh:
-    """One device, the same axis names, every axis of size 1."""
-    return MeshSpec(tuple((n, 1) for n in mesh.axis_names)).build(jax.devices()[:1])
 
 
 def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:

@@ -35,15 +35,20 @@ def _hex(rgb: tuple[float, float, float]) -> str:
     return "#" + "".join(f"{round(255 * v):02x}" for v in rgb)
 
 
+_LISTED = 8
+"""Tiles held by more devices than this are labelled with the first ids and the count."""
+
+
 def device_list(ids: tuple[int, ...]) -> str:
-    """(0, 1, 2, 3, 6) -> '0-3,6': runs of consecutive ids collapsed."""
-    runs: list[list[int]] = []
-    for i in sorted(ids):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    """(0, 4) -> '0,4'; (0, 1) -> '0,1': one style for every tile, ids in order.
+
+    Runs were once collapsed ('0-1') while strided sets were not ('0,4'), so two labels of
+    one picture read differently; a long set keeps its first ids and says how many there are.
+    """
+    ids = sorted(ids)
+    if len(ids) <= _LISTED:
+        return ",".join(map(str, ids))
+    return ",".join(map(str, ids[: _LISTED - 2])) + f",… ({len(ids)})"
 
 
 def panels(pic: ShardingPicture) -> list[tuple[str, list[tuple[int, Tile]]]]:
@@ -127,14 +132,25 @@ def draw_figure(pic: ShardingPicture, max_panels: int = 8):
 
 
 def mesh_grid(pic: ShardingPicture) -> tuple[list[list[int]], str, str]:
-    """Device ids as rows x columns: rows = the first mesh axis, columns = the others."""
+    """Device ids as rows x columns: rows = the first mesh axis, columns = the others.
+
+    A mesh of three or more axes is folded into 2D by flattening the later axes into the
+    columns in row-major order (the last axis varies fastest); the column label says so,
+    e.g. ``fsdp (2) × tensor (2), column = fsdp·2 + tensor``.
+    """
     (first, n0), rest = pic.mesh_axes[0], pic.mesh_axes[1:]
     if not rest:  # a 1D mesh is one row
         return [list(pic.mesh_device_ids)], "", f"{first} ({n0})"
     cols = math.prod(s for _, s in rest)
     ids = list(pic.mesh_device_ids)
     grid = [ids[r * cols : (r + 1) * cols] for r in range(n0)]
-    return grid, f"{first} ({n0})", " × ".join(f"{n} ({s})" for n, s in rest)
+    xlabel = " × ".join(f"{n} ({s})" for n, s in rest)
+    if len(rest) > 1:
+        terms = [
+            name + "".join(f"·{s}" for _, s in rest[i + 1 :]) for i, (name, _) in enumerate(rest)
+        ]
+        xlabel += ", column = " + " + ".join(terms)
+    return grid, f"{first} ({n0})", xlabel
 
 
 def _draw_mesh(ax, pic: ShardingPicture, colors) -> None:
@@ -181,12 +197,9 @@ def rich_picture(pic: ShardingPicture) -> Group:
         parts.append(table)
     if pic.mesh_axes:
         grid, ylabel, xlabel = mesh_grid(pic)
-        mesh = Table(
-            show_header=False,
-            show_lines=True,
-            padding=0,
-            title=f"mesh: rows {ylabel}, cols {xlabel}" if ylabel else f"mesh: {xlabel}",
-        )
+        # a line, not the table's title: a title wraps to the (narrow) width of the grid
+        parts.append(Text(f"mesh: rows {ylabel}, cols {xlabel}" if ylabel else f"mesh: {xlabel}"))
+        mesh = Table(show_header=False, show_lines=True, padding=0)
         for _ in grid[0]:
             mesh.add_column(min_width=4)
         for row in grid:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
@@ -80,6 +79,30 @@ class Rules:
             activations={**self.activations, **(activations or {})},
         )
 
+    def with_name(
+        self,
+        name: str,
+        *,
+        params: tuple[str, ...] | str | None = None,
+        activations: tuple[str, ...] | str | None = None,
+    ) -> Rules:
+        """A copy that knows one more logical name, in both tables at once.
+
+        A model's own name (``"patch"``, ``"classes"``) must be in the parameter table for
+        its weights and in the activation table for ``constrain``; adding it to one table
+        only fails later, on the first tensor of the other kind. ``None`` (the default)
+        replicates it; ``"tensor"`` or ``("fsdp", "tensor")`` split it over those mesh axes.
+        Adding a name that is already known is refused: use ``replace`` to change an entry.
+        """
+        for kind, table in (("params", self.params), ("activations", self.activations)):
+            if name in table:
+                raise ShardingError(
+                    f"Rules.with_name: logical name {name!r} is already in the {kind} rules "
+                    f"(-> {table[name]}). Fix: pick another name, or change the entry with "
+                    f"rules.replace({kind}={{{name!r}: ...}})."
+                )
+        return self.replace(params={name: params}, activations={name: activations})
+
     def spec(self, names: tuple[str | None, ...], kind: Kind = "activations") -> P:
         """PartitionSpec for a tuple of logical names, without shape checks."""
         table = self.table(kind)
@@ -134,23 +157,24 @@ def _fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
     return " x ".join(f"{n}={s}" for n, s in mesh_axes.items()) or "no axes"
 
 
-def _presets_that_fit(axes: tuple[str, ...], dim: int, devices: int) -> list[str]:
-    """Mesh presets of the same device count whose ``axes`` divide ``dim``."""
-    import tomllib
+def divides(shape, names, table: Mapping[str, tuple[str, ...]], mesh_axes: Mapping[str, int]):
+    """Whether every named dim of ``shape`` divides by the mesh axes ``table`` gives it."""
+    for name, size in zip(names, shape, strict=True):
+        axes = table.get(name, ()) if name is not None else ()
+        if size % math.prod(mesh_axes.get(a, 1) for a in axes):
+            return False
+    return True
 
-    from shardlib.mesh import MESHES_DIR
 
-    fits = []
-    for path in sorted(Path(MESHES_DIR).glob("*.toml")):
-        try:
-            sizes = tomllib.loads(path.read_text()).get("mesh", {})
-        except (OSError, tomllib.TOMLDecodeError):
-            continue
-        if -1 in sizes.values() or math.prod(sizes.values()) != devices:
-            continue
-        if dim % math.prod(sizes.get(a, 1) for a in axes) == 0:
-            fits.append(path.stem)
-    return fits
+@dataclass(frozen=True)
+class Indivisible:
+    """What a "dim does not divide" error carries, so that a layer that knows the mesh
+    presets (``shardlib.parallel.suggest_presets``) can name those that would fit."""
+
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    kind: Kind
+    devices: int
 
 
 def resolve_spec(
@@ -166,6 +190,7 @@ def resolve_spec(
     ``names`` is the tensor's logical annotation (``None`` for an unannotated tensor, which
     is replicated on purpose). Raises ShardingError for an unknown logical name, a rank
     mismatch, a mesh axis used twice, a missing mesh axis, or a dim that does not divide.
+    The last carries ``Indivisible`` (``error.indivisible``) for the presets suggestion.
     """
     if names is None:
         return P()
@@ -208,14 +233,15 @@ def resolve_spec(
         ways = math.prod(mesh_axes[a] for a in axes)
         if size % ways:
             over = " x ".join(f"{a}={mesh_axes[a]}" for a in axes)
-            fits = _presets_that_fit(axes, size, math.prod(mesh_axes.values()))
-            hint = f" Presets that fit: {', '.join(fits)}." if fits else ""
-            raise ShardingError(
+            error = ShardingError(
                 f"tensor {path!r} dim {dim} ({name!r}, size {size}) is split over mesh axis "
                 f"{over} ({ways} ways), and {size} is not divisible by {ways}. Fix: change the "
                 f"model so {name!r} is a multiple of {ways}, shrink that mesh axis, or map "
-                f"{name!r} to () in the {kind} rules.{hint}"
+                f"{name!r} to () in the {kind} rules."
             )
+            devices = math.prod(mesh_axes.values())
+            error.indivisible = Indivisible(tuple(shape), names, kind, devices)
+            raise error
         parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return _spec(parts)
 

@@ -4,15 +4,19 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from shardlib import (
+    ParallelPlan,
     Rules,
     ShardingError,
     base_rules,
     compose,
+    load_mesh,
     mesh_spec,
     resolve_spec,
     rules_for_mesh,
 )
+from shardlib.parallel import suggest_presets
 from shardlib.strategies import data_parallel, fsdp, tensor_parallel
+from shardlib.target import Target
 from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
 
@@ -135,7 +139,39 @@ def test_bad_annotations_name_tensor_dim_and_axis(shape, names, rules, axes, nee
 
 def test_not_divisible_suggests_presets_that_fit():
     with pytest.raises(ShardingError, match="Presets that fit: .*cpu-8-dp"):
-        resolve_spec("w", (6,), ("heads",), rules_for_mesh({"tensor": 8}), {"tensor": 8})
+        with suggest_presets():
+            resolve_spec("w", (6,), ("heads",), rules_for_mesh({"tensor": 8}), {"tensor": 8})
+
+
+def _suggested(message: str) -> set[str]:
+    listed = message.partition("Presets that fit: ")[2].rstrip(".")
+    return {name.strip() for name in listed.split(",") if name.strip()}
+
+
+def test_suggested_presets_fit_the_batch_and_never_ping_pong():
+    """batch=3 on cpu-8-dp once suggested cpu-8-fsdp, which failed the same way and
+    suggested cpu-8-dp back: every suggestion must itself accept the failing batch."""
+
+    def check(preset: str) -> None:
+        plan = ParallelPlan.from_mesh_spec(load_mesh(preset))
+        plan.check(Target.from_params({}, batch=3, seq=16))
+
+    for preset in ("cpu-8-dp", "cpu-8-fsdp"):
+        with pytest.raises(ShardingError) as err:
+            check(preset)
+        fits = _suggested(str(err.value))
+        assert fits and {"cpu-8-dp", "cpu-8-fsdp", "cpu-8-hsdp"}.isdisjoint(fits), fits
+        for other in fits:  # each suggestion passes the very check that failed
+            check(other)
+
+
+def test_suggested_presets_fit_the_weight_and_the_batch():
+    axes = {"tensor": 8}
+    with pytest.raises(ShardingError) as err:
+        with suggest_presets(batch=3):
+            resolve_spec("w", (6,), ("heads",), rules_for_mesh(axes), axes)
+    fits = _suggested(str(err.value))
+    assert "cpu-8-dp" not in fits and "cpu-8-tp" not in fits, fits  # batch 3; heads 6
 
 
 def test_rules_check_mesh_names_rule_and_axis():

@@ -19,14 +19,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardlib.explain import hlo
+from shardlib.errors import ShardingError
+from shardlib.explain import attribute, hlo
+from shardlib.explain.collective import collective_op
+from shardlib.explain.reduce_scatter import as_gpu_runs, cpu_reduce_scatters, gpu_collectives
 from shardlib.explain.report import (
     CollectiveOp,
     LayoutReport,
     MemoryReport,
     TensorLayout,
     format_bytes,
-    ring_wire_bytes,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "TensorLayout",
     "explain",
     "format_bytes",
+    "gpu_collectives",
 ]
 
 # memory_analysis() attribute -> report field. Host fields exist only in newer jaxlibs.
@@ -53,6 +56,7 @@ def explain(
     fn: Callable,
     *args: Any,
     mesh: jax.sharding.Mesh | None = None,
+    params: Any = None,
     param_filter: Callable[[str], bool] | None = None,
     **kwargs: Any,
 ) -> LayoutReport:
@@ -60,8 +64,13 @@ def explain(
 
     ``fn`` may be ``jax.jit``-ed (anything with ``.lower``) or a plain callable. ``mesh``
     maps replica groups to axis names; by default the mesh of the first ``NamedSharding``
-    among the compiled shardings. ``param_filter(path)`` picks the inputs that count as
-    parameters; by default those whose path contains "params", or all inputs if none does.
+    among the compiled shardings.
+
+    Which inputs are the parameters (``params_count``, ``params_bytes``, ``is_param``):
+    ``params=`` the tree of parameters as passed in (e.g. ``params=state["params"]``; its
+    leaves are matched by identity), or an argument path prefix (``params="state.weights"``);
+    or ``param_filter(path)``. Without either, the inputs under a path component named
+    exactly ``params``; if there is none, every input, with a warning that says so.
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     if isinstance(mesh, jax.sharding.Mesh) and hasattr(jax, "set_mesh"):
@@ -75,14 +84,14 @@ def explain(
     axes = dict(mesh.shape) if mesh is not None else {}
 
     tensors = _tensors(fn, compiled, (args, kwargs))
-    if param_filter is None:
-        has_params = any("params" in t.path for t in tensors)
-        param_filter = (lambda p: "params" in p) if has_params else (lambda p: True)
-    tensors = [dataclasses.replace(t, is_param=bool(param_filter(t.path))) for t in tensors]
-    params = [t for t in tensors if t.is_param]
+    marks, warnings = _param_marks(tensors, (args, kwargs), params, param_filter)
+    tensors = [dataclasses.replace(t, is_param=m) for t, m in zip(tensors, marks, strict=True)]
+    param_list = [t for t in tensors if t.is_param]
 
-    module = hlo.parse_module(compiled.as_text())
-    multipliers, warnings = hlo.call_multipliers(module)
+    text = compiled.as_text()
+    module = hlo.parse_module(text)
+    multipliers, loop_warnings = hlo.call_multipliers(module)
+    warnings += loop_warnings
     mesh_shape = tuple(axes.values()) or (module.num_devices,)
     names = tuple(axes) or ("devices",)
     if int(np.prod(mesh_shape)) != module.num_devices:
@@ -90,21 +99,62 @@ def explain(
             f"mesh has {int(np.prod(mesh_shape))} devices but the program runs on "
             f"{module.num_devices}: collective axes may be missing",
         )
-    ops = [_collective_op(c, mesh_shape, names) for c in hlo.collectives(module, multipliers)]
+    frames = attribute.stack_frames(text)
+    ops = [
+        collective_op(c, mesh_shape, names, module, frames)
+        for c in hlo.collectives(module, multipliers)
+    ]
     memory, memory_warnings = _memory(compiled)
     return LayoutReport(
         mesh_axes=axes,
         platform=_platform(shardings),
         num_devices=module.num_devices,
         tensors=tensors,
-        params_count=sum(int(np.prod(t.shape)) for t in params),
-        params_bytes=sum(t.bytes for t in params),
+        params_count=sum(int(np.prod(t.shape)) for t in param_list),
+        params_bytes=sum(t.bytes for t in param_list),
         memory=memory,
         flops_per_device=hlo.count_flops(module, multipliers),
         xla_cost_analysis_flops=_xla_flops(compiled),
         collectives=ops,
         warnings=warnings + memory_warnings,
+        gpu_collectives=as_gpu_runs(ops, cpu_reduce_scatters(text)),
     )
+
+
+def _param_marks(
+    tensors: list[TensorLayout], given: tuple, params: Any, param_filter
+) -> tuple[list[bool], tuple[str, ...]]:
+    """Which inputs are parameters (see ``explain``), and a warning when it was a guess."""
+    if isinstance(params, str):
+        prefix = params.rstrip(".")
+        marks = [t.path == prefix or t.path.startswith(prefix + ".") for t in tensors]
+        if not any(marks):
+            raise ShardingError(
+                f"explain: params={params!r} matches no input path (inputs: "
+                f"{', '.join(t.path for t in tensors[:4])}, ...). Fix: pass an input path "
+                "prefix such as 'state.params', or params=<the parameter tree>."
+            )
+        return marks, ()
+    if params is not None:
+        ids = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
+        passed = jax.tree_util.tree_leaves(given)
+        if len(passed) != len(tensors) or not ids & {id(p) for p in passed}:
+            raise ShardingError(
+                "explain: none of the params= leaves is among the arguments. Fix: pass the "
+                "very tree given to fn (params=state['params']) or a path prefix "
+                "(params='state.params')."
+            )
+        return [id(p) in ids for p in passed], ()
+    if param_filter is not None:
+        return [bool(param_filter(t.path)) for t in tensors], ()
+    marks = ["params" in t.path.split(".") for t in tensors]
+    if any(marks):
+        return marks, ()
+    warning = (
+        "no params= given and no input path has a 'params' component: every input is "
+        "counted as a parameter. Fix: explain(fn, *args, params=<the parameter tree>)"
+    )
+    return [True] * len(tensors), (warning,) if len(tensors) > 1 else ()
 
 
 def _find_mesh(shardings: list, compiled) -> jax.sharding.Mesh | None:
@@ -203,60 +253,6 @@ def _tensors(fn: Callable, compiled, given: tuple) -> list[TensorLayout]:
             )
         )
     return tensors
-
-
-def _mesh_axes(groups: list, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> tuple:
-    """Mesh axes along which members of the device ``groups`` (partition indices) differ.
-
-    Partition i runs on ``mesh.devices.flat[i]`` (jit compiles with the mesh's flat device
-    order as its device assignment), so its coordinates are ``unravel_index(i, mesh shape)``
-    whatever the physical device ids are.
-    """
-    spanned: set[int] = set()
-    for size in {len(g) for g in groups}:
-        ids = np.array([g for g in groups if len(g) == size])  # [groups, members]
-        if ids.size == 0 or ids.max() >= int(np.prod(mesh_shape)):
-            continue
-        for axis, coords in enumerate(np.unravel_index(ids, mesh_shape)):
-            if (coords != coords[:, :1]).any():
-                spanned.add(axis)
-    return tuple(names[a] for a in sorted(spanned))
-
-
-def _collective_op(raw: hlo.RawCollective, mesh_shape: tuple, names: tuple) -> CollectiveOp:
-    if raw.kind == "collective-permute":  # axes along which data moves
-        axes = _mesh_axes([list(p) for p in raw.pairs], mesh_shape, names)
-        group_size = _largest_cycle(raw.pairs)
-    else:
-        axes = _mesh_axes([list(g) for g in raw.groups], mesh_shape, names)
-        group_size = max((len(g) for g in raw.groups), default=1)
-    return CollectiveOp(
-        name=raw.name,
-        kind=raw.kind,
-        axes=axes,
-        group_size=group_size,
-        count=raw.count,
-        buffer_bytes=raw.buffer_bytes,
-        wire_bytes=ring_wire_bytes(raw.kind, raw.buffer_bytes, group_size),
-        op_name=raw.op_name,
-    )
-
-
-def _largest_cycle(pairs: tuple[tuple[int, int], ...]) -> int:
-    """Devices in the largest connected set of a permute's pairs (4 for a ring of 4)."""
-    parent: dict[int, int] = {}
-
-    def root(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    for source, target in pairs:
-        parent[root(source)] = root(target)
-    sizes: dict[int, int] = {}
-    for x in list(parent):
-        sizes[root(x)] = sizes.get(root(x), 0) + 1
-    return max(sizes.values(), default=1)
 
 
 def _memory(compiled) -> tuple[MemoryReport, tuple[str, ...]]:

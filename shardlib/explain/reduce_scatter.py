@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardlib.explain import hlo
+import shardlib.explain.attribute as attribute
+import shardlib.explain.hlo as hlo
+from shardlib.explain.collective import collective_op
 from shardlib.explain.report import CollectiveOp, ring_wire_bytes
 
 
@@ -85,19 +87,28 @@ def cpu_reduce_scatters(text: str) -> set[str]:
     return found
 
 
-def gpu_collectives(text: str, mesh) -> list[CollectiveOp]:
-    """Collectives of compiled HLO ``text`` on ``mesh``, all-reduce + slice as reduce-scatter."""
-    from shardlib.explain import _collective_op  # one definition of axes and wire bytes
-
-    module = hlo.parse_module(text)
-    multipliers, _ = hlo.call_multipliers(module)
-    shape, names = tuple(mesh.shape.values()), tuple(mesh.shape)
-    scatters = cpu_reduce_scatters(text)
+def as_gpu_runs(ops: list[CollectiveOp], scatters: set[str]) -> list[CollectiveOp]:
+    """``ops`` with the all-reduces named in ``scatters`` relabelled as reduce-scatters."""
     out = []
-    for raw in hlo.collectives(module, multipliers):
-        op = _collective_op(raw, shape, names)
+    for op in ops:
         if op.kind == "all-reduce" and op.name in scatters:
             wire = ring_wire_bytes("reduce-scatter", op.buffer_bytes, op.group_size)
             op = dataclasses.replace(op, kind="reduce-scatter", wire_bytes=wire)
         out.append(op)
     return out
+
+
+def gpu_collectives(text: str, mesh) -> list[CollectiveOp]:
+    """Collectives of compiled HLO ``text`` on ``mesh``, all-reduce + slice as reduce-scatter.
+
+    ``explain`` reports the same list as ``LayoutReport.gpu_collectives``.
+    """
+    module = hlo.parse_module(text)
+    multipliers, _ = hlo.call_multipliers(module)
+    shape, names = tuple(mesh.shape.values()), tuple(mesh.shape)
+    frames = attribute.stack_frames(text)
+    ops = [
+        collective_op(raw, shape, names, module, frames)
+        for raw in hlo.collectives(module, multipliers)
+    ]
+    return as_gpu_runs(ops, cpu_reduce_scatters(text))

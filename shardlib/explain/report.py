@@ -65,7 +65,7 @@ class TensorLayout:
     bytes_per_device: int
     memory_kind: str | None  # "device", "pinned_host", ... where the sharding says
     donated: bool
-    is_param: bool  # counted in params_count / params_bytes (see ``param_filter``)
+    is_param: bool  # counted in params_count / params_bytes (``explain``'s ``params=``)
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,13 @@ class CollectiveOp:
     buffer_bytes: int  # per execution, the full unsharded M of REFERENCE.md
     wire_bytes: float  # per execution and device, ring formula
     op_name: str = ""  # the JAX op it came from (HLO metadata)
+    tensor: str = ""  # the input it moves (an argument path), where the HLO traces it back
+    source: str = ""  # where in the user's code: "model.py:42 in Block.__call__"
+
+    @property
+    def moves(self) -> str:
+        """What to show for "what is this": the input moved, else the line, else the op."""
+        return self.tensor or self.source or self.op_name
 
     @property
     def total_buffer_bytes(self) -> int:
@@ -167,6 +174,9 @@ class LayoutReport:
     xla_cost_analysis_flops: float | None
     collectives: list[CollectiveOp]
     warnings: tuple[str, ...] = ()
+    gpu_collectives: list[CollectiveOp] = field(default_factory=list)
+    """The same collectives as GPU and TPU run them: the CPU backend's all-reduce + slice
+    pairs counted as the reduce-scatters they become there (``reduce_scatter``)."""
 
     @property
     def host_argument_bytes(self) -> int:
@@ -186,6 +196,11 @@ class LayoutReport:
         """The same totals keyed by the mesh axes spanned (``axes_key``)."""
         return _totals(self.collectives, lambda op: axes_key(op.axes))
 
+    @property
+    def gpu_collective_totals(self) -> dict[str, dict[str, float]]:
+        """``collective_totals`` of the GPU form (``gpu_collectives``)."""
+        return _totals(self.gpu_collectives, lambda op: op.kind)
+
     def to_json(self) -> dict:
         return {
             "mesh": {
@@ -200,6 +215,7 @@ class LayoutReport:
             "collective_totals": self.collective_totals,
             "collective_totals_by_axis": self.collective_totals_by_axis,
             "collectives": [op.to_json() for op in self.collectives],
+            "gpu_collective_totals": self.gpu_collective_totals,
             "tensors": [
                 {**asdict(t), "shape": list(t.shape), "shard_shape": list(t.shard_shape)}
                 for t in self.tensors
@@ -227,8 +243,12 @@ class LayoutReport:
     def print(self) -> None:
         self.render()
 
+    # Tables stay readable from 80 columns up: numbers and collective kinds never wrap (a
+    # kind cut to "all-gat…" reads as nothing), long text folds onto more lines.
     def _summary_table(self) -> Table:
         table = Table(title="Layout report (per device)", show_header=False)
+        table.add_column(no_wrap=True)
+        table.add_column(overflow="fold")
         mesh = " x ".join(f"{name}={size}" for name, size in self.mesh_axes.items())
         table.add_row("mesh", f"{mesh or '-'} ({self.num_devices} {self.platform} devices)")
         table.add_row(
@@ -240,8 +260,11 @@ class LayoutReport:
 
     def _tensor_table(self) -> Table:
         table = Table(title="Inputs")
-        for col in ("path", "shape", "dtype", "spec", "shard shape", "bytes", "per device"):
-            table.add_column(col, justify="right" if col in ("bytes", "per device") else "left")
+        table.add_column("path", overflow="fold", ratio=3)
+        for col in ("shape", "dtype", "spec", "shard shape"):
+            table.add_column(col, overflow="fold", ratio=1)
+        for col in ("bytes", "per device"):
+            table.add_column(col, justify="right", no_wrap=True)
         for t in self.tensors:
             table.add_row(
                 t.path,
@@ -256,36 +279,41 @@ class LayoutReport:
 
     def _memory_table(self) -> Table:
         table = Table(title="Memory per device")
-        table.add_column("part")
-        table.add_column("bytes", justify="right")
+        table.add_column("part", no_wrap=True)
+        table.add_column("bytes", justify="right", no_wrap=True)
         for part, value in self.memory.to_json().items():
             table.add_row(part.removesuffix("_bytes"), format_bytes(value))
         return table
 
     def _collective_table(self) -> Table:
+        """One row per collective; "moves" is the input it moves, else the line of code."""
         table = Table(title="Collectives (per device, per step)")
-        for col in ("kind", "axes", "group", "count", "buffer", "wire", "total wire", "op"):
-            table.add_column(col, justify="left" if col in ("kind", "axes", "op") else "right")
-        for op in self.collectives:
+        table.add_column("kind", no_wrap=True)
+        table.add_column("axes", overflow="fold")
+        for col in ("group", "count", "total wire"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("moves", overflow="fold", ratio=1, min_width=12)
+        for op in self.collectives:  # per execution: total wire / count (to_json has both)
             table.add_row(
                 op.kind,
                 axes_key(op.axes),
                 str(op.group_size),
                 str(op.count),
-                format_bytes(op.buffer_bytes),
-                format_bytes(op.wire_bytes),
                 format_bytes(op.total_wire_bytes),
-                op.op_name[-60:],
+                op.moves,
             )
         return table
 
     def _totals_table(self) -> Table:
         table = Table(title="Collective totals per step")
-        for col in ("by", "key", "count", "buffer", "wire"):
-            table.add_column(col, justify="left" if col in ("by", "key") else "right")
+        table.add_column("by", no_wrap=True)
+        table.add_column("key", no_wrap=True)
+        for col in ("count", "buffer", "wire"):
+            table.add_column(col, justify="right", no_wrap=True)
         for by, totals in (
             ("kind", self.collective_totals),
             ("axes", self.collective_totals_by_axis),
+            ("GPU form", self.gpu_collective_totals),
         ):
             for key, t in totals.items():
                 table.add_row(

@@ -163,7 +163,9 @@ def measure(plan: ParallelPlan, words: str) -> dict:
 
     mesh = plan.build_mesh()
     setup = make_setup(train_config(plan, words), mesh)
-    report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
+    state = setup.abstract_state()
+    batch = setup.abstract_batch()
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
     return {
         "mesh": dict(plan.mesh.axes),
         "parallel": plan.tables(),

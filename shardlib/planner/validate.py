@@ -112,7 +112,9 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     cfg = train_config(fp32, plan)
     mesh = plan.build_mesh(jax.devices()[:size])
     setup = make_setup(cfg, mesh)
-    report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(), mesh=mesh)
+    state = setup.abstract_state()
+    batch = setup.abstract_batch()
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
     pred = estimate(fp32, plan, backend="cpu")
     host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     return Check(

@@ -45,7 +45,9 @@ def load_tokens(path: str | None) -> np.ndarray:
         raise ShardingError(f"data={path!r}: no such file. Fix: pass a flat uint16 token file.")
     if p.stat().st_size % 2 or p.stat().st_size < 4:
         raise ShardingError(
-            f"data={path!r}: {p.stat().st_size} bytes is not a whole number of uint16 tokens."
+            f"data={path!r}: {p.stat().st_size} bytes is not a whole number of uint16 tokens "
+            "(at least 2). Fix: write the ids as uint16, e.g. "
+            "np.asarray(ids, np.uint16).tofile(path)."
         )
     return np.memmap(p, dtype=np.uint16, mode="r")
 

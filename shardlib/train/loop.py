@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -55,10 +56,22 @@ class RunResult:
         return [r["loss"] for r in self.records]
 
 
-def batches(setup: TrainSetup, start: int = 0) -> Iterator[tuple[int, jax.Array]]:
+def open_tokens(setup: TrainSetup) -> np.ndarray:
+    """The token file, checked (whole uint16 tokens, ids below the vocabulary).
+
+    Called at the top of ``run``: a bad file is an error before any state is built or any
+    progress line is printed, not after a ``0/2 loss nan`` line.
+    """
+    tokens = load_tokens(setup.cfg.data.path)
+    check_vocab(tokens, setup.target.dims.get("vocab", 0), setup.cfg.data.path)
+    return tokens
+
+
+def batches(
+    setup: TrainSetup, start: int = 0, tokens: np.ndarray | None = None
+) -> Iterator[tuple[int, jax.Array]]:
     cfg = setup.cfg
-    tokens = load_tokens(cfg.data.path)
-    check_vocab(tokens, setup.target.dims.get("vocab", 0), cfg.data.path)
+    tokens = open_tokens(setup) if tokens is None else tokens
     b, s, seed = cfg.data.batch, cfg.data.seq, cfg.run.seed
     for step in range(start, cfg.run.steps):
         yield step, global_batch(tokens, step, b, s, seed, setup.batch_sharding)
@@ -115,6 +128,7 @@ def run(
             console.print(message, highlight=False)
 
     t_start, started_at = time.perf_counter(), time.time()
+    tokens = open_tokens(setup)
     enable_compile_cache(cfg.run.compile_cache)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
     if state is None and ckpt is not None:
@@ -154,16 +168,16 @@ def run(
                 mfu=0.0, dt=0.0,
             )  # fmt: skip
         data_t0 = time.perf_counter()
-        for step, tokens in batches(setup, start):
+        for step, batch in batches(setup, start, tokens):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
-                compiled, goodput.compile_s = compile_step(setup, state, tokens)
+                compiled, goodput.compile_s = compile_step(setup, state, batch)
                 hw_flops = compiled_flops(compiled) * devices
                 step_memory = _compiled_memory(compiled)
                 say(f"compiled the step in {goodput.compile_s:.2f} s")
             profile.before(step + 1)
             t0 = time.perf_counter()
-            state, metrics = compiled(state, tokens)
+            state, metrics = compiled(state, batch)
             metrics = jax.device_get(metrics)  # waits for the step: honest step times
             dt = time.perf_counter() - t0
             profile.after(step + 1)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.layout import mesh_axes, named_shardings, resolve_specs
 from shardlib.model import Inventory, ModelFactory, inventory, resolve_model
-from shardlib.parallel import ParallelPlan
+from shardlib.parallel import ParallelPlan, suggest_presets
 from shardlib.rules import Rules
 from shardlib.strategies.offload import HOST_MEMORY
 from shardlib.target import Target
@@ -215,7 +215,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         precision=cfg.precision.compute,
     )
     plan.check(target)
-    specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
+    with suggest_presets(batch=target.micro_batch):
+        specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(
         cfg=cfg,
         plan=plan,
