@@ -10,7 +10,10 @@ in this one place:
   take the place of gradient accumulation's; the loss is the same mean over all of them;
 * ``offload.params`` keeps the stacked block weights (and their optimizer state) in
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
-  fetched copy is never saved for the backward pass (it is fetched again there).
+  fetched copy is never saved for the backward pass (it is fetched again there);
+* under a pipeline the stacked block weights also enter the layer loop as fp32 master
+  weights and are cast layer by layer, so that the per-replica gradients accumulated
+  across micro-batches (``strategies/pipeline_replicas.py``) are summed in fp32.
 
 ``ParallelPlan.layer_loop`` and ``ParallelPlan.value_and_grad`` hand these to the trainer.
 Models plug in through the decoder protocol (``shardlib.model.Decoder``): ``embed``, the
@@ -29,22 +32,27 @@ from shardlib.strategies.pipeline import PipelineSpec, pipeline_layers
 from shardlib.strategies.pipeline_1f1b import bounded_value_and_grad
 from shardlib.strategies.remat import remat_block
 
-FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
+FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host / cast
 
 
-def _fetch(block_fn, dtype):
-    """``block_fn`` reading its layer's weights from host memory into the device."""
+def _fetch(block_fn, dtype, *, from_host: bool = True):
+    """``block_fn`` casting its layer's master weights to ``dtype`` (and reading them from
+    host memory into the device first, ``from_host``); the copy is never saved."""
 
     def fetched(layer_state, x):
-        layer_state = jax.tree.map(
-            lambda w: checkpoint_name(
-                jax.device_put(w, jax.memory.Space.Device).astype(dtype), FETCHED
-            ),
-            layer_state,
-        )
-        return block_fn(layer_state, x)
+        def fetch(w):
+            w = jax.device_put(w, jax.memory.Space.Device) if from_host else w
+            return checkpoint_name(w.astype(dtype), FETCHED)
+
+        return block_fn(jax.tree.map(fetch, layer_state), x)
 
     return fetched
+
+
+def master_blocks(plan) -> bool:
+    """Whether the stacked blocks enter the layer loop as master weights, cast per layer
+    (offloaded to host, or pipelined: fp32 accumulation of the per-replica gradients)."""
+    return plan.offload.params or plan.pipeline_spec() is not None
 
 
 def layer_loop(plan, target, dtype):
@@ -52,10 +60,12 @@ def layer_loop(plan, target, dtype):
     remat = plan.remat.spec(target)
     offload = plan.offload.params
 
+    cast = master_blocks(plan)
+
     def stage_layers(block_fn, blocks_state, x):
-        if offload:
-            block_fn = _fetch(block_fn, dtype)
-        block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
+        if cast:
+            block_fn = _fetch(block_fn, dtype, from_host=offload)
+        block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if cast else ())
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()
@@ -64,9 +74,10 @@ def layer_loop(plan, target, dtype):
     return pipeline_layers(spec, stage_layers)
 
 
-def cast_params(params, dtype, *, offload_params: bool = False):
-    """Master weights to the compute dtype; offloaded blocks are cast layer by layer instead."""
-    keep = {"blocks"} if offload_params else set()
+def cast_params(params, dtype, *, keep_blocks: bool = False):
+    """Master weights to the compute dtype; with ``keep_blocks`` (``master_blocks``) the
+    stacked blocks are cast layer by layer inside the layer loop instead."""
+    keep = {"blocks"} if keep_blocks else set()
     return {
         k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v) for k, v in params.items()
     }
@@ -88,7 +99,7 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
     if spec is None or spec.schedule != "bounded":
         return jax.value_and_grad(loss_fn, has_aux=has_aux)
     remat = plan.remat.spec(target)
-    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, plan.offload.params, rest_shardings)
+    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, rest_shardings)
     if not has_aux:
         return bounded
 
@@ -99,9 +110,9 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
     return with_aux
 
 
-def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, offload_params, rest_shardings):
+def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings):
     def value_and_grad(params, tokens_BL1):
-        cast = cast_params(params, dtype, offload_params=offload_params)
+        cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per layer
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
         rest = {k: v for k, v in cast.items() if k != "blocks"}
 
@@ -120,7 +131,7 @@ def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, offload_params,
 
         run = bounded_value_and_grad(
             spec,
-            block_fn=remat_block(block_fn, remat),
+            block_fn=remat_block(_fetch(block_fn, dtype, from_host=False), remat, (FETCHED,)),
             stage_layers=scan_blocks,
             embed=embed,
             head_loss=head_loss,

@@ -40,6 +40,7 @@ from shardlib.errors import ShardingError
 from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
 
 SCHEDULES = ("gpipe", "circular", "bounded")
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
@@ -64,6 +65,9 @@ class PipelineSpec:
     """v: layer groups per device (circular schedule); 1 for GPipe and bounded."""
     schedule: str = "gpipe"
     """gpipe | circular | bounded (see the module docstrings)."""
+    gather_weights: str = "microbatch"
+    """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
+    (``pipeline_replicas.py``)."""
 
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
@@ -115,11 +119,21 @@ class PipelineParallel:
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
     """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    gather_weights: str = "microbatch"
+    """microbatch | step: with an ``fsdp`` axis (or ZeRO-3), all-gather a stage's weights for
+    every micro-batch (least memory; gradients are then reduce-scattered per micro-batch
+    too), or once per step and keep them for all micro-batches (one gather and one gradient
+    reduce-scatter per step, for a full copy of the stage's weights and gradients)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ShardingError(
                 f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
+            )
+        if self.gather_weights not in GATHER_WEIGHTS:
+            raise ShardingError(
+                f"pipeline_gather_weights={self.gather_weights!r}. Fix: one of "
+                f"{', '.join(GATHER_WEIGHTS)}."
             )
 
     def rules(self, mesh_axes) -> list[Rules]:
@@ -135,6 +149,7 @@ class PipelineParallel:
             microbatches=self.microbatches or p,
             virtual_stages=self.virtual_stages,
             schedule=self.schedule,
+            gather_weights=self.gather_weights,
         )
 
     def check(self, mesh_axes, rules: Rules, target) -> None:
@@ -202,10 +217,26 @@ def from_stages(w_pvk: jax.Array, names) -> jax.Array:
     return constrain_param(w, names, "stacked parameter")
 
 
+def variable_names(blocks_state) -> list:
+    """The logical names of every leaf of an nnx State (None for an unannotated leaf)."""
+    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
+
+
+def to_replicas(reps, blocks_state):
+    """Every stacked leaf as [R, L, ...]: one copy per replica (``pipeline_replicas``)."""
+    axes = mesh_axes(reps.mesh)
+    leaves, treedef = jax.tree.flatten(blocks_state)
+    out = []
+    for w, names in zip(leaves, variable_names(blocks_state), strict=True):
+        spec = resolve_spec("stacked parameter", w.shape, names, reps.outer, axes, "params")
+        out.append(reps.broadcast(w, spec))
+    return treedef.unflatten(out)
+
+
 def stage_state(blocks_state, p: int, v: int):
     """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
-    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    names = [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
+    names = variable_names(blocks_state)
     leaves, treedef = jax.tree.flatten(blocks_state)
     return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
 
@@ -238,6 +269,17 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         raise ValueError("the bounded schedule is a value_and_grad, see pipeline_1f1b")
 
     def layers(block_fn, blocks_state, x_BLD):
+        """One copy of the weights per data replica (one gradient reduction per step)."""
+        reps = replicas(gather_weights=spec.gather_weights)
+        if reps is None:
+            return run(block_fn, blocks_state, x_BLD)
+        x_spec = reps.outer.spec(("batch", "seq", "embed"))
+        out_R = reps.vmap(lambda w, x: run(block_fn, w, x))(
+            to_replicas(reps, blocks_state), reps.split_batch(x_BLD, x_spec)
+        )
+        return reps.merge_batch(out_R, x_spec)
+
+    def run(block_fn, blocks_state, x_BLD):
         staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
 
         def run_stage(w_vk, repeat, x_bld):
