@@ -109,17 +109,21 @@ def layer_sets_saved(ctx: Context) -> float:
     return ctx.trips / v
 
 
-def gradient_reductions(ctx: Context) -> tuple[float, float]:
+def gradient_reductions(ctx: Context, *, per_replica: bool = False) -> tuple[float, float]:
     """Times per step (per-layer gradients: per layer; the rest) gradients are reduced.
 
-    Without stages: once per accumulation micro-batch. GPipe/circular: the backward loop
-    reduces each iteration's L/(p·v) layer gradients inside the loop (m+p-1 or v·m+p-1
-    iterations), embedding and head once after it. Bounded: its loop carries all gradients
-    and reduces every one of them every iteration (m+2(p-1) times).
+    Without stages: once per accumulation micro-batch. With stages, over the axes the
+    trainer runs as replicas (``per_replica``: ``data`` under ZeRO 0-2, see
+    ``strategies/pipeline_replicas.py``): once per step, after the loop. Over the others
+    (``fsdp``, context) GPipe/circular reduce each iteration's L/(p·v) layer gradients
+    inside the loop (m+p-1 or v·m+p-1 iterations), embedding and head once after it;
+    bounded reduces every gradient it carries every iteration (m+2(p-1) times).
     """
     p = ctx.p
     if p.stage == 1:
         return ctx.layers_per_device * p.microbatches, p.microbatches
+    if per_replica:
+        return ctx.layers_per_device, 1
     if p.schedule == "bounded":
         return ctx.layers_per_device * ctx.trips, ctx.trips
     return ctx.layer_runs, 1
