@@ -69,6 +69,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
             merged.remove(context)
         if merged:
             buffers[(tuple(merged), param.per_layer)] += shard
+
     def count(axes: tuple[str, ...], per_layer: bool) -> float:
         layer, outer = once if axes == (data,) and p.zero < 3 else (layer_count, outer_count)
         return layer if per_layer else outer
