@@ -28,6 +28,7 @@ memory does not.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -40,6 +41,7 @@ from shardlib.errors import ShardingError
 from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.pipeline_partition import balanced_stages, padded_order
 from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
 
 SCHEDULES = ("gpipe", "circular", "bounded")
@@ -68,6 +70,11 @@ class PipelineSpec:
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline_replicas.py``)."""
+    stage_layers: tuple[int, ...] = ()
+    """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
+
+    def uneven(self) -> bool:
+        return len(set(self.stage_layers)) > 1
 
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
@@ -89,12 +96,20 @@ class PipelineSpec:
             raise ShardingError(
                 f"virtual_stages={v} needs pipeline_schedule=circular (got {self.schedule})."
             )
-        if layers % (p * v):
+        if self.stage_layers:
+            counts = self.stage_layers
+            if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:
+                raise ShardingError(
+                    f"pipeline stage_layers={counts} does not split model layers={layers} "
+                    f"into {p} stages x {v} virtual stages (needs {p * v} counts >= 1 summing "
+                    f"to {layers}). Fix: leave stage_layers empty (balanced automatically)."
+                )
+        elif layers % (p * v):
             raise ShardingError(
-                f"model layers={layers} cannot be split into {p} stages x {v} virtual stages "
-                f"(needs a multiple of {p * v}); uneven stages are not supported. Fix: set "
-                f"model.layers to a multiple of {p * v} or change the stage axis / "
-                "virtual_stages."
+                f"model layers={layers} cannot be split evenly into {p} stages x {v} virtual "
+                f"stages. Fix: set pipeline stage_layers (``balanced_stages({layers}, "
+                f"{p * v})`` = {balanced_stages(layers, p * v)}; the trainer does this itself) "
+                f"or make model.layers a multiple of {p * v}."
             )
         if m < 1 or batch % m:
             raise ShardingError(
@@ -119,6 +134,12 @@ class PipelineParallel:
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
     """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    stage_layers: tuple[int, ...] = ()
+    """Real layers per (virtual) stage, first to last; () = L/(p·v) each, or, when that does
+    not divide, ``pipeline_partition.balanced_stages`` (set by ``for_layers``). Uneven
+    stages run identity slots up to the largest count and keep the stacked weights
+    replicated over ``stage`` (a stage's slots are sliced from them: no regrouping, but
+    p x the block memory)."""
     gather_weights: str = "microbatch"
     """microbatch | step: with an ``fsdp`` axis (or ZeRO-3), all-gather a stage's weights for
     every micro-batch (least memory; gradients are then reduce-scattered per micro-batch
@@ -136,8 +157,21 @@ class PipelineParallel:
                 f"{', '.join(GATHER_WEIGHTS)}."
             )
 
+    def for_layers(self, layers: int, mesh_axes) -> PipelineParallel:
+        """These settings for a model of ``layers`` blocks: the balanced uneven split when
+        the layers do not divide into the stages (an explicit ``stage_layers`` is kept)."""
+        groups = mesh_axes.get(Axis.STAGE, 1) * self.virtual_stages
+        if groups == 1 or self.stage_layers or layers % groups == 0 or layers < groups:
+            return self
+        return dataclasses.replace(self, stage_layers=balanced_stages(layers, groups))
+
     def rules(self, mesh_axes) -> list[Rules]:
-        return [pipeline_rules(axis=Axis.STAGE)] if Axis.STAGE in mesh_axes else []
+        if Axis.STAGE not in mesh_axes:
+            return []
+        rules = pipeline_rules(axis=Axis.STAGE)
+        if len(set(self.stage_layers)) > 1:  # uneven: the stored stack stays whole
+            rules = rules.replace(params={"layers": ()})
+        return [rules]
 
     def spec(self, mesh_axes) -> PipelineSpec | None:
         """The pipeline on this mesh, or None when it has no ``stage`` axis of size > 1."""
@@ -150,6 +184,7 @@ class PipelineParallel:
             virtual_stages=self.virtual_stages,
             schedule=self.schedule,
             gather_weights=self.gather_weights,
+            stage_layers=self.stage_layers,
         )
 
     def check(self, mesh_axes, rules: Rules, target) -> None:
@@ -241,6 +276,36 @@ def stage_state(blocks_state, p: int, v: int):
     return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
 
 
+def pad_stages(blocks_state, counts: tuple[int, ...]):
+    """Uneven stages: every stacked leaf [L, ...] -> [G·k, ...] in slot order, and keep [G·k]
+    (1 real slot, 0 identity slot); (blocks_state, None) for even stages."""
+    if len(set(counts)) <= 1:
+        return blocks_state, None
+    source, keep, _ = padded_order(counts)
+    index = jnp.asarray(source)
+    padded = jax.tree.map(lambda w: jnp.take(w, index, axis=0), blocks_state)
+    return padded, jnp.asarray(keep, jnp.float32)
+
+
+def unpad_stages(g_slots: jax.Array, counts: tuple[int, ...]) -> jax.Array:
+    """[G·k, ...] per slot -> [L, ...] per real layer (identity slots dropped)."""
+    if len(set(counts)) <= 1:
+        return g_slots
+    return jnp.take(g_slots, jnp.asarray(padded_order(counts)[2]), axis=0)
+
+
+def masked(block_fn):
+    """``block_fn`` over (weights, keep) slots: an identity slot passes its input through,
+    so its output (computed, then discarded) gets an exact zero cotangent."""
+
+    def slot(layer, x):
+        w, keep = layer
+        y = block_fn(w, x)
+        return jax.tree.map(lambda a, b: jnp.where(keep > 0, a, b), y, x)
+
+    return slot
+
+
 def split_microbatches(x_B: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [m, B/m, ...] taking rows i, i+m, ... : each device keeps its own rows."""
     b = x_B.shape[0] // m
@@ -280,7 +345,10 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         return reps.merge_batch(out_R, x_spec)
 
     def run(block_fn, blocks_state, x_BLD):
+        blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)
         staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
+        if keep is not None:  # uneven stages: (weights, keep) slots
+            staged, block_fn = (staged, to_stages(keep, None, p, v)), masked(block_fn)
 
         def run_stage(w_vk, repeat, x_bld):
             if v == 1:

@@ -38,11 +38,14 @@ from shardlib.strategies.pipeline import (
     PipelineSpec,
     constrain_param,
     from_stages,
+    masked,
+    pad_stages,
     split_microbatches,
     stage_axes,
     stage_mask,
     to_replicas,
     to_stages,
+    unpad_stages,
     variable_names,
 )
 from shardlib.strategies.pipeline_replicas import replicas
@@ -61,11 +64,13 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
     p, m = spec.stages, spec.microbatches
     ring_slots = 2 * p - 1
 
-    def stage(w_k, x):
-        return stage_layers(block_fn, w_k, x)
+    def stage(w_k, keep_k, x):
+        if keep_k is None:
+            return stage_layers(block_fn, w_k, x)
+        return stage_layers(masked(block_fn), (w_k, keep_k), x)  # uneven: identity slots
 
-    def stage_vjp(w_k, x, dy):
-        _, pullback = jax.vjp(stage, w_k, x)
+    def stage_vjp(w_k, keep_k, x, dy):
+        _, pullback = jax.vjp(lambda w, x: stage(w, keep_k, x), w_k, x)
         return pullback(dy)
 
     def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None):
@@ -92,6 +97,8 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
         return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks)
 
     def run(rest, blocks_state, tokens_BL1, rest_shardings):
+        blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)  # [G·k, ...]
+        keep_pk = None if keep is None else to_stages(keep, None, p, 1)[:, 0]
         names = variable_names(blocks_state)
         leaves, treedef = jax.tree.flatten(blocks_state)
         w_pk = [to_stages(w, n, p, 1)[:, 0] for w, n in zip(leaves, names, strict=True)]
@@ -108,10 +115,10 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
             return jax.lax.with_sharding_constraint(tree, rest_shardings)
 
         axes = stage_axes()
-        fwd_all = jax.vmap(lambda w, x: stage(treedef.unflatten(w), x), spmd_axis_name=axes)
+        fwd_all = jax.vmap(lambda w, kp, x: stage(treedef.unflatten(w), kp, x), spmd_axis_name=axes)
 
-        def bwd_one(w, x, dy):
-            g_w, dx = stage_vjp(treedef.unflatten(w), x, dy)
+        def bwd_one(w, kp, x, dy):
+            g_w, dx = stage_vjp(treedef.unflatten(w), kp, x, dy)
             return jax.tree.leaves(g_w), dx
 
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
@@ -135,7 +142,7 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
             x = constrain(x, STATE_NAMES)
             ring = jax.lax.dynamic_update_index_in_dim(ring, x, t % ring_slots, 1)
             ring = constrain(ring, RING_NAMES)
-            y = constrain(fwd_all(w_pk, x), STATE_NAMES)
+            y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
             # the last stage's output goes through head and loss now: micro-batch t - p + 1
             i_last = t - (p - 1)
             on_last = (i_last >= 0) & (i_last < m)
@@ -149,7 +156,7 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
             dy_last = constrain(dy_last, STATE_NAMES[1:])
             dy = jnp.where(live, jnp.where(last, dy_last[None], bwd), 0)
             x_saved = pick(ring, (i_back + stage_ids) % ring_slots)  # its forward slot
-            g_w_t, dx = bwd_all(w_pk, x_saved, constrain(dy, STATE_NAMES))
+            g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
             # stage 0's input cotangent flows into the embedding: micro-batch t - 2(p-1)
             _, embed_pull = jax.vjp(lambda r: embed(r, micro(inputs_MBL, i_back[0])), rest)
             (g_embed,) = embed_pull(dx[0])
@@ -178,7 +185,10 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
         (_, _, _, g_w, g_rest, loss_sum), _ = jax.lax.scan(
             body, carry, jnp.arange(spec.iterations())
         )
-        g_blocks = [from_stages(g[:, None], n) for g, n in zip(g_w, names, strict=True)]
+        g_blocks = [
+            constrain_param(unpad_stages(from_stages(g[:, None], n), spec.stage_layers), n, "grad")
+            for g, n in zip(g_w, names, strict=True)
+        ]
         return loss_sum / m, g_rest, treedef.unflatten(g_blocks)
 
     return value_and_grad

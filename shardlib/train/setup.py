@@ -214,6 +214,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         seq=cfg.data.seq,
         precision=cfg.precision.compute,
     )
+    plan = plan.for_target(target)
     plan.check(target)
     specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(
