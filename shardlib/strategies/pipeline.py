@@ -23,7 +23,11 @@ weights are regrouped once per step (an all-to-all over ``stage``, measured by e
 
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
-memory does not.
+memory does not. Every schedule runs once per data replica under ``vmap``
+(``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
+over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
+only for circular). Layers that do not divide into p·v stages are padded with identity
+slots (``pipeline_partition.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from shardlib.errors import ShardingError
 from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
-from shardlib.strategies.pipeline_partition import balanced_stages, padded_order
+from shardlib.strategies.pipeline_partition import balanced_stages, masked, pad_stages
 from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
 
 SCHEDULES = ("gpipe", "circular", "bounded")
@@ -104,6 +108,11 @@ class PipelineSpec:
                     f"into {p} stages x {v} virtual stages (needs {p * v} counts >= 1 summing "
                     f"to {layers}). Fix: leave stage_layers empty (balanced automatically)."
                 )
+        elif layers < p * v:
+            raise ShardingError(
+                f"model layers={layers} < {p} stages x {v} virtual stages: a stage would run "
+                "no layer. Fix: fewer stages or virtual_stages."
+            )
         elif layers % (p * v):
             raise ShardingError(
                 f"model layers={layers} cannot be split evenly into {p} stages x {v} virtual "
@@ -274,36 +283,6 @@ def stage_state(blocks_state, p: int, v: int):
     names = variable_names(blocks_state)
     leaves, treedef = jax.tree.flatten(blocks_state)
     return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
-
-
-def pad_stages(blocks_state, counts: tuple[int, ...]):
-    """Uneven stages: every stacked leaf [L, ...] -> [G·k, ...] in slot order, and keep [G·k]
-    (1 real slot, 0 identity slot); (blocks_state, None) for even stages."""
-    if len(set(counts)) <= 1:
-        return blocks_state, None
-    source, keep, _ = padded_order(counts)
-    index = jnp.asarray(source)
-    padded = jax.tree.map(lambda w: jnp.take(w, index, axis=0), blocks_state)
-    return padded, jnp.asarray(keep, jnp.float32)
-
-
-def unpad_stages(g_slots: jax.Array, counts: tuple[int, ...]) -> jax.Array:
-    """[G·k, ...] per slot -> [L, ...] per real layer (identity slots dropped)."""
-    if len(set(counts)) <= 1:
-        return g_slots
-    return jnp.take(g_slots, jnp.asarray(padded_order(counts)[2]), axis=0)
-
-
-def masked(block_fn):
-    """``block_fn`` over (weights, keep) slots: an identity slot passes its input through,
-    so its output (computed, then discarded) gets an exact zero cotangent."""
-
-    def slot(layer, x):
-        w, keep = layer
-        y = block_fn(w, x)
-        return jax.tree.map(lambda a, b: jnp.where(keep > 0, a, b), y, x)
-
-    return slot
 
 
 def split_microbatches(x_B: jax.Array, m: int) -> jax.Array:

@@ -38,16 +38,14 @@ from shardlib.strategies.pipeline import (
     PipelineSpec,
     constrain_param,
     from_stages,
-    masked,
-    pad_stages,
     split_microbatches,
     stage_axes,
     stage_mask,
     to_replicas,
     to_stages,
-    unpad_stages,
     variable_names,
 )
+from shardlib.strategies.pipeline_partition import masked, pad_stages, unpad_stages
 from shardlib.strategies.pipeline_replicas import replicas
 
 RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]

@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
+
 EDGE_COST = 1.0
 """Default cost of the embedding (first stage) and of the head (last stage), in layers:
 any positive value puts the identity slots there; the planner passes its FLOP ratios."""
@@ -85,3 +88,33 @@ def padded_order(counts: Sequence[int]) -> tuple[list[int], list[float], list[in
             keep.append(1.0 if j < n else 0.0)
         start += n
     return source, keep, slot_of
+
+
+def pad_stages(blocks_state, counts: tuple[int, ...]):
+    """Uneven stages: every stacked leaf [L, ...] -> [G·k, ...] in slot order, and keep [G·k]
+    (1 real slot, 0 identity slot); (blocks_state, None) for even stages."""
+    if len(set(counts)) <= 1:
+        return blocks_state, None
+    source, keep, _ = padded_order(counts)
+    index = jnp.asarray(source)
+    padded = jax.tree.map(lambda w: jnp.take(w, index, axis=0), blocks_state)
+    return padded, jnp.asarray(keep, jnp.float32)
+
+
+def unpad_stages(g_slots: jax.Array, counts: tuple[int, ...]) -> jax.Array:
+    """[G·k, ...] per slot -> [L, ...] per real layer (identity slots dropped)."""
+    if len(set(counts)) <= 1:
+        return g_slots
+    return jnp.take(g_slots, jnp.asarray(padded_order(counts)[2]), axis=0)
+
+
+def masked(block_fn):
+    """``block_fn`` over (weights, keep) slots: an identity slot passes its input through,
+    so its output (computed, then discarded) gets an exact zero cotangent."""
+
+    def slot(layer, x):
+        w, keep = layer
+        y = block_fn(w, x)
+        return jax.tree.map(lambda a, b: jnp.where(keep > 0, a, b), y, x)
+
+    return slot
