@@ -77,9 +77,6 @@ class PipelineSpec:
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
 
-    def uneven(self) -> bool:
-        return len(set(self.stage_layers)) > 1
-
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
@@ -160,6 +157,16 @@ class PipelineParallel:
             raise ShardingError(
                 f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
             )
+        layers = self.stage_layers  # "1,2,2,1" on the command line, a list in TOML
+        if isinstance(layers, str):
+            layers = [x for x in layers.replace(" ", "").split(",") if x]
+        try:
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in layers))
+        except (TypeError, ValueError):
+            raise ShardingError(
+                f"pipeline_stage_layers={self.stage_layers!r}. Fix: layers per stage, e.g. "
+                "1,2,2,1 (or leave it empty)."
+            ) from None
         if self.gather_weights not in GATHER_WEIGHTS:
             raise ShardingError(
                 f"pipeline_gather_weights={self.gather_weights!r}. Fix: one of "
