@@ -106,3 +106,11 @@ def test_compiled_gpipe_matches_prediction():
     check = validate(_w(), candidate(data=2, stage=4, microbatches=4, schedule="gpipe"))
     assert check.memory_ratio == pytest.approx(1.0, abs=0.05)
     assert check.wire_ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_any_microbatch_count_that_divides_the_replica_batch_is_searched():
+    from shardlib.planner.search import Space, microbatch_counts
+
+    assert microbatch_counts(Space(), 9, 3) == [1, 3, 9]  # no power of two >= 3 divides 9
+    assert microbatch_counts(Space(), 144, 8) == [1, 2, 4, 8, 9, 12, 16, 18, 24, 36, 48]
+    assert microbatch_counts(Space(), 144, 1) == [1, 2, 4, 8, 16]

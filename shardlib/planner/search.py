@@ -109,6 +109,17 @@ def _per_replica(workload: Workload, mesh: dict[str, int]) -> int:
     return workload.global_batch // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
 
 
+def microbatch_counts(space: Space, per_replica: int, stages: int) -> list[int]:
+    """The space's counts that divide the per-replica batch; with stages also every other
+    divisor between p and the space's largest count (the trainer runs any m >= p that
+    divides it: a per-replica batch of 9 or 144 has no power-of-two count on 3 or 8 stages)."""
+    counts = {m for m in space.microbatches if per_replica % m == 0}
+    if stages > 1:
+        top = max(space.microbatches)
+        counts |= {m for m in range(stages, top + 1) if per_replica % m == 0}
+    return sorted(counts)
+
+
 def knob_groups(
     workload: Workload, mesh: dict[str, int], space: Space
 ) -> Iterator[list[ParallelPlan]]:
@@ -126,9 +137,8 @@ def knob_groups(
             scheds += [("circular", v) for v in space.virtual]
     else:
         scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
-    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, space.microbatches):
-        if per_replica % m:
-            continue
+    counts = microbatch_counts(space, per_replica, mesh["stage"])
+    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, counts):
         # the trainer's constraints (strategies/pipeline.py): equal stages; circular m >= p
         if mesh["stage"] > 1 and workload.layers % (mesh["stage"] * virtual):
             continue
@@ -173,7 +183,7 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     options = [("gpipe", 1, 1)]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
-        m = max((m for m in space.microbatches if per_replica % m == 0), default=1)
+        m = max(microbatch_counts(space, per_replica, mesh["stage"]), default=1)
         options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
     bound = math.inf
     for schedule, virtual, m in options:
