@@ -12,8 +12,9 @@ in this one place:
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
   fetched copy is never saved for the backward pass (it is fetched again there);
 * under a pipeline the stacked block weights also enter the layer loop as fp32 master
-  weights and are cast layer by layer, so that the per-replica gradients accumulated
-  across micro-batches (``strategies/pipeline_replicas.py``) are summed in fp32.
+  weights and each stage casts its own per loop trip, so that the per-replica gradients
+  accumulated across micro-batches (``strategies/pipeline_replicas.py``) are summed in
+  fp32 (one fp32 copy of a stage's gradients: +2 bytes per held parameter over bf16).
 
 ``ParallelPlan.layer_loop`` and ``ParallelPlan.value_and_grad`` hand these to the trainer.
 Models plug in through the decoder protocol (``shardlib.model.Decoder``): ``embed``, the
@@ -32,26 +33,28 @@ from shardlib.strategies.pipeline import PipelineSpec, pipeline_layers
 from shardlib.strategies.pipeline_1f1b import bounded_value_and_grad
 from shardlib.strategies.remat import remat_block
 
-FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host / cast
+FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
 
 
-def _fetch(block_fn, dtype, *, from_host: bool = True):
-    """``block_fn`` casting its layer's master weights to ``dtype`` (and reading them from
-    host memory into the device first, ``from_host``); the copy is never saved."""
+def _fetch(block_fn, dtype):
+    """``block_fn`` reading its layer's weights from host memory into the device."""
 
     def fetched(layer_state, x):
-        def fetch(w):
-            w = jax.device_put(w, jax.memory.Space.Device) if from_host else w
-            return checkpoint_name(w.astype(dtype), FETCHED)
-
-        return block_fn(jax.tree.map(fetch, layer_state), x)
+        layer_state = jax.tree.map(
+            lambda w: checkpoint_name(
+                jax.device_put(w, jax.memory.Space.Device).astype(dtype), FETCHED
+            ),
+            layer_state,
+        )
+        return block_fn(layer_state, x)
 
     return fetched
 
 
 def master_blocks(plan) -> bool:
-    """Whether the stacked blocks enter the layer loop as master weights, cast per layer
-    (offloaded to host, or pipelined: fp32 accumulation of the per-replica gradients)."""
+    """Whether the stacked blocks enter the layer loop as master weights: offloaded ones are
+    cast per layer, pipelined ones per stage and loop trip (their per-replica gradients
+    then accumulate in fp32 across micro-batches)."""
     return plan.offload.params or plan.pipeline_spec() is not None
 
 
@@ -60,12 +63,10 @@ def layer_loop(plan, target, dtype):
     remat = plan.remat.spec(target)
     offload = plan.offload.params
 
-    cast = master_blocks(plan)
-
     def stage_layers(block_fn, blocks_state, x):
-        if cast:
-            block_fn = _fetch(block_fn, dtype, from_host=offload)
-        block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if cast else ())
+        if offload:
+            block_fn = _fetch(block_fn, dtype)
+        block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()
@@ -76,7 +77,7 @@ def layer_loop(plan, target, dtype):
 
 def cast_params(params, dtype, *, keep_blocks: bool = False):
     """Master weights to the compute dtype; with ``keep_blocks`` (``master_blocks``) the
-    stacked blocks are cast layer by layer inside the layer loop instead."""
+    stacked blocks are cast inside the layer loop instead (per layer or per stage)."""
     keep = {"blocks"} if keep_blocks else set()
     return {
         k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v) for k, v in params.items()
@@ -112,7 +113,7 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
 
 def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings):
     def value_and_grad(params, tokens_BL1):
-        cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per layer
+        cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per stage
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
         rest = {k: v for k, v in cast.items() if k != "blocks"}
 
@@ -131,7 +132,7 @@ def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings)
 
         run = bounded_value_and_grad(
             spec,
-            block_fn=remat_block(_fetch(block_fn, dtype, from_host=False), remat, (FETCHED,)),
+            block_fn=remat_block(block_fn, remat),
             stage_layers=scan_blocks,
             embed=embed,
             head_loss=head_loss,

@@ -337,16 +337,15 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
             staged, block_fn = (staged, to_stages(keep, None, p, v)), masked(block_fn)
 
         def run_stage(w_vk, repeat, x_bld):
-            if v == 1:
-                w_k = jax.tree.map(lambda w: w[0], w_vk)
-            else:  # this round's layers; re-gathered in the backward pass, never saved
-                w_k = jax.tree.map(
-                    lambda w: checkpoint_name(
-                        jax.lax.dynamic_index_in_dim(w, repeat, 0, False), _PICKED
-                    ),
-                    w_vk,
-                )
-            return stage_layers(block_fn, w_k, x_bld)
+            # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
+            def pick(w):
+                if v == 1:
+                    return w[0].astype(x_bld.dtype)
+                # this round's layers; re-gathered in the backward pass, never saved
+                w = jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
+                return checkpoint_name(w.astype(x_bld.dtype), _PICKED)
+
+            return stage_layers(block_fn, jax.tree.map(pick, w_vk), x_bld)
 
         if v > 1:
             policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)

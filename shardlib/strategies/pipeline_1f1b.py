@@ -63,6 +63,8 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
     ring_slots = 2 * p - 1
 
     def stage(w_k, keep_k, x):
+        # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
+        w_k = jax.tree.map(lambda w: w.astype(x.dtype), w_k)
         if keep_k is None:
             return stage_layers(block_fn, w_k, x)
         return stage_layers(masked(block_fn), (w_k, keep_k), x)  # uneven: identity slots
