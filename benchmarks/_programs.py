@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.staging import cast_params
+from shardlib.staging import cast_params, master_blocks
 
 
 def layer_stack_program(setup):
@@ -27,7 +27,7 @@ def layer_stack_program(setup):
 
     def stack_loss(params, x_BLD):
         with use_layout(setup.mesh, setup.rules):
-            cast = cast_params(params, dtype, offload_params=plan.offload.params)
+            cast = cast_params(params, dtype, keep_blocks=master_blocks(plan))
             model = nnx.merge(graphdef, cast)
             block_graph, blocks_state = nnx.split(model.blocks)
 

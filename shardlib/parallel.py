@@ -155,6 +155,11 @@ class ParallelPlan:
         """Rules per role of the training state (parameters, gradients, optimizer state)."""
         return zero(self.rules, stage=self.data.zero, mesh_axes=self.mesh_axes)
 
+    def for_target(self, target: Target) -> ParallelPlan:
+        """The plan for this model: what depends on its shapes (uneven pipeline stages)."""
+        pipeline = self.pipeline.for_layers(target.layers, self.mesh_axes)
+        return self if pipeline == self.pipeline else dataclasses.replace(self, pipeline=pipeline)
+
     # --- checks ----------------------------------------------------------------------------
     def check(self, target: Target) -> None:
         """Every strategy's own refusals, before anything is compiled or allocated."""

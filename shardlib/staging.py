@@ -10,7 +10,11 @@ in this one place:
   take the place of gradient accumulation's; the loss is the same mean over all of them;
 * ``offload.params`` keeps the stacked block weights (and their optimizer state) in
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
-  fetched copy is never saved for the backward pass (it is fetched again there).
+  fetched copy is never saved for the backward pass (it is fetched again there);
+* under a pipeline the stacked block weights also enter the layer loop as fp32 master
+  weights and each stage casts its own per loop trip, so that the per-replica gradients
+  accumulated across micro-batches (``strategies/pipeline_replicas.py``) are summed in
+  fp32 (one fp32 copy of a stage's gradients: +2 bytes per held parameter over bf16).
 
 ``ParallelPlan.layer_loop`` and ``ParallelPlan.value_and_grad`` hand these to the trainer.
 Models plug in through the decoder protocol (``shardlib.model.Decoder``): ``embed``, the
@@ -47,6 +51,13 @@ def _fetch(block_fn, dtype):
     return fetched
 
 
+def master_blocks(plan) -> bool:
+    """Whether the stacked blocks enter the layer loop as master weights: offloaded ones are
+    cast per layer, pipelined ones per stage and loop trip (their per-replica gradients
+    then accumulate in fp32 across micro-batches)."""
+    return plan.offload.params or plan.pipeline_spec() is not None
+
+
 def layer_loop(plan, target, dtype):
     """The function that runs the model's blocks, for GPipe/circular/no pipeline."""
     remat = plan.remat.spec(target)
@@ -64,9 +75,10 @@ def layer_loop(plan, target, dtype):
     return pipeline_layers(spec, stage_layers)
 
 
-def cast_params(params, dtype, *, offload_params: bool = False):
-    """Master weights to the compute dtype; offloaded blocks are cast layer by layer instead."""
-    keep = {"blocks"} if offload_params else set()
+def cast_params(params, dtype, *, keep_blocks: bool = False):
+    """Master weights to the compute dtype; with ``keep_blocks`` (``master_blocks``) the
+    stacked blocks are cast inside the layer loop instead (per layer or per stage)."""
+    keep = {"blocks"} if keep_blocks else set()
     return {
         k: v if k in keep else jax.tree.map(lambda p: p.astype(dtype), v) for k, v in params.items()
     }
@@ -88,7 +100,7 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
     if spec is None or spec.schedule != "bounded":
         return jax.value_and_grad(loss_fn, has_aux=has_aux)
     remat = plan.remat.spec(target)
-    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, plan.offload.params, rest_shardings)
+    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, rest_shardings)
     if not has_aux:
         return bounded
 
@@ -99,9 +111,9 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
     return with_aux
 
 
-def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, offload_params, rest_shardings):
+def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings):
     def value_and_grad(params, tokens_BL1):
-        cast = cast_params(params, dtype, offload_params=offload_params)
+        cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per stage
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
         rest = {k: v for k, v in cast.items() if k != "blocks"}
 

@@ -23,11 +23,16 @@ weights are regrouped once per step (an all-to-all over ``stage``, measured by e
 
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
-memory does not.
+memory does not. Every schedule runs once per data replica under ``vmap``
+(``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
+over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
+only for circular). Layers that do not divide into p·v stages are padded with identity
+slots (``pipeline_partition.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,6 +46,8 @@ from shardlib.errors import ShardingError
 from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies.pipeline_partition import balanced_stages, masked, pad_stages
+from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
 
 SCHEDULES = ("gpipe", "circular", "bounded")
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
@@ -65,6 +72,11 @@ class PipelineSpec:
     """v: layer groups per device (circular schedule); 1 for GPipe and bounded."""
     schedule: str = "gpipe"
     """gpipe | circular | bounded (see the module docstrings)."""
+    gather_weights: str = "microbatch"
+    """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
+    (``pipeline_replicas.py``)."""
+    stage_layers: tuple[int, ...] = ()
+    """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
 
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
@@ -86,12 +98,25 @@ class PipelineSpec:
             raise ShardingError(
                 f"virtual_stages={v} needs pipeline_schedule=circular (got {self.schedule})."
             )
-        if layers % (p * v):
+        if self.stage_layers:
+            counts = self.stage_layers
+            if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:
+                raise ShardingError(
+                    f"pipeline stage_layers={counts} does not split model layers={layers} "
+                    f"into {p} stages x {v} virtual stages (needs {p * v} counts >= 1 summing "
+                    f"to {layers}). Fix: leave stage_layers empty (balanced automatically)."
+                )
+        elif layers < p * v:
             raise ShardingError(
-                f"model layers={layers} cannot be split into {p} stages x {v} virtual stages "
-                f"(needs a multiple of {p * v}); uneven stages are not supported. Fix: set "
-                f"model.layers to a multiple of {p * v} or change the stage axis / "
-                "virtual_stages."
+                f"model layers={layers} < {p} stages x {v} virtual stages: a stage would run "
+                "no layer. Fix: fewer stages or virtual_stages."
+            )
+        elif layers % (p * v):
+            raise ShardingError(
+                f"model layers={layers} cannot be split evenly into {p} stages x {v} virtual "
+                f"stages. Fix: set pipeline stage_layers (``balanced_stages({layers}, "
+                f"{p * v})`` = {balanced_stages(layers, p * v)}; the trainer does this itself) "
+                f"or make model.layers a multiple of {p * v}."
             )
         if m < 1 or batch % m:
             raise ShardingError(
@@ -121,15 +146,54 @@ class PipelineParallel:
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
     """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    stage_layers: tuple[int, ...] = ()
+    """Real layers per (virtual) stage, first to last; () = L/(p·v) each, or, when that does
+    not divide, ``pipeline_partition.balanced_stages`` (set by ``for_layers``). Uneven
+    stages run identity slots up to the largest count and keep the stacked weights
+    replicated over ``stage`` (a stage's slots are sliced from them: no regrouping, but
+    p x the block memory)."""
+    gather_weights: str = "microbatch"
+    """microbatch | step: with an ``fsdp`` axis (or ZeRO-3), all-gather a stage's weights for
+    every micro-batch (least memory; gradients are then reduce-scattered per micro-batch
+    too), or once per step and keep them for all micro-batches (one gather and one gradient
+    reduce-scatter per step, for a full copy of the stage's weights and gradients)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ShardingError(
                 f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
             )
+        layers = self.stage_layers  # "1,2,2,1" on the command line, a list in TOML
+        if isinstance(layers, str):
+            layers = [x for x in layers.replace(" ", "").split(",") if x]
+        try:
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in layers))
+        except (TypeError, ValueError):
+            raise ShardingError(
+                f"pipeline_stage_layers={self.stage_layers!r}. Fix: layers per stage, e.g. "
+                "1,2,2,1 (or leave it empty)."
+            ) from None
+        if self.gather_weights not in GATHER_WEIGHTS:
+            raise ShardingError(
+                f"pipeline_gather_weights={self.gather_weights!r}. Fix: one of "
+                f"{', '.join(GATHER_WEIGHTS)}."
+            )
+
+    def for_layers(self, layers: int, mesh_axes) -> PipelineParallel:
+        """These settings for a model of ``layers`` blocks: the balanced uneven split when
+        the layers do not divide into the stages (an explicit ``stage_layers`` is kept)."""
+        groups = mesh_axes.get(Axis.STAGE, 1) * self.virtual_stages
+        if groups == 1 or self.stage_layers or layers % groups == 0 or layers < groups:
+            return self
+        return dataclasses.replace(self, stage_layers=balanced_stages(layers, groups))
 
     def rules(self, mesh_axes) -> list[Rules]:
-        return [pipeline_rules(axis=Axis.STAGE)] if Axis.STAGE in mesh_axes else []
+        if Axis.STAGE not in mesh_axes:
+            return []
+        rules = pipeline_rules(axis=Axis.STAGE)
+        if len(set(self.stage_layers)) > 1:  # uneven: the stored stack stays whole
+            rules = rules.replace(params={"layers": ()})
+        return [rules]
 
     def spec(self, mesh_axes) -> PipelineSpec | None:
         """The pipeline on this mesh, or None when it has no ``stage`` axis of size > 1."""
@@ -141,6 +205,8 @@ class PipelineParallel:
             microbatches=self.microbatches or p,
             virtual_stages=self.virtual_stages,
             schedule=self.schedule,
+            gather_weights=self.gather_weights,
+            stage_layers=self.stage_layers,
         )
 
     def check(self, mesh_axes, rules: Rules, target) -> None:
@@ -208,10 +274,26 @@ def from_stages(w_pvk: jax.Array, names) -> jax.Array:
     return constrain_param(w, names, "stacked parameter")
 
 
+def variable_names(blocks_state) -> list:
+    """The logical names of every leaf of an nnx State (None for an unannotated leaf)."""
+    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
+
+
+def to_replicas(reps, blocks_state):
+    """Every stacked leaf as [R, L, ...]: one copy per replica (``pipeline_replicas``)."""
+    axes = mesh_axes(reps.mesh)
+    leaves, treedef = jax.tree.flatten(blocks_state)
+    out = []
+    for w, names in zip(leaves, variable_names(blocks_state), strict=True):
+        spec = resolve_spec("stacked parameter", w.shape, names, reps.outer, axes, "params")
+        out.append(reps.broadcast(w, spec))
+    return treedef.unflatten(out)
+
+
 def stage_state(blocks_state, p: int, v: int):
     """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
-    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    names = [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
+    names = variable_names(blocks_state)
     leaves, treedef = jax.tree.flatten(blocks_state)
     return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
 
@@ -244,19 +326,32 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         raise ValueError("the bounded schedule is a value_and_grad, see pipeline_1f1b")
 
     def layers(block_fn, blocks_state, x_BLD):
+        """One copy of the weights per data replica (one gradient reduction per step)."""
+        reps = replicas(gather_weights=spec.gather_weights)
+        if reps is None:
+            return run(block_fn, blocks_state, x_BLD)
+        x_spec = reps.outer.spec(("batch", "seq", "embed"))
+        out_R = reps.vmap(lambda w, x: run(block_fn, w, x))(
+            to_replicas(reps, blocks_state), reps.split_batch(x_BLD, x_spec)
+        )
+        return reps.merge_batch(out_R, x_spec)
+
+    def run(block_fn, blocks_state, x_BLD):
+        blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)
         staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
+        if keep is not None:  # uneven stages: (weights, keep) slots
+            staged, block_fn = (staged, to_stages(keep, None, p, v)), masked(block_fn)
 
         def run_stage(w_vk, repeat, x_bld):
-            if v == 1:
-                w_k = jax.tree.map(lambda w: w[0], w_vk)
-            else:  # this round's layers; re-gathered in the backward pass, never saved
-                w_k = jax.tree.map(
-                    lambda w: checkpoint_name(
-                        jax.lax.dynamic_index_in_dim(w, repeat, 0, False), _PICKED
-                    ),
-                    w_vk,
-                )
-            return stage_layers(block_fn, w_k, x_bld)
+            # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
+            def pick(w):
+                if v == 1:
+                    return w[0].astype(x_bld.dtype)
+                # this round's layers; re-gathered in the backward pass, never saved
+                w = jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
+                return checkpoint_name(w.astype(x_bld.dtype), _PICKED)
+
+            return stage_layers(block_fn, jax.tree.map(pick, w_vk), x_bld)
 
         if v > 1:
             policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)

@@ -214,6 +214,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         seq=cfg.data.seq,
         precision=cfg.precision.compute,
     )
+    plan = plan.for_target(target)
     plan.check(target)
     with suggest_presets(batch=target.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")

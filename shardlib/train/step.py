@@ -16,7 +16,7 @@ from flax import nnx
 
 from shardlib.layout import constrain, use_layout
 from shardlib.ops import run_blocks
-from shardlib.staging import cast_params, on_device
+from shardlib.staging import cast_params, master_blocks, on_device
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.train import layouts, precision
 from shardlib.train.data import BATCH_NAMES
@@ -44,7 +44,7 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
 
     def loss_fn(params, tokens_BL1):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
-        params = cast_params(params, dtype, offload_params=plan.offload.params)
+        params = cast_params(params, dtype, keep_blocks=master_blocks(plan))
         model = nnx.merge(graphdef, params)
         inputs_BL, targets_BL, positions_L = plan.split_tokens(tokens_BL1)
         block_graph, blocks_state = nnx.split(model.blocks)

@@ -1,7 +1,8 @@
 """Data parallelism: every replica computes gradients of its rows; they are summed.
 
 One reduction of the gradients per micro-batch (shardlib's accumulation loop reduces inside
-the loop, as the compiled program shows) over every axis that replicates a parameter: the
+the loop, as the compiled program shows; a pipeline's ``data`` replicas reduce once per
+step, after its loop) over every axis that replicates a parameter: the
 ``data`` axis, and the context axis (its devices hold the same weights and see other
 tokens). With ZeRO-1/2 the all-reduce becomes a reduce-scatter of the gradients plus an
 all-gather of the updated parameters: the same wire bytes (REFERENCE.md: 2Ψ for stages 0-2).
@@ -64,6 +65,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
         return Contribution()
     m = p.microbatches if p.stage == 1 else 1
     layer_count, outer_count = gradient_reductions(ctx)  # with stages: the schedule's loop
+    once = gradient_reductions(ctx, per_replica=True)  # data replicas: after the loop
     data, context = str(Axis.DATA), str(Axis.CONTEXT)
     sizes = {data: p.data, context: p.context, expert: p.expert}
     kind = ctx.scatter_kind if p.zero else "all-reduce"
@@ -82,6 +84,11 @@ def gradient_reduction(ctx: Context) -> Contribution:
             merged.remove(context)
         if merged:
             buffers[(tuple(merged), param.per_layer)] += shard
+
+    def count(axes: tuple[str, ...], per_layer: bool) -> float:
+        layer, outer = once if axes == (data,) and p.zero < 3 else (layer_count, outer_count)
+        return layer if per_layer else outer
+
     comms = [
         Comm(
             "dp",
@@ -90,7 +97,7 @@ def gradient_reduction(ctx: Context) -> Contribution:
             axes,
             math.prod(sizes[a] for a in axes),
             size,
-            layer_count if per_layer else outer_count,
+            count(axes, per_layer),
             True,
         )
         for (axes, per_layer), size in buffers.items()

@@ -24,14 +24,13 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
   gradients) from the stored contiguous layout to the round-robin one: an all-to-all over
   min(v, p) devices of the device's L/p blocks, and when v < p a collective-permute of them.
 
-``partition`` is kept for plans whose layers differ in cost (dynamic programming over
-contiguous splits minimising the slowest stage, as PipeDream and Alpa do); the trainer
-needs equal stages (L divisible by p·v), which is what the terms cost.
+``partition`` (``strategies/pipeline_partition.py``, dynamic programming over contiguous
+splits minimising the slowest stage, as PipeDream and Alpa do) is the trainer's: it places
+the identity slots of uneven stages. The terms cost equal stages only (L divisible by p·v):
+the planner does not search uneven ones yet.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
@@ -43,6 +42,9 @@ from shardlib.planner.terms.base import (
     SearchAxis,
     iterations,
 )
+from shardlib.strategies.pipeline_partition import partition
+
+__all__ = ["partition"]  # re-exported: the trainer's stage partition
 
 FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "bounded": 3}
 BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "bounded": 0}
@@ -89,37 +91,6 @@ SEARCH_AXIS = SearchAxis(
 )
 
 
-def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, int], ...]:
-    """Split ``costs`` into ``stages`` contiguous, non-empty runs minimising the largest sum.
-
-    Returns ``(start, end)`` index pairs. O(stages · n²) dynamic programming over prefix
-    sums; ties go to the earliest cut so that the result is deterministic.
-    """
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: smallest bottleneck for the first i items in k stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    bounds, i = [], n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        bounds.append((j, i))
-        i = j
-    return tuple(reversed(bounds))
-
-
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
     """Idle (here: computed and discarded) stage work over the ideal: (p-1)/m GPipe,
     (p-1)/(m·v) interleaved, 2(p-1)/m for the lockstep 1F1B."""
@@ -145,17 +116,21 @@ def layer_sets_saved(ctx: Context) -> float:
     return ctx.trips / v
 
 
-def gradient_reductions(ctx: Context) -> tuple[float, float]:
+def gradient_reductions(ctx: Context, *, per_replica: bool = False) -> tuple[float, float]:
     """Times per step (per-layer gradients: per layer; the rest) gradients are reduced.
 
-    Without stages: once per accumulation micro-batch. GPipe/circular: the backward loop
-    reduces each iteration's L/(p·v) layer gradients inside the loop (m+p-1 or v·m+p-1
-    iterations), embedding and head once after it. Bounded: its loop carries all gradients
-    and reduces every one of them every iteration (m+2(p-1) times).
+    Without stages: once per accumulation micro-batch. With stages, over the axes the
+    trainer runs as replicas (``per_replica``: ``data`` under ZeRO 0-2, see
+    ``strategies/pipeline_replicas.py``): once per step, after the loop. Over the others
+    (``fsdp``, context) GPipe/circular reduce each iteration's L/(p·v) layer gradients
+    inside the loop (m+p-1 or v·m+p-1 iterations), embedding and head once after it;
+    bounded reduces every gradient it carries every iteration (m+2(p-1) times).
     """
     p = ctx.p
     if p.stage == 1:
         return ctx.layers_per_device * p.microbatches, p.microbatches
+    if per_replica:
+        return ctx.layers_per_device, 1
     if p.schedule == "bounded":
         return ctx.layers_per_device * ctx.trips, ctx.trips
     return ctx.layer_runs, 1
