@@ -15,6 +15,7 @@ from pathlib import Path
 from shardlib.checkpoint import Saver, complete_steps, jsonable, restore
 from shardlib.errors import ShardingError
 from shardlib.train.config import flatten_table
+from shardlib.train.dirlock import RunLock
 from shardlib.train.setup import TrainSetup
 
 RESUME_MODES = ("auto", "require", "never")
@@ -54,6 +55,10 @@ class RunCheckpoints:
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
         self._saver: Saver | None = None
+
+    def locked(self) -> RunLock:
+        """The directory's lock (``with ckpt.locked():``): one run per directory."""
+        return RunLock(self.directory, say=self.say)
 
     def resume(self) -> dict | None:
         """The restored state, or None to start from initialisation."""

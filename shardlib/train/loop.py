@@ -117,24 +117,26 @@ def run(
     t_start, started_at = time.perf_counter(), time.time()
     enable_compile_cache(cfg.run.compile_cache)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
-    if state is None and ckpt is not None:
-        state = ckpt.resume()
-    state = setup.init_state() if state is None else state
-    start = int(jax.device_get(state["step"]))
-    run_cfg = cfg.run
-    profile = ProfileWindow(
-        run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
-    )
-    goodput = Goodput(started_at=started_at)
-    if start:  # an earlier attempt's totals, when its metrics.jsonl is there
-        goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
-    peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
-    flops, _ = model_flops(setup)
-    devices = setup.mesh.devices.size
-    tokens_per_step = cfg.data.batch * cfg.data.seq
-    result = RunResult(peak_flops=peak, peak_source=peak_source)
     with ExitStack() as stack:
-        preempt = stack.enter_context(Preemption())
+        preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
+        if ckpt is not None:  # before reading or writing anything in its directory
+            stack.enter_context(ckpt.locked())
+        if state is None and ckpt is not None:
+            state = ckpt.resume()
+        state = setup.init_state() if state is None else state
+        start = int(jax.device_get(state["step"]))
+        run_cfg = cfg.run
+        profile = ProfileWindow(
+            run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
+        )
+        goodput = Goodput(started_at=started_at)
+        if start:  # an earlier attempt's totals, when its metrics.jsonl is there
+            goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
+        peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
+        flops, _ = model_flops(setup)
+        devices = setup.mesh.devices.size
+        tokens_per_step = cfg.data.batch * cfg.data.seq
+        result = RunResult(peak_flops=peak, peak_source=peak_source)
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
         writers = (
