@@ -115,8 +115,11 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def build_meta(setup, state: dict, step: int) -> dict:
-    """Everything besides the arrays that a resumed or exported run needs to know."""
+def build_meta(setup, state: dict, step: int, data: dict | None = None) -> dict:
+    """Everything besides the arrays that a resumed or exported run needs to know.
+
+    ``data`` describes the tokens read (``train.data.data_identity``): a resume compares it.
+    """
     from shardlib.layout import mesh_axes
 
     names = tensor_names(state)
@@ -127,7 +130,12 @@ def build_meta(setup, state: dict, step: int) -> dict:
         "config": jsonable(setup.cfg),
         "model": jsonable(setup.model_cfg),
         "mesh": {"axes": mesh_axes(setup.mesh), "processes": jax.process_count()},
-        "data": {"seed": setup.cfg.run.seed, "next_step": step, "source": setup.cfg.data.path},
+        "data": {
+            "seed": setup.cfg.run.seed,
+            "next_step": step,
+            "source": setup.cfg.data.path,
+            "identity": data,
+        },
         "rng": {"seed": setup.cfg.run.seed, "impl": str(jax.config.jax_default_prng_impl)},
         "tensors": {
             name: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": fp}
@@ -302,12 +310,12 @@ class Saver:
     def due(self, step: int) -> bool:
         return self._every > 0 and step % self._every == 0
 
-    def save(self, setup, state: dict, step: int) -> Path | None:
+    def save(self, setup, state: dict, step: int, data: dict | None = None) -> Path | None:
         """Start saving ``state`` as step ``step``; None if that step is already saved."""
         if step in self._manager.all_steps():
             return None
         ocp = load_orbax()
-        meta = build_meta(setup, state, step)
+        meta = build_meta(setup, state, step, data)
         self._manager.save(
             step,
             args=ocp.args.Composite(

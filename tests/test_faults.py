@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardlib.checkpoint import CheckpointError
@@ -133,3 +134,84 @@ def test_a_file_or_a_read_only_directory_is_one_line_before_step_1(tmp_path, cac
     check_directory(read_only)
     with pytest.raises(CheckpointError, match=r"'.*ro' is not writable \(PermissionError: Perm"):
         DirectoryLock(read_only).acquire()
+
+
+# --- point 6: the data a checkpoint was trained on ----------------------------------------
+
+
+def _token_file(path: Path, seed: int, tokens: int = 1 << 17) -> Path:
+    np.random.default_rng(seed).integers(0, 256, tokens, dtype=np.uint16).tofile(path)
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    data, directory, metrics = tmp_path / "tokens.bin", tmp_path / "run", tmp_path / "m.jsonl"
+    original = _token_file(data, seed=1).read_bytes()
+    settings = [f"data={data}", f"checkpoint_dir={directory}", "checkpoint_every=5"]
+    command = _train_command(tmp_path, *settings, f"metrics={metrics}", "steps=100000")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(cache)
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_records(metrics)) < 7:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        with data.open("r+b") as f:  # truncated in place: a memory map would SIGBUS here
+            f.truncate(len(original) // 4)
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = out.decode()
+    assert proc.returncode == 2, text
+    _assert_one_line_error(text, rf"data='{data}' changed during the run: its size changed")
+    print(f"\ntruncation -> exit 2 in {seconds:.1f} s: {_error_lines(text)[0]}")
+    steps = complete_steps(directory)
+    assert steps and steps[-1] >= 5  # the saves made before it are complete
+    step, meta = read_meta(directory)
+    assert meta["data"]["identity"]["bytes"] == len(original)
+    assert not (directory / LOCK_NAME).exists()
+    # each resume below: a refusal before compiling, or one step trained and saved
+    other = _token_file(tmp_path / "other", seed=2).read_bytes()
+    for label, content, extra, expected in [
+        ("other tokens", other, [f"steps={step + 1}"], 2),
+        ("the original, rewritten", original, [f"steps={step + 1}"], 0),
+        ("other tokens, allowed", other, [f"steps={step + 2}", "data.allow_changed=true"], 0),
+    ]:
+        if content is not None:
+            data.write_bytes(content)
+        code, text, seconds = _run(_train_command(tmp_path, *settings, *extra), _env(cache), 90)
+        assert code == expected, (label, text)
+        if expected == 2:
+            _assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
+            assert "compiled" not in text
+            print(f"{label}: refused in {seconds:.1f} s: {_error_lines(text)[0]}")
+        else:
+            assert f"resumed from {directory}" in text, (label, text)
+
+
+def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
+    from shardlib.errors import ShardingError
+    from shardlib.train.data import load_tokens
+
+    path = _token_file(tmp_path / "tokens.bin", seed=1, tokens=4096)
+    tokens = load_tokens(str(path))
+    tokens.check()
+    assert list(tokens[10:13]) == list(np.fromfile(path, np.uint16)[10:13])
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place
+    with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was rewr"):
+        tokens.check()
+    tokens = load_tokens(str(path))
+    _token_file(tmp_path / "new.bin", seed=2, tokens=4096).rename(path)  # replaced
+    with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was repl"):
+        tokens.check()

@@ -19,7 +19,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from shardlib.checkpoint import jsonable
 from shardlib.train.checkpoints import RunCheckpoints
-from shardlib.train.data import check_vocab, global_batch, load_tokens
+from shardlib.train.data import (
+    check_unchanged,
+    check_vocab,
+    data_identity,
+    global_batch,
+    load_tokens,
+)
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -55,12 +61,14 @@ class RunResult:
         return [r["loss"] for r in self.records]
 
 
-def batches(setup: TrainSetup, start: int = 0) -> Iterator[tuple[int, jax.Array]]:
+def batches(setup: TrainSetup, start: int = 0, tokens=None) -> Iterator[tuple[int, jax.Array]]:
+    """The steps' batches from ``start`` on; the token file is checked before each."""
     cfg = setup.cfg
-    tokens = load_tokens(cfg.data.path)
+    tokens = load_tokens(cfg.data.path) if tokens is None else tokens
     check_vocab(tokens, setup.target.dims.get("vocab", 0), cfg.data.path)
     b, s, seed = cfg.data.batch, cfg.data.seq, cfg.run.seed
     for step in range(start, cfg.run.steps):
+        check_unchanged(tokens)
         yield step, global_batch(tokens, step, b, s, seed, setup.batch_sharding)
 
 
@@ -121,6 +129,9 @@ def run(
         preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
         if ckpt is not None:  # before reading or writing anything in its directory
             stack.enter_context(ckpt.locked())
+        data = load_tokens(cfg.data.path)  # a missing file fails before anything is read
+        if ckpt is not None:
+            ckpt.data = data_identity(data)
         if state is None and ckpt is not None:
             state = ckpt.resume()
         state = setup.init_state() if state is None else state
@@ -156,7 +167,7 @@ def run(
                 mfu=0.0, dt=0.0,
             )  # fmt: skip
         data_t0 = time.perf_counter()
-        for step, tokens in batches(setup, start):
+        for step, tokens in batches(setup, start, data):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
                 compiled, goodput.compile_s = compile_step(setup, state, tokens)
