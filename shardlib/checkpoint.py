@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -284,16 +286,30 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
 # --- writing ------------------------------------------------------------------------------
 
 
+class _OrbaxSaveTraceback(logging.Filter):
+    """Drops orbax's log of a failed save (a page of traceback): ``Saver`` reports it in one
+    line, at the step it is seen."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_ORBAX_FILTER = _OrbaxSaveTraceback()
+
+
 class Saver:
     """Writes one run's checkpoints: every ``every`` steps, on demand, keeping ``keep``.
 
     Saves are asynchronous: ``save`` returns once the arrays are copied to host memory
     (the next step may then overwrite the device buffers) and a background thread writes
-    them; ``close`` waits for the last one.
+    them; ``close`` waits for the last one. A save that fails in the background is raised
+    by ``check`` (called at every step boundary) as one ``CheckpointError`` naming the step,
+    and the manager is closed however the run ends, so that no orbax thread outlives it.
     """
 
     def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
         ocp = load_orbax()
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: the same object
         self.directory = Path(directory)
         self._manager = ocp.CheckpointManager(
             self.directory.absolute(),
@@ -306,28 +322,68 @@ class Saver:
             item_names=("state", "meta"),
         )
         self._every = every
+        self._saving: int | None = None
+        """The step of the newest save started (its error names it)."""
 
     def due(self, step: int) -> bool:
         return self._every > 0 and step % self._every == 0
 
+    def _failed(self, err: Exception) -> CheckpointError:
+        kept = complete_steps(self.directory)
+        last = f"step {kept[-1]}" if kept else "none yet"
+        return CheckpointError(
+            f"checkpoint: saving step {self._saving} to {self.directory} failed "
+            f"({type(err).__name__}: {error_summary(err)}). Fix: make checkpoint_dir writable "
+            f"with room to spare, then run the same command to resume from the last complete "
+            f"checkpoint ({last})."
+        )
+
+    def check(self, *, wait: bool = False) -> None:
+        """Raise the error of the last save if it failed (``wait``: wait for it to end first).
+
+        Without ``wait`` this costs nothing while the save is still being written.
+        """
+        if self._saving is None or (not wait and self._manager.is_saving_in_progress()):
+            return
+        try:  # returns at once when the save has ended, or raises the error it ended with
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as err:  # orbax re-raises whatever the writer raised
+            raise self._failed(err) from None
+
     def save(self, setup, state: dict, step: int, data: dict | None = None) -> Path | None:
         """Start saving ``state`` as step ``step``; None if that step is already saved."""
+        self.check(wait=True)  # orbax waits for the previous save anyway: name its failure
         if step in self._manager.all_steps():
             return None
         ocp = load_orbax()
         meta = build_meta(setup, state, step, data)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self._saving = step
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as err:
+            raise self._failed(err) from None
         return self.directory / str(step)
 
     def close(self) -> None:
-        """Wait for the save in flight (it commits or fails here), then release threads."""
+        """Wait for the save in flight (it commits or fails here), then release threads.
+
+        A failed save raises ``CheckpointError`` after the manager is closed.
+        """
+        failure = None
         try:
-            self._manager.wait_until_finished()
-        finally:
-            self._manager.close()
+            self.check(wait=True)
+        except CheckpointError as err:
+            failure = err
+        try:
+            self._manager.close()  # waits again: the failed save's error is raised again
+        except Exception:
+            self._manager.close()  # its thread has been joined: this one closes the rest
+        if failure is not None:
+            raise failure

@@ -215,3 +215,58 @@ def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
     _token_file(tmp_path / "new.bin", seed=2, tokens=4096).rename(path)  # replaced
     with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was repl"):
         tokens.check()
+
+
+# --- point 1: a save that fails ------------------------------------------------------------
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    """``chattr +i``: a directory even root cannot write (False where not supported)."""
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def _train_until(command: list[str], metrics: Path, records: int, env: dict):
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    while len(_records(metrics)) < records:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(proc.stdout.read().decode())
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.mark.slow
+def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    directory, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=4", f"metrics={metrics}"]
+    directory.mkdir()
+    if not _chattr("+i", directory):
+        pytest.skip("chattr +i is not available here")
+    _chattr("-i", directory)
+    proc = _train_until(
+        _train_command(tmp_path, *settings, "steps=100000"), metrics, 6, _env(cache)
+    )
+    try:
+        assert _chattr("+i", directory)  # from now on nothing in it can be created or renamed
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+        _chattr("-i", directory)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    _assert_one_line_error(text, r"checkpoint: saving step \d+ to .* failed \(PermissionError")
+    failed = int(text.split("saving step ")[1].split()[0])
+    stopped = _records(metrics)[-1]["step"]
+    assert failed <= stopped <= failed + 8, (failed, stopped)  # not one save later
+    print(f"\nfailed save -> exit 2 in {seconds:.1f} s at step {stopped}: {_error_lines(text)[0]}")
+    kept = complete_steps(directory)
+    assert kept and all(s < failed for s in kept)
+    assert read_meta(directory)[0] == kept[-1]  # the complete ones are intact

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from shardlib.checkpoint import Saver, complete_steps, jsonable, read_meta, restore
+from shardlib.checkpoint import CheckpointError, Saver, complete_steps, jsonable, read_meta, restore
 from shardlib.errors import ShardingError
 from shardlib.train.config import flatten_table
 from shardlib.train.dirlock import RunLock
@@ -109,13 +109,20 @@ class RunCheckpoints:
         return self
 
     def after_step(self, state: dict, step: int, *, final: bool) -> None:
-        """Start a save of the state after ``step`` steps if it is due (or ``final``)."""
+        """Start a save of the state after ``step`` steps if it is due (or ``final``); raise the
+        error of an earlier save that failed in the background."""
+        self._saver.check()
         if final or self._saver.due(step):
             self._saver.save(self.setup, state, step, self.data)  # None: this step is already saved
             self.last = self.directory / str(step)
 
-    def __exit__(self, *exc) -> None:
-        self._saver.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._saver.close()
+        except CheckpointError as err:
+            if exc is None:
+                raise
+            self.say(f"also: {err}")  # the error already on its way out says it first
 
 
 def _when(mtime: float | None) -> str:
