@@ -62,11 +62,14 @@ def _parser() -> argparse.ArgumentParser:
 def _prepare(args) -> tuple:
     """Mesh spec -> (simulated devices) -> mesh, config. JAX starts only here."""
     from shardlib.distributed import ProcessGroup, initialize
+    from shardlib.train.preempt import install_early
 
     spec: MeshSpec = load_mesh(args.mesh)
     group = ProcessGroup(args.coordinator, args.num_processes, args.process_id)
     cpu = spec.platform == "cpu" or args.cpu_devices is not None
     processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
+    if args.command == "train":
+        install_early()  # again: JAX's preemption notifier has just taken SIGTERM over
     devices = args.cpu_devices
     if devices is None and spec.platform == "cpu" and spec.fixed_size:
         if spec.fixed_size % processes:
@@ -174,6 +177,10 @@ def cmd_export(args, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "train":  # a signal from now on stops the run after its first step
+        from shardlib.train.preempt import install_early
+
+        install_early()
     errors = Console(stderr=True)
     # the planner's results go to stdout (tools read them); training logs stay on stderr
     console = Console() if args.command in ("plan", "estimate") else errors

@@ -270,3 +270,43 @@ def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
     kept = complete_steps(directory)
     assert kept and all(s < failed for s in kept)
     assert read_meta(directory)[0] == kept[-1]  # the complete ones are intact
+
+
+# --- point 4: signals from process start ---------------------------------------------------
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Has process ``pid`` installed a handler for ``sig`` (Linux: /proc/PID/status)?"""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tmp_path, cache):
+    import signal
+
+    from shardlib.checkpoint import complete_steps
+
+    directory = tmp_path / "run"
+    command = _train_command(tmp_path, f"checkpoint_dir={directory}", "steps=100000")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(cache)
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGTERM):  # the CLI's first act
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)  # JAX is not even imported yet
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert f"stopped by SIGTERM after step 1: checkpoint saved to {directory / '1'}" in text
+    assert complete_steps(directory) == [1]
+    print(f"\nSIGTERM at start-up -> stopped after step 1, exit 0 in {seconds:.1f} s")
