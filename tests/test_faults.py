@@ -7,6 +7,7 @@ directory), so only the first of them compiles the step.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -285,7 +286,6 @@ def _catches(pid: int, sig: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tmp_path, cache):
-    import signal
 
     from shardlib.checkpoint import complete_steps
 
@@ -310,3 +310,152 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
     assert f"stopped by SIGTERM after step 1: checkpoint saved to {directory / '1'}" in text
     assert complete_steps(directory) == [1]
     print(f"\nSIGTERM at start-up -> stopped after step 1, exit 0 in {seconds:.1f} s")
+
+
+# --- points 2, 3, 5: two processes x 4 CPU devices over gloo on loopback ------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(tmp_path: Path, port: int, rank: int, log: str, *settings: str, cache: Path, job="j"):
+    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", "cpu-8-dp"]
+    command += ["--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
+    command += ["--num-processes", "2", "--process-id", str(rank), "--heartbeat-timeout", "6"]
+    command += ["--init-timeout", "8", *TINY, *settings]
+    out = (tmp_path / log).open("w")
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(cache))
+
+
+def _wait(procs: list, timeout: float) -> tuple[list[int], float]:
+    t0, deadline = time.monotonic(), time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return codes, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_is_printed_by_it_and_ends_the_other(tmp_path, cache):
+    data = _token_file(tmp_path / "tokens.bin", seed=1)
+    port = _free_port()
+    procs = [
+        _rank(tmp_path, port, 0, "0.log", f"data={data}", "steps=50", cache=cache),
+        _rank(tmp_path, port, 1, "1.log", f"data={tmp_path / 'gone.bin'}", "steps=50", cache=cache),
+    ]
+    try:
+        assert procs[1].wait(timeout=120) == 2
+        codes, seconds = _wait(procs, 30)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"{i}.log").read_text() for i in range(2)]
+    assert codes == [1, 2], logs
+    _assert_one_line_error(logs[1], r"^process 1: error: data='.*gone.bin': no such file")
+    lines = [line for line in logs[0].splitlines() if line.startswith("process 0:")]
+    assert lines == [f"process 0: stopping: process 1 failed: data='{tmp_path}/gone.bin': no "
+                     "such file. Fix: pass a flat uint16 token file."], logs[0]  # fmt: skip
+    assert "Traceback" not in logs[0] and "stack trace" not in logs[0]
+    print(f"\nrank 1's error ended rank 0 {seconds:.1f} s later: {lines[0]}")
+
+
+def _line(log: Path, pattern: str) -> str:
+    import re
+
+    text = log.read_text()
+    assert "Traceback" not in text and "stack trace" not in text, text
+    found = [line for line in text.splitlines() if re.search(pattern, line)]
+    assert len(found) == 1, text
+    return found[0]
+
+
+@pytest.mark.slow
+def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    # an unrelated program holds the port: process 0 refuses it, process 1 gives up in time
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        procs = [_rank(tmp_path, port, i, f"x{i}.log", "steps=5", cache=cache) for i in (0, 1)]
+        codes, seconds = _wait(procs, 60)
+    assert codes == [2, 2], [(tmp_path / f"x{i}.log").read_text() for i in (0, 1)]
+    report = [_line(tmp_path / "x0.log", f"coordinator port {port} is already in use")]
+    report.append(_line(tmp_path / "x1.log", r"could not join the run .* within 8 s"))
+    print(f"\nport held: both exit 2 within {seconds:.1f} s:\n  " + "\n  ".join(report))
+
+    # job B's process 1 reaches job A's coordinator while A is starting: it refuses at join
+    port = _free_port()
+    a0 = _rank(tmp_path, port, 0, "s0.log", "steps=5", cache=cache, job="A")
+    b1 = _rank(tmp_path, port, 1, "s1.log", "steps=5", cache=cache, job="B")
+    codes, seconds = _wait([b1, a0], 60)
+    assert codes == [2, 1], [(tmp_path / f"s{i}.log").read_text() for i in (0, 1)]
+    report = [_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")]
+    report.append(_line(tmp_path / "s0.log", r"^process 0: stopping: process 1 failed: .*job B"))
+    print(
+        f"job B's rank 1 at job A's coordinator: both end within {seconds:.1f} s:\n  "
+        + "\n  ".join(report)
+    )
+
+    # job A trains; job B's process 0 is refused A's port, and A trains on
+    port, directory, metrics = _free_port(), tmp_path / "run", tmp_path / "a.jsonl"
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
+    job_a = [
+        _rank(tmp_path, port, 0, "a0.log", *settings, f"metrics={metrics}", cache=cache, job="A"),
+        _rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
+    ]
+    try:
+        deadline = time.monotonic() + 150
+        while len(_records(metrics)) < 6:
+            assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        codes, seconds = _wait([_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60)
+        assert codes == [2], (tmp_path / "b0.log").read_text()
+        line = _line(tmp_path / "b0.log", f"coordinator port {port} is already in use")
+        print(f"job B's rank 0 on job A's port: exit 2 in {seconds:.1f} s: {line}")
+        seen = len(_records(metrics))
+        time.sleep(2)
+        assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
+        assert len(_records(metrics)) > seen  # job A trains on, untouched
+        job_a[1].send_signal(signal.SIGKILL)
+        codes, seconds = _wait(job_a[:1], 30)
+    finally:
+        for p in job_a:
+            p.kill()
+    assert codes == [1]
+    line = _line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
+    print(f"rank 1 killed: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
+    assert seconds < 6 + 2
+    assert complete_steps(directory) and read_meta(directory)[1]["step"] >= 5
+
+
+def test_timeouts_come_from_flags_over_the_mesh_file_with_stated_defaults(tmp_path):
+    from argparse import Namespace
+
+    from shardlib.distributed import ProcessGroup, check_port_free, process_group
+    from shardlib.errors import ShardingError
+
+    defaults = ProcessGroup()
+    assert (defaults.init_timeout_s, defaults.heartbeat_timeout_s) == (300, 60)
+    args = Namespace(coordinator="127.0.0.1:1", num_processes=2, process_id=0)
+    args.heartbeat_timeout_s, args.job_id = 7, None
+    group = process_group(args, {"heartbeat_timeout_s": 30, "init_timeout_s": 20, "job_id": "x"})
+    assert (group.heartbeat_timeout_s, group.init_timeout_s, group.job_id) == (7, 20, "x")
+    with pytest.raises(ShardingError, match=r"unknown setting\(s\) heartbeat\. Fix: use"):
+        process_group(args, {"heartbeat": 5})
+    with pytest.raises(ShardingError, match=r"heartbeat_timeout_s=0 must be >= 1 s"):
+        ProcessGroup(heartbeat_timeout_s=0)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ShardingError, match=f"port {port} is already in use"):
+            check_port_free(f"127.0.0.1:{port}")
+    check_port_free(f"127.0.0.1:{port}")  # free again
