@@ -182,22 +182,18 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
     assert meta["data"]["identity"]["bytes"] == len(original)
     assert not (directory / LOCK_NAME).exists()
     # each resume below: a refusal before compiling, or one step trained and saved
-    other = _token_file(tmp_path / "other", seed=2).read_bytes()
-    for label, content, extra, expected in [
-        ("other tokens", other, [f"steps={step + 1}"], 2),
-        ("the original, rewritten", original, [f"steps={step + 1}"], 0),
-        ("other tokens, allowed", other, [f"steps={step + 2}", "data.allow_changed=true"], 0),
-    ]:
-        if content is not None:
-            data.write_bytes(content)
-        code, text, seconds = _run(_train_command(tmp_path, *settings, *extra), _env(cache), 90)
-        assert code == expected, (label, text)
-        if expected == 2:
-            _assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
-            assert "compiled" not in text
-            print(f"{label}: refused in {seconds:.1f} s: {_error_lines(text)[0]}")
-        else:
-            assert f"resumed from {directory}" in text, (label, text)
+    data.write_bytes(_token_file(tmp_path / "other", seed=2).read_bytes())
+    code, text, seconds = _run(_train_command(tmp_path, *settings, "steps=100000"), _env(cache), 90)
+    assert code == 2, text
+    _assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
+    assert "compiled" not in text
+    print(f"other tokens: resume refused in {seconds:.1f} s: {_error_lines(text)[0]}")
+    resumed = tmp_path / "resumed.jsonl"
+    allowed = [*settings, "steps=100000", "data.allow_changed=true", f"metrics={resumed}"]
+    proc = _train_until(_train_command(tmp_path, *allowed), resumed, 1, _env(cache))
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and f"resumed from {directory}" in out.decode(), out.decode()
 
 
 def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
@@ -251,9 +247,12 @@ def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
         pytest.skip("chattr +i is not available here")
     _chattr("-i", directory)
     proc = _train_until(
-        _train_command(tmp_path, *settings, "steps=100000"), metrics, 6, _env(cache)
+        _train_command(tmp_path, *settings, "steps=100000"), metrics, 10, _env(cache)
     )
     try:
+        deadline = time.monotonic() + 60
+        while not complete_steps(directory) and time.monotonic() < deadline:
+            time.sleep(0.02)  # a save committed before the fault, to check it survives
         assert _chattr("+i", directory)  # from now on nothing in it can be created or renamed
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
@@ -269,7 +268,7 @@ def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
     assert failed <= stopped <= failed + 8, (failed, stopped)  # not one save later
     print(f"\nfailed save -> exit 2 in {seconds:.1f} s at step {stopped}: {_error_lines(text)[0]}")
     kept = complete_steps(directory)
-    assert kept and all(s < failed for s in kept)
+    assert kept and kept[-1] <= failed  # (== when only deleting an older step failed)
     assert read_meta(directory)[0] == kept[-1]  # the complete ones are intact
 
 
@@ -312,7 +311,7 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
     print(f"\nSIGTERM at start-up -> stopped after step 1, exit 0 in {seconds:.1f} s")
 
 
-# --- points 2, 3, 5: two processes x 4 CPU devices over gloo on loopback ------------------
+# --- points 2, 3, 5: two processes over gloo on loopback ------------------
 
 
 def _free_port() -> int:
@@ -322,10 +321,13 @@ def _free_port() -> int:
 
 
 def _rank(tmp_path: Path, port: int, rank: int, log: str, *settings: str, cache: Path, job="j"):
-    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", "cpu-8-dp"]
-    command += ["--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
+    """One of two processes with one CPU device each (a small mesh compiles fast)."""
+    mesh = tmp_path / "two.toml"
+    mesh.write_text('# Use this when: two processes\nplatform = "cpu"\n[mesh]\ndata = 2\n')
+    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh)]
+    command += ["--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
     command += ["--num-processes", "2", "--process-id", str(rank), "--heartbeat-timeout", "6"]
-    command += ["--init-timeout", "8", *TINY, *settings]
+    command += ["--init-timeout", "5", *TINY, *settings]
     out = (tmp_path / log).open("w")
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(cache))
 
@@ -387,7 +389,7 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
         codes, seconds = _wait(procs, 60)
     assert codes == [2, 2], [(tmp_path / f"x{i}.log").read_text() for i in (0, 1)]
     report = [_line(tmp_path / "x0.log", f"coordinator port {port} is already in use")]
-    report.append(_line(tmp_path / "x1.log", r"could not join the run .* within 8 s"))
+    report.append(_line(tmp_path / "x1.log", r"could not join the run .* within 5 s"))
     print(f"\nport held: both exit 2 within {seconds:.1f} s:\n  " + "\n  ".join(report))
 
     # job B's process 1 reaches job A's coordinator while A is starting: it refuses at join
