@@ -461,3 +461,30 @@ def test_timeouts_come_from_flags_over_the_mesh_file_with_stated_defaults(tmp_pa
         with pytest.raises(ShardingError, match=f"port {port} is already in use"):
             check_port_free(f"127.0.0.1:{port}")
     check_port_free(f"127.0.0.1:{port}")  # free again
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_sigterm_at_start_up_of_one_rank_stops_both_at_one_step(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps
+
+    directory, port = tmp_path / "run", _free_port()
+    settings = [f"checkpoint_dir={directory}", "steps=100000"]
+    procs = [_rank(tmp_path, port, i, f"{i}.log", *settings, cache=cache) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(procs[1].pid, signal.SIGTERM):
+            assert procs[1].poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(1.0)  # JAX is starting (its preemption notifier takes SIGTERM over)
+        procs[1].send_signal(signal.SIGTERM)
+        codes, seconds = _wait(procs, 90)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], logs
+    stop = complete_steps(directory)[-1]
+    assert f"stopped by SIGTERM on process 1 after step {stop}: checkpoint saved" in logs[0]
+    assert stop <= 2
+    print(f"\nSIGTERM to rank 1 at start-up: both exit 0 after step {stop}, {seconds:.1f} s")
