@@ -10,19 +10,31 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fault_runs import (
+    assert_one_line_error,
+    catches,
+    chattr,
+    child_env,
+    error_lines,
+    free_port,
+    lock_holder,
+    only_line,
+    records_of,
+    run_bounded,
+    start_rank,
+    token_file,
+    train_command,
+    train_until,
+    wait_all,
+)
 
 from shardlib.checkpoint import CheckpointError
 from shardlib.train.dirlock import LOCK_NAME, DirectoryLock, check_directory
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["model.layers=1", "batch=8", "seq=16"]
-ONE_DEVICE = '# Use this when: one CPU device\nplatform = "cpu"\n[mesh]\ndata = 1\n'
 
 
 @pytest.fixture(scope="module")
@@ -30,77 +42,23 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jax-cache")
 
 
-def _env(cache: Path) -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        COLUMNS="1000",  # rich wraps long lines at 80 columns when not on a terminal
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
-
-def _train_command(tmp_path: Path, *settings: str) -> list[str]:
-    mesh = tmp_path / "one.toml"
-    mesh.write_text(ONE_DEVICE)
-    return [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh), *TINY, *settings]
-
-
-def _run(command: list[str], env: dict, timeout: float) -> tuple[int, str, float]:
-    """(exit code, output, seconds): the process is killed by PID if it outlives ``timeout``."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-    return proc.returncode, out.decode(), time.monotonic() - t0
-
-
-def _error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "error" in line.lower()]
-
-
-def _assert_one_line_error(text: str, pattern: str) -> None:
-    import re
-
-    assert "Traceback" not in text, text
-    errors = _error_lines(text)
-    assert len(errors) == 1 and re.search(pattern, errors[0]), text
-
-
 # --- point 7: one run per checkpoint directory --------------------------------------------
-
-HOLD = "from shardlib.train.dirlock import DirectoryLock as L; import sys, time\n" + (
-    "L(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
-)
-
-
-def _holder(directory: Path, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, env=env
-    )
-    assert proc.stdout.readline().strip() == b"locked"
-    return proc
 
 
 def test_a_second_run_on_a_directory_is_refused_with_the_owner(tmp_path, cache):
     directory = tmp_path / "run"
-    holder = _holder(directory, _env(cache))
+    holder = lock_holder(directory, child_env(cache))
     try:
-        code, text, seconds = _run(
-            _train_command(tmp_path, f"checkpoint_dir={directory}", "steps=5"), _env(cache), 60
+        code, text, seconds = run_bounded(
+            train_command(tmp_path, f"checkpoint_dir={directory}", "steps=5"), child_env(cache), 60
         )
     finally:
         holder.kill()
         holder.wait(timeout=10)
     host = socket.gethostname()
-    _assert_one_line_error(text, rf"in use by another run \(host {host}, pid {holder.pid}, since")
+    assert_one_line_error(text, rf"in use by another run \(host {host}, pid {holder.pid}, since")
     assert code == 2 and "compiled" not in text
-    print(f"\nsecond run refused in {seconds:.1f} s: {_error_lines(text)[0]}")
+    print(f"\nsecond run refused in {seconds:.1f} s: {error_lines(text)[0]}")
     lock = DirectoryLock(directory).acquire()  # the holder was SIGKILLed: its lock is stale
     assert f"pid {holder.pid}" in lock.recovered
     lock.release()
@@ -115,11 +73,13 @@ def test_a_lock_file_of_another_host_is_refused_with_a_way_out(tmp_path):
 
 def test_a_file_or_a_read_only_directory_is_one_line_before_step_1(tmp_path, cache, monkeypatch):
     (tmp_path / "file").write_text("")
-    code, text, _ = _run(
-        _train_command(tmp_path, f"checkpoint_dir={tmp_path / 'file'}", "steps=5"), _env(cache), 60
+    code, text, _ = run_bounded(
+        train_command(tmp_path, f"checkpoint_dir={tmp_path / 'file'}", "steps=5"),
+        child_env(cache),
+        60,
     )
     assert code == 2 and "compiled" not in text
-    _assert_one_line_error(text, r"checkpoint_dir='.*file' is a file, not a directory\. Fix:")
+    assert_one_line_error(text, r"checkpoint_dir='.*file' is a file, not a directory\. Fix:")
     read_only = tmp_path / "ro"
     read_only.mkdir()
     read_only.chmod(0o555)
@@ -140,29 +100,20 @@ def test_a_file_or_a_read_only_directory_is_one_line_before_step_1(tmp_path, cac
 # --- point 6: the data a checkpoint was trained on ----------------------------------------
 
 
-def _token_file(path: Path, seed: int, tokens: int = 1 << 17) -> Path:
-    np.random.default_rng(seed).integers(0, 256, tokens, dtype=np.uint16).tofile(path)
-    return path
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.mark.slow
 def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path, cache):
     from shardlib.checkpoint import complete_steps, read_meta
 
     data, directory, metrics = tmp_path / "tokens.bin", tmp_path / "run", tmp_path / "m.jsonl"
-    original = _token_file(data, seed=1).read_bytes()
+    original = token_file(data, seed=1).read_bytes()
     settings = [f"data={data}", f"checkpoint_dir={directory}", "checkpoint_every=5"]
-    command = _train_command(tmp_path, *settings, f"metrics={metrics}", "steps=100000")
+    command = train_command(tmp_path, *settings, f"metrics={metrics}", "steps=100000")
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(cache)
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
     )
     try:
         deadline = time.monotonic() + 120
-        while len(_records(metrics)) < 7:
+        while len(records_of(metrics)) < 7:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.02)
         t0 = time.monotonic()
@@ -174,23 +125,25 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
         proc.kill()
     text = out.decode()
     assert proc.returncode == 2, text
-    _assert_one_line_error(text, rf"data='{data}' changed during the run: its size changed")
-    print(f"\ntruncation -> exit 2 in {seconds:.1f} s: {_error_lines(text)[0]}")
+    assert_one_line_error(text, rf"data='{data}' changed during the run: its size changed")
+    print(f"\ntruncation -> exit 2 in {seconds:.1f} s: {error_lines(text)[0]}")
     steps = complete_steps(directory)
     assert steps and steps[-1] >= 5  # the saves made before it are complete
     step, meta = read_meta(directory)
     assert meta["data"]["identity"]["bytes"] == len(original)
     assert not (directory / LOCK_NAME).exists()
     # each resume below: a refusal before compiling, or one step trained and saved
-    data.write_bytes(_token_file(tmp_path / "other", seed=2).read_bytes())
-    code, text, seconds = _run(_train_command(tmp_path, *settings, "steps=100000"), _env(cache), 90)
+    data.write_bytes(token_file(tmp_path / "other", seed=2).read_bytes())
+    code, text, seconds = run_bounded(
+        train_command(tmp_path, *settings, "steps=100000"), child_env(cache), 90
+    )
     assert code == 2, text
-    _assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
+    assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
     assert "compiled" not in text
-    print(f"other tokens: resume refused in {seconds:.1f} s: {_error_lines(text)[0]}")
+    print(f"other tokens: resume refused in {seconds:.1f} s: {error_lines(text)[0]}")
     resumed = tmp_path / "resumed.jsonl"
     allowed = [*settings, "steps=100000", "data.allow_changed=true", f"metrics={resumed}"]
-    proc = _train_until(_train_command(tmp_path, *allowed), resumed, 1, _env(cache))
+    proc = train_until(train_command(tmp_path, *allowed), resumed, 1, child_env(cache))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and f"resumed from {directory}" in out.decode(), out.decode()
@@ -200,7 +153,7 @@ def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
     from shardlib.errors import ShardingError
     from shardlib.train.data import load_tokens
 
-    path = _token_file(tmp_path / "tokens.bin", seed=1, tokens=4096)
+    path = token_file(tmp_path / "tokens.bin", seed=1, tokens=4096)
     tokens = load_tokens(str(path))
     tokens.check()
     assert list(tokens[10:13]) == list(np.fromfile(path, np.uint16)[10:13])
@@ -209,31 +162,12 @@ def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
     with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was rewr"):
         tokens.check()
     tokens = load_tokens(str(path))
-    _token_file(tmp_path / "new.bin", seed=2, tokens=4096).rename(path)  # replaced
+    token_file(tmp_path / "new.bin", seed=2, tokens=4096).rename(path)  # replaced
     with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was repl"):
         tokens.check()
 
 
 # --- point 1: a save that fails ------------------------------------------------------------
-
-
-def _chattr(flag: str, path: Path) -> bool:
-    """``chattr +i``: a directory even root cannot write (False where not supported)."""
-    try:
-        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        return False
-
-
-def _train_until(command: list[str], metrics: Path, records: int, env: dict):
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while len(_records(metrics)) < records:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(proc.stdout.read().decode())
-        time.sleep(0.02)
-    return proc
 
 
 @pytest.mark.slow
@@ -243,43 +177,36 @@ def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
     directory, metrics = tmp_path / "run", tmp_path / "m.jsonl"
     settings = [f"checkpoint_dir={directory}", "checkpoint_every=4", f"metrics={metrics}"]
     directory.mkdir()
-    if not _chattr("+i", directory):
+    if not chattr("+i", directory):
         pytest.skip("chattr +i is not available here")
-    _chattr("-i", directory)
-    proc = _train_until(
-        _train_command(tmp_path, *settings, "steps=100000"), metrics, 10, _env(cache)
+    chattr("-i", directory)
+    proc = train_until(
+        train_command(tmp_path, *settings, "steps=100000"), metrics, 10, child_env(cache)
     )
     try:
         deadline = time.monotonic() + 60
         while not complete_steps(directory) and time.monotonic() < deadline:
             time.sleep(0.02)  # a save committed before the fault, to check it survives
-        assert _chattr("+i", directory)  # from now on nothing in it can be created or renamed
+        assert chattr("+i", directory)  # from now on nothing in it can be created or renamed
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
         seconds = time.monotonic() - t0
     finally:
         proc.kill()
-        _chattr("-i", directory)
+        chattr("-i", directory)
     text = out.decode()
     assert proc.returncode == 2, text
-    _assert_one_line_error(text, r"checkpoint: saving step \d+ to .* failed \(PermissionError")
+    assert_one_line_error(text, r"checkpoint: saving step \d+ to .* failed \(PermissionError")
     failed = int(text.split("saving step ")[1].split()[0])
-    stopped = _records(metrics)[-1]["step"]
+    stopped = records_of(metrics)[-1]["step"]
     assert failed <= stopped <= failed + 8, (failed, stopped)  # not one save later
-    print(f"\nfailed save -> exit 2 in {seconds:.1f} s at step {stopped}: {_error_lines(text)[0]}")
+    print(f"\nfailed save -> exit 2 in {seconds:.1f} s at step {stopped}: {error_lines(text)[0]}")
     kept = complete_steps(directory)
     assert kept and kept[-1] <= failed  # (== when only deleting an older step failed)
     assert read_meta(directory)[0] == kept[-1]  # the complete ones are intact
 
 
 # --- point 4: signals from process start ---------------------------------------------------
-
-
-def _catches(pid: int, sig: int) -> bool:
-    """Has process ``pid`` installed a handler for ``sig`` (Linux: /proc/PID/status)?"""
-    status = Path(f"/proc/{pid}/status").read_text()
-    caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
-    return bool(caught >> (sig - 1) & 1)
 
 
 @pytest.mark.slow
@@ -289,13 +216,13 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
     from shardlib.checkpoint import complete_steps
 
     directory = tmp_path / "run"
-    command = _train_command(tmp_path, f"checkpoint_dir={directory}", "steps=100000")
+    command = train_command(tmp_path, f"checkpoint_dir={directory}", "steps=100000")
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(cache)
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
     )
     try:
         deadline = time.monotonic() + 30
-        while not _catches(proc.pid, signal.SIGTERM):  # the CLI's first act
+        while not catches(proc.pid, signal.SIGTERM):  # the CLI's first act
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)  # JAX is not even imported yet
@@ -314,66 +241,30 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
 # --- points 2, 3, 5: two processes over gloo on loopback ------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(tmp_path: Path, port: int, rank: int, log: str, *settings: str, cache: Path, job="j"):
-    """One of two processes with one CPU device each (a small mesh compiles fast)."""
-    mesh = tmp_path / "two.toml"
-    mesh.write_text('# Use this when: two processes\nplatform = "cpu"\n[mesh]\ndata = 2\n')
-    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh)]
-    command += ["--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
-    command += ["--num-processes", "2", "--process-id", str(rank), "--heartbeat-timeout", "6"]
-    command += ["--init-timeout", "5", *TINY, *settings]
-    out = (tmp_path / log).open("w")
-    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(cache))
-
-
-def _wait(procs: list, timeout: float) -> tuple[list[int], float]:
-    t0, deadline = time.monotonic(), time.monotonic() + timeout
-    try:
-        codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return codes, time.monotonic() - t0
-
-
 @pytest.mark.slow
 def test_an_error_on_one_rank_is_printed_by_it_and_ends_the_other(tmp_path, cache):
-    data = _token_file(tmp_path / "tokens.bin", seed=1)
-    port = _free_port()
+    data = token_file(tmp_path / "tokens.bin", seed=1)
+    port = free_port()
     procs = [
-        _rank(tmp_path, port, 0, "0.log", f"data={data}", "steps=50", cache=cache),
-        _rank(tmp_path, port, 1, "1.log", f"data={tmp_path / 'gone.bin'}", "steps=50", cache=cache),
+        start_rank(tmp_path, port, 0, "0.log", f"data={data}", "steps=50", cache=cache),
+        start_rank(
+            tmp_path, port, 1, "1.log", f"data={tmp_path / 'gone.bin'}", "steps=50", cache=cache
+        ),
     ]
     try:
         assert procs[1].wait(timeout=120) == 2
-        codes, seconds = _wait(procs, 30)
+        codes, seconds = wait_all(procs, 30)
     finally:
         for p in procs:
             p.kill()
     logs = [(tmp_path / f"{i}.log").read_text() for i in range(2)]
     assert codes == [1, 2], logs
-    _assert_one_line_error(logs[1], r"^process 1: error: data='.*gone.bin': no such file")
+    assert_one_line_error(logs[1], r"^process 1: error: data='.*gone.bin': no such file")
     lines = [line for line in logs[0].splitlines() if line.startswith("process 0:")]
     assert lines == [f"process 0: stopping: process 1 failed: data='{tmp_path}/gone.bin': no "
                      "such file. Fix: pass a flat uint16 token file."], logs[0]  # fmt: skip
     assert "Traceback" not in logs[0] and "stack trace" not in logs[0]
     print(f"\nrank 1's error ended rank 0 {seconds:.1f} s later: {lines[0]}")
-
-
-def _line(log: Path, pattern: str) -> str:
-    import re
-
-    text = log.read_text()
-    assert "Traceback" not in text and "stack trace" not in text, text
-    found = [line for line in text.splitlines() if re.search(pattern, line)]
-    assert len(found) == 1, text
-    return found[0]
 
 
 @pytest.mark.slow
@@ -385,54 +276,60 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        procs = [_rank(tmp_path, port, i, f"x{i}.log", "steps=5", cache=cache) for i in (0, 1)]
-        codes, seconds = _wait(procs, 60)
+        procs = [start_rank(tmp_path, port, i, f"x{i}.log", "steps=5", cache=cache) for i in (0, 1)]
+        codes, seconds = wait_all(procs, 60)
     assert codes == [2, 2], [(tmp_path / f"x{i}.log").read_text() for i in (0, 1)]
-    report = [_line(tmp_path / "x0.log", f"coordinator port {port} is already in use")]
-    report.append(_line(tmp_path / "x1.log", r"could not join the run .* within 5 s"))
+    report = [only_line(tmp_path / "x0.log", f"coordinator port {port} is already in use")]
+    report.append(only_line(tmp_path / "x1.log", r"could not join the run .* within 5 s"))
     print(f"\nport held: both exit 2 within {seconds:.1f} s:\n  " + "\n  ".join(report))
 
     # job B's process 1 reaches job A's coordinator while A is starting: it refuses at join
-    port = _free_port()
-    a0 = _rank(tmp_path, port, 0, "s0.log", "steps=5", cache=cache, job="A")
-    b1 = _rank(tmp_path, port, 1, "s1.log", "steps=5", cache=cache, job="B")
-    codes, seconds = _wait([b1, a0], 60)
+    port = free_port()
+    a0 = start_rank(tmp_path, port, 0, "s0.log", "steps=5", cache=cache, job="A")
+    b1 = start_rank(tmp_path, port, 1, "s1.log", "steps=5", cache=cache, job="B")
+    codes, seconds = wait_all([b1, a0], 60)
     assert codes == [2, 1], [(tmp_path / f"s{i}.log").read_text() for i in (0, 1)]
-    report = [_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")]
-    report.append(_line(tmp_path / "s0.log", r"^process 0: stopping: process 1 failed: .*job B"))
+    report = [only_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")]
+    report.append(
+        only_line(tmp_path / "s0.log", r"^process 0: stopping: process 1 failed: .*job B")
+    )
     print(
         f"job B's rank 1 at job A's coordinator: both end within {seconds:.1f} s:\n  "
         + "\n  ".join(report)
     )
 
     # job A trains; job B's process 0 is refused A's port, and A trains on
-    port, directory, metrics = _free_port(), tmp_path / "run", tmp_path / "a.jsonl"
+    port, directory, metrics = free_port(), tmp_path / "run", tmp_path / "a.jsonl"
     settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
     job_a = [
-        _rank(tmp_path, port, 0, "a0.log", *settings, f"metrics={metrics}", cache=cache, job="A"),
-        _rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
+        start_rank(
+            tmp_path, port, 0, "a0.log", *settings, f"metrics={metrics}", cache=cache, job="A"
+        ),
+        start_rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
     ]
     try:
         deadline = time.monotonic() + 150
-        while len(_records(metrics)) < 6:
+        while len(records_of(metrics)) < 6:
             assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        codes, seconds = _wait([_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60)
+        codes, seconds = wait_all(
+            [start_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60
+        )
         assert codes == [2], (tmp_path / "b0.log").read_text()
-        line = _line(tmp_path / "b0.log", f"coordinator port {port} is already in use")
+        line = only_line(tmp_path / "b0.log", f"coordinator port {port} is already in use")
         print(f"job B's rank 0 on job A's port: exit 2 in {seconds:.1f} s: {line}")
-        seen = len(_records(metrics))
+        seen = len(records_of(metrics))
         time.sleep(2)
         assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
-        assert len(_records(metrics)) > seen  # job A trains on, untouched
+        assert len(records_of(metrics)) > seen  # job A trains on, untouched
         job_a[1].send_signal(signal.SIGKILL)
-        codes, seconds = _wait(job_a[:1], 30)
+        codes, seconds = wait_all(job_a[:1], 30)
     finally:
         for p in job_a:
             p.kill()
     assert codes == [1]
-    line = _line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
+    line = only_line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
     print(f"rank 1 killed: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
     assert seconds < 6 + 2
     assert complete_steps(directory) and read_meta(directory)[1]["step"] >= 5
@@ -468,17 +365,17 @@ def test_timeouts_come_from_flags_over_the_mesh_file_with_stated_defaults(tmp_pa
 def test_sigterm_at_start_up_of_one_rank_stops_both_at_one_step(tmp_path, cache):
     from shardlib.checkpoint import complete_steps
 
-    directory, port = tmp_path / "run", _free_port()
+    directory, port = tmp_path / "run", free_port()
     settings = [f"checkpoint_dir={directory}", "steps=100000"]
-    procs = [_rank(tmp_path, port, i, f"{i}.log", *settings, cache=cache) for i in (0, 1)]
+    procs = [start_rank(tmp_path, port, i, f"{i}.log", *settings, cache=cache) for i in (0, 1)]
     try:
         deadline = time.monotonic() + 30
-        while not _catches(procs[1].pid, signal.SIGTERM):
+        while not catches(procs[1].pid, signal.SIGTERM):
             assert procs[1].poll() is None and time.monotonic() < deadline
             time.sleep(0.005)
         time.sleep(1.0)  # JAX is starting (its preemption notifier takes SIGTERM over)
         procs[1].send_signal(signal.SIGTERM)
-        codes, seconds = _wait(procs, 90)
+        codes, seconds = wait_all(procs, 90)
     finally:
         for p in procs:
             p.kill()
