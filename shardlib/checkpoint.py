@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,15 +287,27 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
 # --- writing ------------------------------------------------------------------------------
 
 
-class _OrbaxSaveTraceback(logging.Filter):
-    """Drops orbax's log of a failed save (a page of traceback): ``Saver`` reports it in one
-    line, at the step it is seen."""
+class _OrbaxSaveErrors(logging.Filter):
+    """Keeps the errors orbax's background save threads log, and drops the log (a page of
+    traceback): ``Saver`` reports them in one line, at the next step boundary.
+
+    The log is the one place a failure shows without waiting: orbax's finalize thread
+    swallows it after logging, and with several processes then waits in a barrier for the
+    others, who wait for the failed commit, so ``wait_until_finished`` would hang.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[BaseException] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.errors.append(record.exc_info[1])
+            return False
+        return True
 
 
-_ORBAX_FILTER = _OrbaxSaveTraceback()
+_ORBAX_ERRORS = _OrbaxSaveErrors()
 
 
 class Saver:
@@ -309,7 +322,8 @@ class Saver:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
         ocp = load_orbax()
-        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: the same object
+        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: the same object
+        _ORBAX_ERRORS.errors.clear()
         self.directory = Path(directory)
         self._manager = ocp.CheckpointManager(
             self.directory.absolute(),
@@ -324,6 +338,7 @@ class Saver:
         self._every = every
         self._saving: int | None = None
         """The step of the newest save started (its error names it)."""
+        self._reported = False
 
     def due(self, step: int) -> bool:
         return self._every > 0 and step % self._every == 0
@@ -341,14 +356,23 @@ class Saver:
     def check(self, *, wait: bool = False) -> None:
         """Raise the error of the last save if it failed (``wait``: wait for it to end first).
 
-        Without ``wait`` this costs nothing while the save is still being written.
+        Waiting polls rather than blocks in orbax: with several processes a failed save never
+        ends (see ``_OrbaxSaveErrors``), but its error shows here and the run can stop.
         """
-        if self._saving is None or (not wait and self._manager.is_saving_in_progress()):
-            return
-        try:  # returns at once when the save has ended, or raises the error it ended with
+        while True:
+            if _ORBAX_ERRORS.errors:
+                self._reported = True
+                raise self._failed(_ORBAX_ERRORS.errors.pop(0))
+            if self._saving is None or not self._manager.is_saving_in_progress():
+                break
+            if not wait:
+                return
+            time.sleep(0.02)
+        try:  # the save has ended: returns at once, or raises the error it ended with
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as err:  # orbax re-raises whatever the writer raised
+            self._reported = True
             raise self._failed(err) from None
 
     def save(self, setup, state: dict, step: int, data: dict | None = None) -> Path | None:
@@ -374,11 +398,16 @@ class Saver:
     def close(self) -> None:
         """Wait for the save in flight (it commits or fails here), then release threads.
 
-        A failed save raises ``CheckpointError`` after the manager is closed.
+        A failed save raises ``CheckpointError`` after the manager is closed. Once a failure
+        has been reported in a multi-process run, nothing is waited for: orbax's threads wait
+        for the other processes, and the process is about to exit (``shardlib.peers``).
         """
+        if self._reported and jax.process_count() > 1:
+            return
         failure = None
         try:
-            self.check(wait=True)
+            if not self._reported:  # else the run is already on its way out with the error
+                self.check(wait=True)
         except CheckpointError as err:
             failure = err
         try:

@@ -26,6 +26,8 @@ import time
 
 ERROR_PREFIX = "shardlib/error/"
 ALIVE_PREFIX = "shardlib/alive/"
+STOPPING_PREFIX = "shardlib/stopping/"  # a process read another's error and is ending
+ACK_WAIT_S = 3.0
 POLL_S = 0.2
 
 
@@ -46,12 +48,21 @@ def rank_prefix() -> str:
 
 
 def publish_error(message: str) -> None:
-    """Tell the other processes why this one stops (best effort: it may be the cause)."""
+    """Tell the other processes why this one stops (best effort: it may be the cause).
+
+    Process 0 hosts the coordination service, and the others abort (C++, no word on why)
+    the moment it goes: so it waits, up to ``ACK_WAIT_S``, until they have read the error.
+    """
     state = _state()
     if state.client is None:
         return
     try:
         state.client.key_value_set(f"{ERROR_PREFIX}{state.process_id}", message[:2000])
+        deadline = time.monotonic() + ACK_WAIT_S
+        while state.process_id == 0 and time.monotonic() < deadline:
+            if len(state.client.key_value_dir_get(STOPPING_PREFIX)) >= state.num_processes - 1:
+                break
+            time.sleep(POLL_S / 4)
     except Exception:  # the service may be what failed
         pass
 
@@ -90,6 +101,10 @@ class PeerWatch:
     def _end(self, why: str) -> None:
         if not self._stop.is_set():
             print(f"process {self._me}: stopping: {why}", file=sys.stderr, flush=True)
+            try:  # process 0 waits for this before it takes the coordination service down
+                self._client.key_value_set(f"{STOPPING_PREFIX}{self._me}", "1", True)
+            except Exception:
+                pass
             exit_now(1)
 
     def _watch(self) -> None:

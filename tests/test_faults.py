@@ -385,3 +385,27 @@ def test_sigterm_at_start_up_of_one_rank_stops_both_at_one_step(tmp_path, cache)
     assert f"stopped by SIGTERM on process 1 after step {stop}: checkpoint saved" in logs[0]
     assert stop <= 2
     print(f"\nSIGTERM to rank 1 at start-up: both exit 0 after step {stop}, {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_failed_save_with_two_processes_ends_both_at_once(tmp_path, cache):
+    directory, metrics, port = tmp_path / "run", tmp_path / "m.jsonl", free_port()
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=4", "steps=100000"]
+    directory.mkdir()
+    if not chattr("+i", directory) or not chattr("-i", directory):
+        pytest.skip("chattr +i is not available here")
+    procs = [start_rank(tmp_path, port, 0, "0.log", *settings, f"metrics={metrics}", cache=cache)]
+    procs.append(start_rank(tmp_path, port, 1, "1.log", *settings, cache=cache))
+    try:
+        deadline = time.monotonic() + 120
+        while len(records_of(metrics)) < 10:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert chattr("+i", directory)
+        codes, seconds = wait_all(procs, 60)
+    finally:
+        chattr("-i", directory)
+    assert codes == [2, 1], [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+    line = only_line(tmp_path / "0.log", r"^process 0: error: checkpoint: saving step \d+ to")
+    only_line(tmp_path / "1.log", r"^process 1: stopping: process 0 failed: checkpoint: saving")
+    print(f"\n2 processes, failed save: exit 2 and 1 within {seconds:.1f} s: {line}")
