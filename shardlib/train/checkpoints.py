@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from shardlib.checkpoint import CheckpointError, Saver, complete_steps, jsonable, read_meta, restore
+from shardlib.checkpoint import CheckpointError, complete_steps, jsonable, read_meta, restore
 from shardlib.errors import ShardingError
+from shardlib.saver import Saver
 from shardlib.train.config import flatten_table
 from shardlib.train.dirlock import RunLock
 from shardlib.train.setup import TrainSetup
