@@ -14,7 +14,8 @@ reading, shapes and dtypes are checked against the target (a checkpoint of anoth
 fails naming the tensor); after reading, each tensor's fingerprint is recomputed on the
 devices and compared with the one recorded at save time, which catches damaged files that
 the storage layer would decode silently (a flipped byte in a compressed chunk). The batches
-are a pure function of (seed, step), so the step *is* the data position.
+are a pure function of (seed, step), so the step *is* the data position. Writing is
+``shardlib.saver``.
 """
 
 from __future__ import annotations
@@ -115,8 +116,11 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def build_meta(setup, state: dict, step: int) -> dict:
-    """Everything besides the arrays that a resumed or exported run needs to know."""
+def build_meta(setup, state: dict, step: int, data: dict | None = None) -> dict:
+    """Everything besides the arrays that a resumed or exported run needs to know.
+
+    ``data`` describes the tokens read (``train.data.data_identity``): a resume compares it.
+    """
     from shardlib.layout import mesh_axes
 
     names = tensor_names(state)
@@ -127,7 +131,12 @@ def build_meta(setup, state: dict, step: int) -> dict:
         "config": jsonable(setup.cfg),
         "model": jsonable(setup.model_cfg),
         "mesh": {"axes": mesh_axes(setup.mesh), "processes": jax.process_count()},
-        "data": {"seed": setup.cfg.run.seed, "next_step": step, "source": setup.cfg.data.path},
+        "data": {
+            "seed": setup.cfg.run.seed,
+            "next_step": step,
+            "source": setup.cfg.data.path,
+            "identity": data,
+        },
         "rng": {"seed": setup.cfg.run.seed, "impl": str(jax.config.jax_default_prng_impl)},
         "tensors": {
             name: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": fp}
@@ -271,55 +280,3 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
                 f"step (complete steps: {complete_steps(path)}), or delete this step directory."
             )
     return Restored(state=state, step=step, path=path / str(step), meta=meta)
-
-
-# --- writing ------------------------------------------------------------------------------
-
-
-class Saver:
-    """Writes one run's checkpoints: every ``every`` steps, on demand, keeping ``keep``.
-
-    Saves are asynchronous: ``save`` returns once the arrays are copied to host memory
-    (the next step may then overwrite the device buffers) and a background thread writes
-    them; ``close`` waits for the last one.
-    """
-
-    def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
-        ocp = load_orbax()
-        self.directory = Path(directory)
-        self._manager = ocp.CheckpointManager(
-            self.directory.absolute(),
-            options=ocp.CheckpointManagerOptions(
-                save_interval_steps=max(every, 1),
-                max_to_keep=keep or None,
-                enable_async_checkpointing=True,
-                cleanup_tmp_directories=True,  # unfinished saves of a crashed run
-            ),
-            item_names=("state", "meta"),
-        )
-        self._every = every
-
-    def due(self, step: int) -> bool:
-        return self._every > 0 and step % self._every == 0
-
-    def save(self, setup, state: dict, step: int) -> Path | None:
-        """Start saving ``state`` as step ``step``; None if that step is already saved."""
-        if step in self._manager.all_steps():
-            return None
-        ocp = load_orbax()
-        meta = build_meta(setup, state, step)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
-        return self.directory / str(step)
-
-    def close(self) -> None:
-        """Wait for the save in flight (it commits or fails here), then release threads."""
-        try:
-            self._manager.wait_until_finished()
-        finally:
-            self._manager.close()

@@ -35,6 +35,21 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--coordinator", default=None, help="multi-host: process 0's host:port")
         c.add_argument("--num-processes", type=int, default=None, help="multi-host: processes")
         c.add_argument("--process-id", type=int, default=None, help="multi-host: this rank")
+        for flag, default in [("init", 300), ("heartbeat", 60), ("shutdown", 60)]:
+            c.add_argument(
+                f"--{flag}-timeout",
+                dest=f"{flag}_timeout_s",
+                type=int,
+                default=None,
+                help=f"multi-host: {flag} timeout in seconds (default {default}, or the mesh "
+                "file's [distributed] table)",
+            )
+        c.add_argument(
+            "--job-id",
+            default=None,
+            help="multi-host: the job's name, checked at join (default $SHARDLIB_JOB_ID, "
+            "$SLURM_JOB_ID)",
+        )
         c.add_argument(
             "overrides",
             nargs="*",
@@ -61,12 +76,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _prepare(args) -> tuple:
     """Mesh spec -> (simulated devices) -> mesh, config. JAX starts only here."""
-    from shardlib.distributed import ProcessGroup, initialize
+    from shardlib.distributed import initialize, process_group
+    from shardlib.peers import watch_peers
+    from shardlib.train.preempt import install_early
 
     spec: MeshSpec = load_mesh(args.mesh)
-    group = ProcessGroup(args.coordinator, args.num_processes, args.process_id)
+    group = process_group(args, spec.distributed)
     cpu = spec.platform == "cpu" or args.cpu_devices is not None
     processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
+    if args.command == "train":
+        install_early()  # again: JAX's preemption notifier has just taken SIGTERM over
+        args.peers = watch_peers(group.heartbeat_timeout_s)  # a process failing ends all
     devices = args.cpu_devices
     if devices is None and spec.platform == "cpu" and spec.fixed_size:
         if spec.fixed_size % processes:
@@ -109,6 +129,8 @@ def cmd_train(args, console: Console) -> int:
         f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"
     )
     result = run(setup, console=console)
+    if args.peers is not None:  # every process finished: a peer exiting now is no failure
+        args.peers.stop()
     losses = result.losses
     if not losses:
         console.print(f"nothing to do: the checkpoint is already at step {cfg.run.steps}")
@@ -176,9 +198,14 @@ def cmd_export(args, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "train":  # a signal from now on stops the run after its first step
+        from shardlib.train.preempt import install_early
+
+        install_early()
     errors = Console(stderr=True)
     # the planner's results go to stdout (tools read them); training logs stay on stderr
-    console = Console() if args.command in ("plan", "estimate") else errors
+    # (a console of its own: process 0 alone logs, but every process prints its errors)
+    console = Console() if args.command in ("plan", "estimate") else Console(stderr=True)
     from shardlib.planner.cli import cmd_estimate, cmd_plan
 
     handler = {
@@ -192,12 +219,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args, console)
     except ShardingError as err:
-        errors.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        return 2
+        return _fail(errors, str(err), 2)
     except ValueError as err:  # model/config validation outside shardlib's own types
-        message = f"{type(err).__name__}: {escape(str(err))}"
-        errors.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
-        return 2
+        return _fail(errors, f"{type(err).__name__}: {err}", 2)
+    except Exception as err:
+        from shardlib.peers import multi_process
+
+        if not multi_process():
+            raise
+        # a collective that lost its peers (gloo), an orbax error...: one line, then stop
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        return _fail(errors, f"{type(err).__name__}: {first}", 1)
+
+
+def _fail(errors: Console, message: str, code: int) -> int:
+    """Print one line; in a multi-process run, with the rank, told to the others, and exit
+    at once (JAX's shutdown barrier would wait for processes that have stopped)."""
+    from shardlib.peers import exit_now, multi_process, publish_error, rank_prefix
+
+    prefix = rank_prefix()
+    errors.print(f"{prefix}[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if multi_process():
+        publish_error(message)
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

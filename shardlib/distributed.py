@@ -8,12 +8,22 @@ through gloo, which is what lets this be tested here with several processes on l
 Fast axes (tensor, fsdp) should stay inside a host and only slow axes (data, the outer part
 of fsdp) should cross hosts: ``hybrid_device_grid`` assigns the process count to the
 outermost mesh axes, which is the order presets already follow (last axis = fastest).
+
+Joining is guarded: process 0 refuses a coordinator port that something already listens on
+(gRPC would share it with another job's coordinator, or crash), and, given a job id, the
+others check right after joining that the coordinator they reached was started for the
+same job. The timeouts are settings (CLI flags, or a ``[distributed]`` table in the mesh
+file); ``heartbeat_timeout_s`` bounds how long a lost process goes unnoticed.
 """
 
 from __future__ import annotations
 
+import errno
+import inspect
 import math
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +49,15 @@ class ProcessGroup:
     """Processes in the run (one per host, usually)."""
     process_id: int | None = None
     """This process's rank, 0 .. num_processes - 1."""
-    timeout_s: int = 300
-    """How long to wait for every process to join, and to shut down together."""
+    init_timeout_s: int = 300
+    """How long to wait for every process to join (JAX's ``initialization_timeout``)."""
+    heartbeat_timeout_s: int = 60
+    """A process silent this long is declared lost and the others stop (JAX's default: 100)."""
+    shutdown_timeout_s: int = 60
+    """How long a finished process waits for the others to finish too."""
+    job_id: str | None = None
+    """Names the job: a process refuses to train with a coordinator of another job (default:
+    ``$SHARDLIB_JOB_ID``, else ``$SLURM_JOB_ID``; None: not checked)."""
 
     def __post_init__(self) -> None:
         given = [self.coordinator, self.num_processes, self.process_id]
@@ -55,10 +72,115 @@ class ProcessGroup:
             raise ShardingError(
                 f"distributed: process_id={self.process_id} is outside 0..{self.num_processes - 1}."
             )
+        for name in TIMEOUTS:
+            if getattr(self, name) < 1:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ShardingError(
+                    f"distributed: {name}={getattr(self, name)} must be >= 1 s. Fix: {flag} 60."
+                )
 
     @property
     def explicit(self) -> bool:
         return self.coordinator is not None
+
+
+TIMEOUTS = ("init_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
+JOB_KEY = "shardlib/job_id"
+
+
+def process_group(args, table: dict) -> ProcessGroup:
+    """The CLI's flags over the mesh file's ``[distributed]`` table over the defaults."""
+    unknown = sorted(set(table) - {*TIMEOUTS, "job_id"})
+    if unknown:
+        raise ShardingError(
+            f"mesh [distributed]: unknown setting(s) {', '.join(unknown)}. Fix: use "
+            f"{', '.join(TIMEOUTS)} or job_id."
+        )
+    values = {k: v for k, v in table.items()}
+    for name in (*TIMEOUTS, "job_id"):
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+    if values.get("job_id") is None:
+        values["job_id"] = os.environ.get("SHARDLIB_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    return ProcessGroup(args.coordinator, args.num_processes, args.process_id, **values)
+
+
+def check_port_free(coordinator: str) -> None:
+    """Process 0: nothing may listen on the coordinator's port (gRPC shares ports)."""
+    host, _, port = coordinator.rpartition(":")
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+            try:
+                probe.bind((address, int(port)))
+                return
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE:
+                    continue
+        raise ShardingError(
+            f"distributed: coordinator port {port} is already in use on this host (another "
+            f"job's coordinator, or another program). Fix: start the job with a free port, "
+            f"e.g. --coordinator {host or 'HOST'}:{_free_port()}."
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: a gRPC server answers with SETTINGS.
+_H2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _answers_grpc(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as conn:
+            conn.settimeout(1.0)
+            conn.sendall(_H2_HELLO)
+            frame = conn.recv(9)
+            return len(frame) >= 4 and frame[3] == 4  # frame type 4: SETTINGS
+    except OSError:
+        return False
+
+
+def wait_for_coordinator(group: ProcessGroup) -> None:
+    """Processes > 0: wait until a gRPC server answers at the coordinator's address.
+
+    JAX aborts the process with a C++ stack trace when what it reaches is not a coordinator
+    (another program on the port); this turns that into one line within ``init_timeout_s``.
+    """
+    host, _, port = group.coordinator.rpartition(":")
+    deadline = time.monotonic() + group.init_timeout_s
+    while not _answers_grpc(host.strip("[]"), int(port)):
+        if time.monotonic() > deadline:
+            raise ShardingError(
+                f"distributed: could not join the run at {group.coordinator} within "
+                f"{group.init_timeout_s} s: no JAX coordinator answers there. Fix: start "
+                "process 0 with the same --coordinator, on a port no other program uses."
+            )
+        time.sleep(0.25)
+
+
+def _check_job(group: ProcessGroup, client) -> None:
+    """Process 0 posts the job id; the others compare it with theirs right after joining."""
+    mine = group.job_id or ""
+    if group.process_id == 0:
+        client.key_value_set(JOB_KEY, mine)
+        return
+    theirs = client.blocking_key_value_get(JOB_KEY, group.init_timeout_s * 1000)
+    if theirs != mine:
+        raise ShardingError(
+            f"distributed: the coordinator at {group.coordinator} runs job {theirs or '(none)'}"
+            f", but this process was started for job {mine or '(none)'}. Fix: give every job "
+            "its own --coordinator port."
+        )
 
 
 def detected_launcher() -> str | None:
@@ -85,22 +207,35 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
     if cpu:
         # Collectives between CPU processes; the in-process default cannot cross processes.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if group.explicit and group.process_id == 0:
+        check_port_free(group.coordinator)
+    elif group.explicit:
+        wait_for_coordinator(group)
+    wanted = {
+        "initialization_timeout": group.init_timeout_s,
+        "heartbeat_timeout_seconds": group.heartbeat_timeout_s,
+        "shutdown_timeout_seconds": group.shutdown_timeout_s,
+    }
+    known = inspect.signature(jax.distributed.initialize).parameters
     try:
         jax.distributed.initialize(
             coordinator_address=group.coordinator,
             num_processes=group.num_processes,
             process_id=group.process_id,
-            initialization_timeout=group.timeout_s,
-            shutdown_timeout_seconds=group.timeout_s,
+            **{k: v for k, v in wanted.items() if k in known},  # what this JAX accepts
         )
     except RuntimeError as err:
+        first = (str(err).strip().splitlines() or [""])[0][:300]
         raise ShardingError(
-            f"distributed: could not join the run ({err}). Fix: call it first, before any "
-            "JAX operation, and check that every process got the same --coordinator."
+            f"distributed: could not join the run at {group.coordinator} within "
+            f"{group.init_timeout_s} s ({first}). Fix: start every process with the same "
+            "--coordinator, process 0 first, before any JAX operation."
         ) from None
     # jax.process_count() would start the backend; the device count is not set yet.
     from jax._src import distributed as _dist
 
+    if group.explicit:
+        _check_job(group, _dist.global_state.client)
     return int(_dist.global_state.num_processes)
 
 

@@ -60,6 +60,8 @@ class MeshSpec:
     """``"cpu"``: a preset for simulated CPU devices (the CLI creates as many as it needs)."""
     parallel: dict[str, Any] = field(default_factory=dict, compare=False)
     """The preset's ``[parallel.*]`` strategy tables (read by ``ParallelPlan``)."""
+    distributed: dict[str, Any] = field(default_factory=dict, compare=False)
+    """``[distributed]``: timeouts and job id of a multi-process run (``ProcessGroup``)."""
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.axes]
@@ -160,6 +162,7 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         train=doc.get("train", {}),
         platform=doc.get("platform"),
         parallel=doc.get("parallel", {}),
+        distributed=doc.get("distributed", {}),
     )
 
 

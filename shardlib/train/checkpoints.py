@@ -12,16 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from shardlib.checkpoint import Saver, complete_steps, jsonable, restore
+from shardlib.checkpoint import CheckpointError, complete_steps, jsonable, read_meta, restore
 from shardlib.errors import ShardingError
+from shardlib.saver import Saver
 from shardlib.train.config import flatten_table
+from shardlib.train.dirlock import RunLock
 from shardlib.train.setup import TrainSetup
 
 RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
 NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
                   "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.resume"}  # fmt: skip
+                  "checkpoint.resume", "data.allow_changed"}  # fmt: skip
 NOT_TRAJECTORY_SECTIONS = ("metrics.",)
 
 
@@ -54,6 +56,12 @@ class RunCheckpoints:
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
         self._saver: Saver | None = None
+        self.data: dict | None = None
+        """What the run reads (``data_identity``): recorded in saves, compared on resume."""
+
+    def locked(self) -> RunLock:
+        """The directory's lock (``with ckpt.locked():``): one run per directory."""
+        return RunLock(self.directory, say=self.say)
 
     def resume(self) -> dict | None:
         """The restored state, or None to start from initialisation."""
@@ -68,6 +76,7 @@ class RunCheckpoints:
             return None
         if mode == "auto" and not steps:
             return None
+        self._check_data(read_meta(self.directory)[1].get("data", {}))
         restored = restore(self.directory, self.setup)
         self.say(f"resumed from {restored.path} (step {restored.step})")
         changed = _changed_settings(restored.meta.get("config", {}), self.setup)
@@ -75,16 +84,49 @@ class RunCheckpoints:
             self.say("settings changed since that checkpoint: " + ", ".join(changed))
         return restored.state
 
+    def _check_data(self, saved: dict) -> None:
+        """Refuse to resume on other data than the checkpoint's, unless allowed."""
+        was, now = saved.get("identity"), self.data
+        if not was or not now or self.setup.cfg.data.allow_changed:
+            return
+        keys = ("bytes", "sample_sha256")
+        if all(was.get(k) == now.get(k) for k in keys):
+            if was.get("path") != now.get("path"):
+                self.say(f"data moved: {was.get('path')} -> {now.get('path')} (same content)")
+            return
+        what = "size" if was.get("bytes") != now.get("bytes") else "sampled content"
+        raise ShardingError(
+            f"data={now.get('path') or 'embedded'} is not what the checkpoint in "
+            f"{str(self.directory)!r} was trained on (was {was.get('path') or 'embedded'}: "
+            f"{was.get('bytes')} bytes, modified {_when(was.get('mtime'))}; now "
+            f"{now.get('bytes')} bytes, modified {_when(now.get('mtime'))}; the {what} "
+            "differs). Fix: restore that data, or resume on this data on purpose with "
+            "data.allow_changed=true."
+        )
+
     def __enter__(self) -> RunCheckpoints:
         cfg = self.setup.cfg.checkpoint
         self._saver = Saver(self.directory, every=cfg.every, keep=cfg.keep)
         return self
 
     def after_step(self, state: dict, step: int, *, final: bool) -> None:
-        """Start a save of the state after ``step`` steps if it is due (or ``final``)."""
+        """Start a save of the state after ``step`` steps if it is due (or ``final``); raise the
+        error of an earlier save that failed in the background."""
+        self._saver.check()
         if final or self._saver.due(step):
-            self._saver.save(self.setup, state, step)  # None: this step is already saved
+            self._saver.save(self.setup, state, step, self.data)  # None: this step is already saved
             self.last = self.directory / str(step)
 
-    def __exit__(self, *exc) -> None:
-        self._saver.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._saver.close()
+        except CheckpointError as err:
+            if exc is None:
+                raise
+            self.say(f"also: {err}")  # the error already on its way out says it first
+
+
+def _when(mtime: float | None) -> str:
+    import time
+
+    return "?" if mtime is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))

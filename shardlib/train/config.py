@@ -80,6 +80,9 @@ class Data:
     """Global batch, in sequences, per optimizer step (all micro-batches together)."""
     seq: int = 128
     """Tokens per sequence fed to the model (each example reads seq + 1 tokens)."""
+    allow_changed: bool = False
+    """Resume even though the data differs from what the checkpoint was trained on (size or
+    sampled content); without it such a resume is refused."""
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 2:

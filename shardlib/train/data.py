@@ -5,10 +5,19 @@ it ships with every Python, needs no download, and a byte-level model's loss fal
 within a few dozen steps. Batches are a pure function of (seed, step), so a resumed run
 reads exactly what the uninterrupted run would, and each process materialises only the rows
 its own devices hold.
+
+A token file is read with ``os.pread``, not memory-mapped: a file truncated under a mapping
+kills the process with SIGBUS and no message. Before each step the file is checked against
+what was opened (size, modification time, inode of the path), so a file truncated, rewritten
+or replaced mid-run stops the run with an error naming it. ``identity`` (size, modification
+time and a hash of evenly spaced samples) goes into every checkpoint, so that a resume on
+other data is refused (``shardlib.train.checkpoints``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sysconfig
 from functools import cache
 from pathlib import Path
@@ -19,6 +28,7 @@ import numpy as np
 from shardlib.errors import ShardingError
 
 DEFAULT_CORPUS_BYTES = 4 << 20
+SAMPLES, SAMPLE_BYTES = 16, 64 << 10  # identity: 1 MiB read at most, spread over the file
 BATCH_NAMES = ("batch", None)  # tokens [batch, seq + 1]: positions are never split on input
 
 
@@ -36,8 +46,84 @@ def embedded_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def load_tokens(path: str | None) -> np.ndarray:
-    """Memory-mapped uint16 token ids from ``path``, or the embedded corpus."""
+class TokenFile:
+    """A flat uint16 token file, read a window at a time; ``len`` and slices like an array."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        self._opened = os.fstat(self._fd)
+        self._tokens = self._opened.st_size // 2
+
+    def __len__(self) -> int:
+        return self._tokens
+
+    def __del__(self) -> None:
+        os.close(self._fd)
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(self._tokens)
+        want = max(stop - start, 0) * 2
+        data = os.pread(self._fd, want, start * 2)
+        if len(data) < want:
+            self.check()  # names what changed, when it can tell
+            raise ShardingError(
+                f"data={self.path!r}: tokens {start}..{stop} could not be read (the file "
+                f"now ends at byte {start * 2 + len(data)}). Fix: restore the file."
+            )
+        return np.frombuffer(data, dtype=np.uint16)
+
+    def check(self) -> None:
+        """The file is still the one opened (same size, mtime, inode at its path)."""
+        now = os.fstat(self._fd)
+        try:
+            at_path = os.stat(self.path)
+        except OSError:
+            at_path = None
+        before = self._opened
+        change = None
+        if now.st_size != before.st_size:
+            change = f"its size changed from {before.st_size} to {now.st_size} bytes"
+        elif now.st_mtime_ns != before.st_mtime_ns:
+            change = "it was rewritten (its modification time changed)"
+        elif at_path is None or (at_path.st_ino, at_path.st_dev) != (now.st_ino, now.st_dev):
+            change = "it was replaced or removed"
+        if change:
+            raise ShardingError(
+                f"data={self.path!r} changed during the run: {change}. Fix: restore the file "
+                "and resume from the last checkpoint (to train on the new data on purpose, "
+                "resume with data.allow_changed=true)."
+            )
+
+    def identity(self) -> dict:
+        return _identity(self, self.path, self._opened.st_size, self._opened.st_mtime)
+
+
+def _identity(tokens, path: str | None, size: int, mtime: float | None) -> dict:
+    """What the checkpoint records about its data: size, mtime, a hash of samples."""
+    digest = hashlib.sha256(str(size).encode())
+    n, width = len(tokens), SAMPLE_BYTES // 2
+    for i in range(SAMPLES):
+        start = (n - width) * i // (SAMPLES - 1) if n > width else 0
+        digest.update(np.asarray(tokens[start : start + width]).tobytes())
+    return {"path": path, "bytes": size, "mtime": mtime, "sample_sha256": digest.hexdigest()}
+
+
+def data_identity(tokens) -> dict:
+    """``TokenFile.identity`` or, for the embedded corpus, the same without path and mtime."""
+    if isinstance(tokens, TokenFile):
+        return tokens.identity()
+    return _identity(tokens, None, tokens.nbytes, None)
+
+
+def check_unchanged(tokens) -> None:
+    """Before each step: a token file must still be the one the run opened."""
+    if isinstance(tokens, TokenFile):
+        tokens.check()
+
+
+def load_tokens(path: str | None) -> np.ndarray | TokenFile:
+    """uint16 token ids from ``path`` (read on demand), or the embedded corpus."""
     if path is None:
         return embedded_corpus()
     p = Path(path)
@@ -49,10 +135,10 @@ def load_tokens(path: str | None) -> np.ndarray:
             "(at least 2). Fix: write the ids as uint16, e.g. "
             "np.asarray(ids, np.uint16).tofile(path)."
         )
-    return np.memmap(p, dtype=np.uint16, mode="r")
+    return TokenFile(path)
 
 
-def check_vocab(tokens: np.ndarray, vocab: int, source: str | None) -> None:
+def check_vocab(tokens: np.ndarray | TokenFile, vocab: int, source: str | None) -> None:
     """Token ids must index the embedding; checks the first million tokens of a file."""
     top = int(np.asarray(tokens[: 1 << 20]).max())
     if top >= vocab:
@@ -71,7 +157,12 @@ def batch_starts(num_tokens: int, step: int, batch: int, seq: int, seed: int) ->
 
 
 def global_batch(
-    tokens: np.ndarray, step: int, batch: int, seq: int, seed: int, sharding: jax.sharding.Sharding
+    tokens: np.ndarray | TokenFile,
+    step: int,
+    batch: int,
+    seq: int,
+    seed: int,
+    sharding: jax.sharding.Sharding,
 ) -> jax.Array:
     """The step's [batch, seq + 1] int32 tokens as one global array laid out by ``sharding``.
 

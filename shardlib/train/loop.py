@@ -20,7 +20,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from shardlib.checkpoint import jsonable
 from shardlib.train.checkpoints import RunCheckpoints
-from shardlib.train.data import check_vocab, global_batch, load_tokens
+from shardlib.train.data import (
+    TokenFile,
+    check_unchanged,
+    check_vocab,
+    data_identity,
+    global_batch,
+    load_tokens,
+)
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -56,7 +63,7 @@ class RunResult:
         return [r["loss"] for r in self.records]
 
 
-def open_tokens(setup: TrainSetup) -> np.ndarray:
+def open_tokens(setup: TrainSetup) -> np.ndarray | TokenFile:
     """The token file, checked (whole uint16 tokens, ids below the vocabulary).
 
     Called at the top of ``run``: a bad file is an error before any state is built or any
@@ -67,13 +74,13 @@ def open_tokens(setup: TrainSetup) -> np.ndarray:
     return tokens
 
 
-def batches(
-    setup: TrainSetup, start: int = 0, tokens: np.ndarray | None = None
-) -> Iterator[tuple[int, jax.Array]]:
+def batches(setup: TrainSetup, start: int = 0, tokens=None) -> Iterator[tuple[int, jax.Array]]:
+    """The steps' batches from ``start`` on; the token file is checked before each."""
     cfg = setup.cfg
     tokens = open_tokens(setup) if tokens is None else tokens
     b, s, seed = cfg.data.batch, cfg.data.seq, cfg.run.seed
     for step in range(start, cfg.run.steps):
+        check_unchanged(tokens)
         yield step, global_batch(tokens, step, b, s, seed, setup.batch_sharding)
 
 
@@ -131,24 +138,28 @@ def run(
     tokens = open_tokens(setup)
     enable_compile_cache(cfg.run.compile_cache)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
-    if state is None and ckpt is not None:
-        state = ckpt.resume()
-    state = setup.init_state() if state is None else state
-    start = int(jax.device_get(state["step"]))
-    run_cfg = cfg.run
-    profile = ProfileWindow(
-        run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
-    )
-    goodput = Goodput(started_at=started_at)
-    if start:  # an earlier attempt's totals, when its metrics.jsonl is there
-        goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
-    peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
-    flops, _ = model_flops(setup)
-    devices = setup.mesh.devices.size
-    tokens_per_step = cfg.data.batch * cfg.data.seq
-    result = RunResult(peak_flops=peak, peak_source=peak_source)
     with ExitStack() as stack:
-        preempt = stack.enter_context(Preemption())
+        preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
+        if ckpt is not None:  # before reading or writing anything in its directory
+            stack.enter_context(ckpt.locked())
+        if ckpt is not None:  # what the run trains on, recorded and checked on resume
+            ckpt.data = data_identity(tokens)
+        if state is None and ckpt is not None:
+            state = ckpt.resume()
+        state = setup.init_state() if state is None else state
+        start = int(jax.device_get(state["step"]))
+        run_cfg = cfg.run
+        profile = ProfileWindow(
+            run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
+        )
+        goodput = Goodput(started_at=started_at)
+        if start:  # an earlier attempt's totals, when its metrics.jsonl is there
+            goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
+        peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
+        flops, _ = model_flops(setup)
+        devices = setup.mesh.devices.size
+        tokens_per_step = cfg.data.batch * cfg.data.seq
+        result = RunResult(peak_flops=peak, peak_source=peak_source)
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
         writers = (

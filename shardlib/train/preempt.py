@@ -11,6 +11,13 @@ coordination service's key-value store and runs one more step. Every process rea
 store at every boundary; no process can finish step ``t + 1`` before the publisher has
 started it (the step's collectives need every process), so all of them see the notice by
 boundary ``t + 1`` and stop there. Several notices: the earliest wins.
+
+A signal can come before the run's handlers exist (while JAX starts, the model is built or
+the step compiles): ``install_early``, called by the CLI at process start and again after
+``jax.distributed.initialize`` (whose preemption notifier takes SIGTERM over), keeps it for
+the run, which then stops after its first step. JAX's own preemption notice (the
+coordination service's, e.g. a cloud maintenance event) is honoured too, through
+``multihost_utils.reached_preemption_sync_point``, which agrees on the step by itself.
 """
 
 from __future__ import annotations
@@ -27,6 +34,26 @@ KEY_PREFIX = "shardlib/preempt"
 # Runs in one process are numbered so that a notice from an earlier run (a script that
 # trains several times) is never read by a later one; every process counts the same way.
 _RUNS = itertools.count()
+_EARLY: dict[str, str] = {}  # {"name": "SIGTERM"}: received before a run's handlers
+_ORIGINAL: dict[int, object] = {}  # the handlers ``install_early`` replaced
+
+
+def _early(signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    if _EARLY.get("name") == name:  # the same signal twice: what it would have done
+        signal.signal(signum, _ORIGINAL.get(signum, signal.SIG_DFL))
+        signal.raise_signal(signum)
+    _EARLY.setdefault("name", name)
+
+
+def install_early() -> None:
+    """From here on a SIGTERM/SIGINT is kept for the next run (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        previous = signal.signal(sig, _early)
+        if previous is not _early:
+            _ORIGINAL[sig] = previous
 
 
 class Preemption:
@@ -49,8 +76,12 @@ class Preemption:
     def __enter__(self) -> Preemption:
         self._client = coordination_client()
         if threading.current_thread() is threading.main_thread():
+            self.signal_name = _EARLY.pop("name", None)
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                self._previous[sig] = (
+                    _ORIGINAL.pop(sig, signal.SIG_DFL) if previous is _early else previous
+                )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,6 +102,10 @@ class Preemption:
             return self.signal_name is not None
         import jax
 
+        if _jax_notice(step):
+            self.reason = "JAX's preemption notice"
+            return True
+
         if self.signal_name is not None and not self._published:
             notice = f"{step + 1}:{self.signal_name}"
             self._client.key_value_set(f"{self._prefix}{jax.process_index()}", notice)
@@ -87,3 +122,13 @@ class Preemption:
             return False
         self.reason = origin
         return True
+
+
+def _jax_notice(step: int) -> bool:
+    """Has JAX's preemption sync manager agreed on ``step`` as the place to stop?"""
+    from jax.experimental import multihost_utils
+
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the preemption service is disabled
+        return False

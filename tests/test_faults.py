@@ -1,0 +1,411 @@
+"""Faults an operator meets in real runs: each ends with one clear line, promptly, no hang.
+
+Every subprocess runs under a timeout and is killed by PID in ``finally``; everything is on
+loopback. The single-process CLI runs share one JAX compilation cache (a module-scoped
+directory), so only the first of them compiles the step.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fault_runs import (
+    assert_one_line_error,
+    catches,
+    chattr,
+    child_env,
+    error_lines,
+    free_port,
+    lock_holder,
+    only_line,
+    records_of,
+    run_bounded,
+    start_rank,
+    token_file,
+    train_command,
+    train_until,
+    wait_all,
+)
+
+from shardlib.checkpoint import CheckpointError
+from shardlib.train.dirlock import LOCK_NAME, DirectoryLock, check_directory
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+# --- point 7: one run per checkpoint directory --------------------------------------------
+
+
+def test_a_second_run_on_a_directory_is_refused_with_the_owner(tmp_path, cache):
+    directory = tmp_path / "run"
+    holder = lock_holder(directory, child_env(cache))
+    try:
+        code, text, seconds = run_bounded(
+            train_command(tmp_path, f"checkpoint_dir={directory}", "steps=5"), child_env(cache), 60
+        )
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    host = socket.gethostname()
+    assert_one_line_error(text, rf"in use by another run \(host {host}, pid {holder.pid}, since")
+    assert code == 2 and "compiled" not in text
+    print(f"\nsecond run refused in {seconds:.1f} s: {error_lines(text)[0]}")
+    lock = DirectoryLock(directory).acquire()  # the holder was SIGKILLed: its lock is stale
+    assert f"pid {holder.pid}" in lock.recovered
+    lock.release()
+    assert not (directory / LOCK_NAME).exists()
+
+
+def test_a_lock_file_of_another_host_is_refused_with_a_way_out(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "x"}))
+    with pytest.raises(CheckpointError, match=r"host elsewhere, pid 1.*if it is dead, delete"):
+        DirectoryLock(tmp_path).acquire()
+
+
+def test_a_file_or_a_read_only_directory_is_one_line_before_step_1(tmp_path, cache, monkeypatch):
+    (tmp_path / "file").write_text("")
+    code, text, _ = run_bounded(
+        train_command(tmp_path, f"checkpoint_dir={tmp_path / 'file'}", "steps=5"),
+        child_env(cache),
+        60,
+    )
+    assert code == 2 and "compiled" not in text
+    assert_one_line_error(text, r"checkpoint_dir='.*file' is a file, not a directory\. Fix:")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: refuse the write as the filesystem would
+        real_open = os.open
+
+        def refuse(path, *args, **kwargs):
+            if str(path).startswith(str(read_only)):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refuse)
+    check_directory(read_only)
+    with pytest.raises(CheckpointError, match=r"'.*ro' is not writable \(PermissionError: Perm"):
+        DirectoryLock(read_only).acquire()
+
+
+# --- point 6: the data a checkpoint was trained on ----------------------------------------
+
+
+@pytest.mark.slow
+def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    data, directory, metrics = tmp_path / "tokens.bin", tmp_path / "run", tmp_path / "m.jsonl"
+    original = token_file(data, seed=1).read_bytes()
+    settings = [f"data={data}", f"checkpoint_dir={directory}", "checkpoint_every=5"]
+    command = train_command(tmp_path, *settings, f"metrics={metrics}", "steps=100000")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(records_of(metrics)) < 7:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        with data.open("r+b") as f:  # truncated in place: a memory map would SIGBUS here
+            f.truncate(len(original) // 4)
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert_one_line_error(text, rf"data='{data}' changed during the run: its size changed")
+    print(f"\ntruncation -> exit 2 in {seconds:.1f} s: {error_lines(text)[0]}")
+    steps = complete_steps(directory)
+    assert steps and steps[-1] >= 5  # the saves made before it are complete
+    step, meta = read_meta(directory)
+    assert meta["data"]["identity"]["bytes"] == len(original)
+    assert not (directory / LOCK_NAME).exists()
+    # each resume below: a refusal before compiling, or one step trained and saved
+    data.write_bytes(token_file(tmp_path / "other", seed=2).read_bytes())
+    code, text, seconds = run_bounded(
+        train_command(tmp_path, *settings, "steps=100000"), child_env(cache), 90
+    )
+    assert code == 2, text
+    assert_one_line_error(text, r"is not what the checkpoint in .* was trained on")
+    assert "compiled" not in text
+    print(f"other tokens: resume refused in {seconds:.1f} s: {error_lines(text)[0]}")
+    resumed = tmp_path / "resumed.jsonl"
+    allowed = [*settings, "steps=100000", "data.allow_changed=true", f"metrics={resumed}"]
+    proc = train_until(train_command(tmp_path, *allowed), resumed, 1, child_env(cache))
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and f"resumed from {directory}" in out.decode(), out.decode()
+
+
+def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
+    from shardlib.errors import ShardingError
+    from shardlib.train.data import load_tokens
+
+    path = token_file(tmp_path / "tokens.bin", seed=1, tokens=4096)
+    tokens = load_tokens(str(path))
+    tokens.check()
+    assert list(tokens[10:13]) == list(np.fromfile(path, np.uint16)[10:13])
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place
+    with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was rewr"):
+        tokens.check()
+    tokens = load_tokens(str(path))
+    token_file(tmp_path / "new.bin", seed=2, tokens=4096).rename(path)  # replaced
+    with pytest.raises(ShardingError, match=r"tokens.bin' changed during the run: it was repl"):
+        tokens.check()
+
+
+# --- point 1: a save that fails ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_failed_save_ends_the_run_at_once_naming_the_step(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    directory, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=4", f"metrics={metrics}"]
+    directory.mkdir()
+    if not chattr("+i", directory):
+        pytest.skip("chattr +i is not available here")
+    chattr("-i", directory)
+    proc = train_until(
+        train_command(tmp_path, *settings, "steps=100000"), metrics, 10, child_env(cache)
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not complete_steps(directory) and time.monotonic() < deadline:
+            time.sleep(0.02)  # a save committed before the fault, to check it survives
+        assert chattr("+i", directory)  # from now on nothing in it can be created or renamed
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+        chattr("-i", directory)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert_one_line_error(text, r"checkpoint: saving step \d+ to .* failed \(PermissionError")
+    failed = int(text.split("saving step ")[1].split()[0])
+    stopped = records_of(metrics)[-1]["step"]
+    assert failed <= stopped <= failed + 8, (failed, stopped)  # not one save later
+    print(f"\nfailed save -> exit 2 in {seconds:.1f} s at step {stopped}: {error_lines(text)[0]}")
+    kept = complete_steps(directory)
+    assert kept and kept[-1] <= failed  # (== when only deleting an older step failed)
+    assert read_meta(directory)[0] == kept[-1]  # the complete ones are intact
+
+
+# --- point 4: signals from process start ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tmp_path, cache):
+
+    from shardlib.checkpoint import complete_steps
+
+    directory = tmp_path / "run"
+    command = train_command(tmp_path, f"checkpoint_dir={directory}", "steps=100000")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(proc.pid, signal.SIGTERM):  # the CLI's first act
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)  # JAX is not even imported yet
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.kill()
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert f"stopped by SIGTERM after step 1: checkpoint saved to {directory / '1'}" in text
+    assert complete_steps(directory) == [1]
+    print(f"\nSIGTERM at start-up -> stopped after step 1, exit 0 in {seconds:.1f} s")
+
+
+# --- points 2, 3, 5: two processes over gloo on loopback ------------------
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_is_printed_by_it_and_ends_the_other(tmp_path, cache):
+    data = token_file(tmp_path / "tokens.bin", seed=1)
+    port = free_port()
+    procs = [
+        start_rank(tmp_path, port, 0, "0.log", f"data={data}", "steps=50", cache=cache),
+        start_rank(
+            tmp_path, port, 1, "1.log", f"data={tmp_path / 'gone.bin'}", "steps=50", cache=cache
+        ),
+    ]
+    try:
+        assert procs[1].wait(timeout=120) == 2
+        codes, seconds = wait_all(procs, 30)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"{i}.log").read_text() for i in range(2)]
+    assert codes == [1, 2], logs
+    assert_one_line_error(logs[1], r"^process 1: error: data='.*gone.bin': no such file")
+    lines = [line for line in logs[0].splitlines() if line.startswith("process 0:")]
+    assert lines == [f"process 0: stopping: process 1 failed: data='{tmp_path}/gone.bin': no "
+                     "such file. Fix: pass a flat uint16 token file."], logs[0]  # fmt: skip
+    assert "Traceback" not in logs[0] and "stack trace" not in logs[0]
+    print(f"\nrank 1's error ended rank 0 {seconds:.1f} s later: {lines[0]}")
+
+
+@pytest.mark.slow
+def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps, read_meta
+
+    # an unrelated program holds the port: process 0 refuses it, process 1 gives up in time
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        procs = [start_rank(tmp_path, port, i, f"x{i}.log", "steps=5", cache=cache) for i in (0, 1)]
+        codes, seconds = wait_all(procs, 60)
+    assert codes == [2, 2], [(tmp_path / f"x{i}.log").read_text() for i in (0, 1)]
+    report = [only_line(tmp_path / "x0.log", f"coordinator port {port} is already in use")]
+    report.append(only_line(tmp_path / "x1.log", r"could not join the run .* within 5 s"))
+    print(f"\nport held: both exit 2 within {seconds:.1f} s:\n  " + "\n  ".join(report))
+
+    # job B's process 1 reaches job A's coordinator while A is starting: it refuses at join
+    port = free_port()
+    a0 = start_rank(tmp_path, port, 0, "s0.log", "steps=5", cache=cache, job="A")
+    b1 = start_rank(tmp_path, port, 1, "s1.log", "steps=5", cache=cache, job="B")
+    codes, seconds = wait_all([b1, a0], 60)
+    assert codes == [2, 1], [(tmp_path / f"s{i}.log").read_text() for i in (0, 1)]
+    report = [only_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")]
+    report.append(
+        only_line(tmp_path / "s0.log", r"^process 0: stopping: process 1 failed: .*job B")
+    )
+    print(
+        f"job B's rank 1 at job A's coordinator: both end within {seconds:.1f} s:\n  "
+        + "\n  ".join(report)
+    )
+
+    # job A trains; job B's process 0 is refused A's port, and A trains on
+    port, directory, metrics = free_port(), tmp_path / "run", tmp_path / "a.jsonl"
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
+    job_a = [
+        start_rank(
+            tmp_path, port, 0, "a0.log", *settings, f"metrics={metrics}", cache=cache, job="A"
+        ),
+        start_rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
+    ]
+    try:
+        deadline = time.monotonic() + 150
+        while len(records_of(metrics)) < 6:
+            assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        codes, seconds = wait_all(
+            [start_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60
+        )
+        assert codes == [2], (tmp_path / "b0.log").read_text()
+        line = only_line(tmp_path / "b0.log", f"coordinator port {port} is already in use")
+        print(f"job B's rank 0 on job A's port: exit 2 in {seconds:.1f} s: {line}")
+        seen = len(records_of(metrics))
+        time.sleep(2)
+        assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
+        assert len(records_of(metrics)) > seen  # job A trains on, untouched
+        job_a[1].send_signal(signal.SIGKILL)
+        codes, seconds = wait_all(job_a[:1], 30)
+    finally:
+        for p in job_a:
+            p.kill()
+    assert codes == [1]
+    line = only_line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
+    print(f"rank 1 killed: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
+    assert seconds < 6 + 2
+    assert complete_steps(directory) and read_meta(directory)[1]["step"] >= 5
+
+
+def test_timeouts_come_from_flags_over_the_mesh_file_with_stated_defaults(tmp_path):
+    from argparse import Namespace
+
+    from shardlib.distributed import ProcessGroup, check_port_free, process_group
+    from shardlib.errors import ShardingError
+
+    defaults = ProcessGroup()
+    assert (defaults.init_timeout_s, defaults.heartbeat_timeout_s) == (300, 60)
+    args = Namespace(coordinator="127.0.0.1:1", num_processes=2, process_id=0)
+    args.heartbeat_timeout_s, args.job_id = 7, None
+    group = process_group(args, {"heartbeat_timeout_s": 30, "init_timeout_s": 20, "job_id": "x"})
+    assert (group.heartbeat_timeout_s, group.init_timeout_s, group.job_id) == (7, 20, "x")
+    with pytest.raises(ShardingError, match=r"unknown setting\(s\) heartbeat\. Fix: use"):
+        process_group(args, {"heartbeat": 5})
+    with pytest.raises(ShardingError, match=r"heartbeat_timeout_s=0 must be >= 1 s"):
+        ProcessGroup(heartbeat_timeout_s=0)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ShardingError, match=f"port {port} is already in use"):
+            check_port_free(f"127.0.0.1:{port}")
+    check_port_free(f"127.0.0.1:{port}")  # free again
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_sigterm_at_start_up_of_one_rank_stops_both_at_one_step(tmp_path, cache):
+    from shardlib.checkpoint import complete_steps
+
+    directory, port = tmp_path / "run", free_port()
+    settings = [f"checkpoint_dir={directory}", "steps=100000"]
+    procs = [start_rank(tmp_path, port, i, f"{i}.log", *settings, cache=cache) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(procs[1].pid, signal.SIGTERM):
+            assert procs[1].poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(1.0)  # JAX is starting (its preemption notifier takes SIGTERM over)
+        procs[1].send_signal(signal.SIGTERM)
+        codes, seconds = wait_all(procs, 90)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], logs
+    stop = complete_steps(directory)[-1]
+    assert f"stopped by SIGTERM on process 1 after step {stop}: checkpoint saved" in logs[0]
+    assert stop <= 2
+    print(f"\nSIGTERM to rank 1 at start-up: both exit 0 after step {stop}, {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_failed_save_with_two_processes_ends_both_at_once(tmp_path, cache):
+    directory, metrics, port = tmp_path / "run", tmp_path / "m.jsonl", free_port()
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=4", "steps=100000"]
+    directory.mkdir()
+    if not chattr("+i", directory) or not chattr("-i", directory):
+        pytest.skip("chattr +i is not available here")
+    procs = [start_rank(tmp_path, port, 0, "0.log", *settings, f"metrics={metrics}", cache=cache)]
+    procs.append(start_rank(tmp_path, port, 1, "1.log", *settings, cache=cache))
+    try:
+        deadline = time.monotonic() + 120
+        while len(records_of(metrics)) < 10:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert chattr("+i", directory)
+        codes, seconds = wait_all(procs, 60)
+    finally:
+        chattr("-i", directory)
+    assert codes == [2, 1], [(tmp_path / f"{i}.log").read_text() for i in (0, 1)]
+    line = only_line(tmp_path / "0.log", r"^process 0: error: checkpoint: saving step \d+ to")
+    only_line(tmp_path / "1.log", r"^process 1: stopping: process 0 failed: checkpoint: saving")
+    print(f"\n2 processes, failed save: exit 2 and 1 within {seconds:.1f} s: {line}")
