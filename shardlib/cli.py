@@ -197,6 +197,15 @@ def cmd_export(args, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:  # the signal handlers installed for the run, if no run took them over
+        from shardlib.train.preempt import restore_early
+
+        restore_early()
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":  # a signal from now on stops the run after its first step
         from shardlib.train.preempt import install_early

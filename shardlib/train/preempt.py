@@ -56,6 +56,17 @@ def install_early() -> None:
             _ORIGINAL[sig] = previous
 
 
+def restore_early() -> None:
+    """Undo ``install_early`` where no run took the handlers over (a command that failed
+    before training, or ``main`` called in-process): the process's own handlers return."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is _early:
+            signal.signal(sig, _ORIGINAL.pop(sig, signal.SIG_DFL))
+    _EARLY.clear()
+
+
 class Preemption:
     """Context manager: installs the handlers, answers ``should_stop(step)`` each boundary.
 
