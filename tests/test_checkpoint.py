@@ -196,11 +196,16 @@ def test_an_unfinished_save_is_ignored(tmp_path):
 
 
 def test_a_signal_becomes_a_stop_request_and_a_second_one_interrupts():
-    previous = signal.getsignal(signal.SIGINT)
-    with Preemption() as preempt:
-        assert not preempt.should_stop(1)
-        signal.raise_signal(signal.SIGINT)
-        assert preempt.should_stop(2) and preempt.reason == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: the usual interrupt
+    # Python's own Ctrl-C handler before the run, whatever earlier tests in this worker
+    # process left installed (the second signal gets the handler the run found)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Preemption() as preempt:
+            assert not preempt.should_stop(1)
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is previous
+            assert preempt.should_stop(2) and preempt.reason == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: the usual interrupt
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
