@@ -106,6 +106,15 @@ def train_until(command: list[str], metrics: Path, records: int, env: dict):
     return proc
 
 
+def wait_for(done, procs=(), seconds: float = 120.0, interval: float = 0.02, log=str) -> None:
+    """Poll ``done()`` until it is true; every process of ``procs`` must stay alive meanwhile
+    and ``seconds`` bound the wait (the assertion shows ``log()``)."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, log()
+        time.sleep(interval)
+
+
 def catches(pid: int, sig: int) -> bool:
     """Has process ``pid`` installed a handler for ``sig`` (Linux: /proc/PID/status)?"""
     status = Path(f"/proc/{pid}/status").read_text()

@@ -31,6 +31,7 @@ from fault_runs import (
     train_command,
     train_until,
     wait_all,
+    wait_for,
 )
 
 from shardlib.checkpoint import CheckpointError
@@ -112,10 +113,9 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
     )
     try:
-        deadline = time.monotonic() + 120
-        while len(records_of(metrics)) < 7:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.02)
+        # the child's output once it has ended (read() on a live child would block)
+        log = lambda: proc.stdout.read() if proc.poll() is not None else "timed out"  # noqa: E731
+        wait_for(lambda: len(records_of(metrics)) >= 7, [proc], 120, log=log)
         t0 = time.monotonic()
         with data.open("r+b") as f:  # truncated in place: a memory map would SIGBUS here
             f.truncate(len(original) // 4)
@@ -221,10 +221,7 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
     )
     try:
-        deadline = time.monotonic() + 30
-        while not catches(proc.pid, signal.SIGTERM):  # the CLI's first act
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: catches(proc.pid, signal.SIGTERM), [proc], 30, 0.005)  # CLI's 1st act
         proc.send_signal(signal.SIGTERM)  # JAX is not even imported yet
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=90)
@@ -308,11 +305,8 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
         start_rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
     ]
     try:
-        deadline = time.monotonic() + 150
-        while len(records_of(metrics)) < 6:
-            assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        log = (tmp_path / "a0.log").read_text
+        wait_for(lambda: len(records_of(metrics)) >= 6, job_a, 150, 0.05, log=log)
         codes, seconds = wait_all(
             [start_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60
         )
@@ -369,10 +363,7 @@ def test_sigterm_at_start_up_of_one_rank_stops_both_at_one_step(tmp_path, cache)
     settings = [f"checkpoint_dir={directory}", "steps=100000"]
     procs = [start_rank(tmp_path, port, i, f"{i}.log", *settings, cache=cache) for i in (0, 1)]
     try:
-        deadline = time.monotonic() + 30
-        while not catches(procs[1].pid, signal.SIGTERM):
-            assert procs[1].poll() is None and time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: catches(procs[1].pid, signal.SIGTERM), procs[1:], 30, 0.005)
         time.sleep(1.0)  # JAX is starting (its preemption notifier takes SIGTERM over)
         procs[1].send_signal(signal.SIGTERM)
         codes, seconds = wait_all(procs, 90)
@@ -397,10 +388,7 @@ def test_a_failed_save_with_two_processes_ends_both_at_once(tmp_path, cache):
     procs = [start_rank(tmp_path, port, 0, "0.log", *settings, f"metrics={metrics}", cache=cache)]
     procs.append(start_rank(tmp_path, port, 1, "1.log", *settings, cache=cache))
     try:
-        deadline = time.monotonic() + 120
-        while len(records_of(metrics)) < 10:
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: len(records_of(metrics)) >= 10, procs, 120, 0.05)
         assert chattr("+i", directory)
         codes, seconds = wait_all(procs, 60)
     finally:
