@@ -98,12 +98,19 @@ class Workload:
 
     @classmethod
     def from_factory(
-        cls, factory, global_batch: int, seq: int, precision: str = "bf16", overrides=()
+        cls,
+        factory,
+        global_batch: int,
+        seq: int,
+        precision: str = "bf16",
+        overrides=(),
+        inv=None,
     ) -> Workload:
-        """The workload of a ``shardlib.model.ModelFactory`` (its inventory is read once)."""
+        """The workload of a ``shardlib.model.ModelFactory``; ``inv``: its inventory when
+        the caller has it already (the model is then not built again)."""
         from shardlib.model import inventory
 
-        inv = inventory(factory)
+        inv = inventory(factory) if inv is None else inv
         layers = int(getattr(factory.config, "layers", 0) or inv.layers)
         return cls(
             model=factory.name,

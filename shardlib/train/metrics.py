@@ -215,7 +215,7 @@ def model_flops(setup) -> tuple[float, str]:
     cfg = setup.cfg
     try:
         workload = Workload.from_factory(
-            setup.model, cfg.data.batch, cfg.data.seq, cfg.precision.compute
+            setup.model, cfg.data.batch, cfg.data.seq, cfg.precision.compute, inv=setup.inventory
         )
         return float(workload.model_flops), "6 per parameter per token + attention"
     except (AttributeError, KeyError, ShardingError, TypeError):
