@@ -142,8 +142,7 @@ def run(
         preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
         if ckpt is not None:  # before reading or writing anything in its directory
             stack.enter_context(ckpt.locked())
-        if ckpt is not None:  # what the run trains on, recorded and checked on resume
-            ckpt.data = data_identity(tokens)
+            ckpt.data = data_identity(tokens)  # what the run trains on, checked on resume
         if state is None and ckpt is not None:
             state = ckpt.resume()
         state = setup.init_state() if state is None else state
@@ -152,9 +151,11 @@ def run(
         profile = ProfileWindow(
             run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
         )
-        goodput = Goodput(started_at=started_at)
-        if start:  # an earlier attempt's totals, when its metrics.jsonl is there
-            goodput = Goodput.resumed(previous_records(cfg.metrics), start, started_at)
+        goodput = (  # a resumed run carries an earlier attempt's totals (its metrics.jsonl)
+            Goodput.resumed(previous_records(cfg.metrics), start, started_at)
+            if start
+            else Goodput(started_at=started_at)
+        )
         peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
         flops, _ = model_flops(setup)
         devices = setup.mesh.devices.size
@@ -182,10 +183,11 @@ def run(
         for step, batch in batches(setup, start, tokens):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
-                compiled, goodput.compile_s = compile_step(setup, state, batch)
+                compiled, seconds = compile_step(setup, state, batch)
+                goodput.compile_s += seconds  # an earlier attempt's compilation counts too
                 hw_flops = compiled_flops(compiled) * devices
                 step_memory = _compiled_memory(compiled)
-                say(f"compiled the step in {goodput.compile_s:.2f} s")
+                say(f"compiled the step in {seconds:.2f} s")
             profile.before(step + 1)
             t0 = time.perf_counter()
             state, metrics = compiled(state, batch)
