@@ -10,10 +10,12 @@ of fsdp) should cross hosts: ``hybrid_device_grid`` assigns the process count to
 outermost mesh axes, which is the order presets already follow (last axis = fastest).
 
 Joining is guarded: process 0 refuses a coordinator port that something already listens on
-(gRPC would share it with another job's coordinator, or crash), and, given a job id, the
-others check right after joining that the coordinator they reached was started for the
-same job. The timeouts are settings (CLI flags, or a ``[distributed]`` table in the mesh
-file); ``heartbeat_timeout_s`` bounds how long a lost process goes unnoticed.
+(gRPC would share it with another job's coordinator, or crash), and the others ask process
+0's join desk (``join_desk.py``, the coordinator's port + 1) *before* joining whether the
+run there is of their job and still forming: a process of another job never reaches a
+running job's coordinator, which would abort it. The timeouts are settings (CLI flags, or a
+``[distributed]`` table in the mesh file); ``heartbeat_timeout_s`` bounds how long a lost
+process goes unnoticed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardlib.errors import ShardingError
+from shardlib.join_desk import JoinDesk, ask_to_join
 
 # (marker, task count) environment variables by which JAX's cluster detection recognises a
 # launcher. A job launched by one of these needs no flags at all:
@@ -56,8 +59,9 @@ class ProcessGroup:
     shutdown_timeout_s: int = 60
     """How long a finished process waits for the others to finish too."""
     job_id: str | None = None
-    """Names the job: a process refuses to train with a coordinator of another job (default:
-    ``$SHARDLIB_JOB_ID``, else ``$SLURM_JOB_ID``; None: not checked)."""
+    """Names the job: a process refuses to join a coordinator of another job (default:
+    ``$SHARDLIB_JOB_ID``, else ``$SLURM_JOB_ID``; None matches only None). Whatever the id,
+    nobody joins a run whose processes have all joined."""
 
     def __post_init__(self) -> None:
         given = [self.coordinator, self.num_processes, self.process_id]
@@ -85,7 +89,7 @@ class ProcessGroup:
 
 
 TIMEOUTS = ("init_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s")
-JOB_KEY = "shardlib/job_id"
+_DESKS: list[JoinDesk] = []  # process 0's join desk lives as long as the process
 
 
 def process_group(args, table: dict) -> ProcessGroup:
@@ -168,21 +172,6 @@ def wait_for_coordinator(group: ProcessGroup) -> None:
         time.sleep(0.25)
 
 
-def _check_job(group: ProcessGroup, client) -> None:
-    """Process 0 posts the job id; the others compare it with theirs right after joining."""
-    mine = group.job_id or ""
-    if group.process_id == 0:
-        client.key_value_set(JOB_KEY, mine)
-        return
-    theirs = client.blocking_key_value_get(JOB_KEY, group.init_timeout_s * 1000)
-    if theirs != mine:
-        raise ShardingError(
-            f"distributed: the coordinator at {group.coordinator} runs job {theirs or '(none)'}"
-            f", but this process was started for job {mine or '(none)'}. Fix: give every job "
-            "its own --coordinator port."
-        )
-
-
 def detected_launcher() -> str | None:
     """``"slurm"`` / ``"openmpi"`` when this process was started by one with >1 task."""
     for name, (marker, size) in LAUNCHER_ENV.items():
@@ -207,9 +196,16 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
     if cpu:
         # Collectives between CPU processes; the in-process default cannot cross processes.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    desk = None
+    if group.explicit:
+        from shardlib.peers import started_as
+
+        started_as(group.process_id)
     if group.explicit and group.process_id == 0:
         check_port_free(group.coordinator)
+        desk = JoinDesk(group.coordinator, group.job_id)
     elif group.explicit:
+        ask_to_join(group.coordinator, group.job_id, group.process_id, group.init_timeout_s)
         wait_for_coordinator(group)
     wanted = {
         "initialization_timeout": group.init_timeout_s,
@@ -225,6 +221,8 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
             **{k: v for k, v in wanted.items() if k in known},  # what this JAX accepts
         )
     except RuntimeError as err:
+        if desk is not None:
+            desk.close()
         first = (str(err).strip().splitlines() or [""])[0][:300]
         raise ShardingError(
             f"distributed: could not join the run at {group.coordinator} within "
@@ -234,8 +232,9 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
     # jax.process_count() would start the backend; the device count is not set yet.
     from jax._src import distributed as _dist
 
-    if group.explicit:
-        _check_job(group, _dist.global_state.client)
+    if desk is not None:
+        desk.running = True  # every process has joined: the desk now turns newcomers away
+        _DESKS.append(desk)
     return int(_dist.global_state.num_processes)
 
 

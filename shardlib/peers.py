@@ -29,6 +29,7 @@ ALIVE_PREFIX = "shardlib/alive/"
 STOPPING_PREFIX = "shardlib/stopping/"  # a process read another's error and is ending
 ACK_WAIT_S = 3.0
 POLL_S = 0.2
+_STARTED_AS: list[int] = []  # the rank this process was started as, before it has joined
 
 
 def _state():
@@ -42,9 +43,16 @@ def multi_process() -> bool:
     return _state().client is not None
 
 
+def started_as(process_id: int) -> None:
+    """Record the rank given on the command line: errors before joining carry it too."""
+    _STARTED_AS[:] = [process_id]
+
+
 def rank_prefix() -> str:
-    """``"process 1: "`` in a multi-process run, else empty."""
-    return f"process {_state().process_id}: " if multi_process() else ""
+    """``"process 1: "`` in a multi-process run (or one being joined), else empty."""
+    if multi_process():
+        return f"process {_state().process_id}: "
+    return f"process {_STARTED_AS[0]}: " if _STARTED_AS else ""
 
 
 def publish_error(message: str) -> None:

@@ -123,13 +123,27 @@ def catches(pid: int, sig: int) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose next port (process 0's join desk) is free too."""
+    while True:
+        with socket.socket() as s, socket.socket() as desk:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                desk.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def start_rank(
-    tmp_path: Path, port: int, rank: int, log: str, *settings: str, cache: Path, job="j"
+    tmp_path: Path,
+    port: int,
+    rank: int,
+    log: str,
+    *settings: str,
+    cache: Path,
+    job="j",
+    init_timeout: int = 5,
 ):
     """One of two processes with one CPU device each (a small mesh compiles fast)."""
     mesh = tmp_path / "two.toml"
@@ -137,7 +151,7 @@ def start_rank(
     command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh)]
     command += ["--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
     command += ["--num-processes", "2", "--process-id", str(rank), "--heartbeat-timeout", "6"]
-    command += ["--init-timeout", "5", *TINY, *settings]
+    command += ["--init-timeout", str(init_timeout), *TINY, *settings]
     out = (tmp_path / log).open("w")
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(cache))
 

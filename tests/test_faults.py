@@ -280,39 +280,47 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
     report.append(only_line(tmp_path / "x1.log", r"could not join the run .* within 5 s"))
     print(f"\nport held: both exit 2 within {seconds:.1f} s:\n  " + "\n  ".join(report))
 
-    # job B's process 1 reaches job A's coordinator while A is starting: it refuses at join
-    port = free_port()
-    a0 = start_rank(tmp_path, port, 0, "s0.log", "steps=5", cache=cache, job="A")
-    b1 = start_rank(tmp_path, port, 1, "s1.log", "steps=5", cache=cache, job="B")
-    codes, seconds = wait_all([b1, a0], 60)
-    assert codes == [2, 1], [(tmp_path / f"s{i}.log").read_text() for i in (0, 1)]
-    report = [only_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")]
-    report.append(
-        only_line(tmp_path / "s0.log", r"^process 0: stopping: process 1 failed: .*job B")
-    )
-    print(
-        f"job B's rank 1 at job A's coordinator: both end within {seconds:.1f} s:\n  "
-        + "\n  ".join(report)
-    )
-
-    # job A trains; job B's process 0 is refused A's port, and A trains on
+    # job B's process 1 reaches job A's coordinator while A is forming: it reads process 0's
+    # join desk and stops before joining; A's own process 1 joins later and A trains
     port, directory, metrics = free_port(), tmp_path / "run", tmp_path / "a.jsonl"
     settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
-    job_a = [
-        start_rank(
-            tmp_path, port, 0, "a0.log", *settings, f"metrics={metrics}", cache=cache, job="A"
-        ),
-        start_rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"),
-    ]
+    a0 = start_rank(
+        tmp_path,
+        port,
+        0,
+        "a0.log",
+        *settings,
+        f"metrics={metrics}",
+        cache=cache,
+        job="A",
+        init_timeout=60,
+    )
+    job_a = [a0]
     try:
+        codes, seconds = wait_all(
+            [start_rank(tmp_path, port, 1, "s1.log", cache=cache, job="B")], 60
+        )
+        assert codes == [2] and a0.poll() is None, (tmp_path / "s1.log").read_text()
+        line = only_line(tmp_path / "s1.log", r"^process 1: error: .* runs job A, but this process")
+        print(f"job B's rank 1 at forming job A: exit 2 in {seconds:.1f} s: {line}")
+        job_a.append(start_rank(tmp_path, port, 1, "a1.log", *settings, cache=cache, job="A"))
         log = (tmp_path / "a0.log").read_text
         wait_for(lambda: len(records_of(metrics)) >= 6, job_a, 150, 0.05, log=log)
+
+        # job A runs: job B's process 0 is refused A's port; a process 1 started with A's own
+        # command line (same job id) is refused at the desk; A trains on, untouched
         codes, seconds = wait_all(
             [start_rank(tmp_path, port, 0, "b0.log", cache=cache, job="B")], 60
         )
         assert codes == [2], (tmp_path / "b0.log").read_text()
         line = only_line(tmp_path / "b0.log", f"coordinator port {port} is already in use")
         print(f"job B's rank 0 on job A's port: exit 2 in {seconds:.1f} s: {line}")
+        codes, seconds = wait_all(
+            [start_rank(tmp_path, port, 1, "c1.log", cache=cache, job="A")], 60
+        )
+        assert codes == [2], (tmp_path / "c1.log").read_text()
+        line = only_line(tmp_path / "c1.log", r"already has all its processes; .* untouched")
+        print(f"a copy of job A's rank 1 at running job A: exit 2 in {seconds:.1f} s: {line}")
         seen = len(records_of(metrics))
         time.sleep(2)
         assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
