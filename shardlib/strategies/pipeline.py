@@ -28,6 +28,12 @@ memory does not. Every schedule runs once per data replica under ``vmap``
 over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
 only for circular). Layers that do not divide into p·v stages are padded with identity
 slots (``pipeline_partition.py``).
+
+Blocks that return statistics (an MoE router's losses) have them carried with their
+micro-batch (``pipeline_stats.py``; such models run without data replicas, see
+``layers``). A ``context`` axis splits the seq dim of the state and buffer like every
+activation's, and ring / Ulysses / all-gather attention run their ``shard_map`` inside the
+stage ``vmap``.
 """
 
 from __future__ import annotations
