@@ -24,6 +24,12 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
   gradients) from the stored contiguous layout to the round-robin one: an all-to-all over
   min(v, p) devices of the device's L/p blocks, and when v < p a collective-permute of them.
 
+A ``context`` axis splits the seq dim of the stage state (``Context.local_seq``) and its
+ring runs in every loop trip (``terms.context``); an MoE's all-to-alls likewise
+(``terms.expert``), and its pipeline runs no data replicas (the router statistics are not
+linear in the batch), so its data-axis gradient reductions stay in the loop (``terms.dp``).
+Both checked against compiled programs (``benchmarks/planner_validation.py``).
+
 ``partition`` (``strategies/pipeline_partition.py``, dynamic programming over contiguous
 splits minimising the slowest stage, as PipeDream and Alpa do) is the trainer's: it places
 the identity slots of uneven stages. The terms cost equal stages only (L divisible by p·v):
