@@ -300,6 +300,9 @@ def test_moe_with_a_stage_axis_is_refused_only_by_the_bounded_schedule():
     bounded = parse_overrides(["pipeline_schedule=bounded"], cfg)
     with pytest.raises(ShardingError, match="per-stage vjp.*Fix: pipeline_schedule=gpipe or circ"):
         make_setup(bounded, mesh)
+    step = parse_overrides(["pipeline_gather_weights=step"], cfg)
+    with pytest.raises(ShardingError, match="its own. Fix: pipeline_gather_weights=microbatch"):
+        make_setup(step, mesh)
 
 
 def test_moe_with_a_context_axis_is_refused_before_compiling():

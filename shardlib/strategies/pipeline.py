@@ -228,7 +228,7 @@ class PipelineParallel:
         if spec is None:
             return
         if target.block_stats:  # an MoE router's losses: GPipe/circular carry them
-            check_block_stats(spec.schedule)
+            check_block_stats(spec.schedule, spec.gather_weights)
         if target.precision == "fp16" and spec.schedule == "bounded":
             raise ShardingError(
                 "precision=fp16 with pipeline_schedule=bounded: the bounded schedule computes "

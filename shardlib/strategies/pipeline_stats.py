@@ -31,9 +31,17 @@ if TYPE_CHECKING:
     from shardlib.strategies.pipeline import PipelineSpec
 
 
-def check_block_stats(schedule: str) -> None:
-    """Refuse the schedules that cannot carry block statistics (the trainer's and the
-    planner's refusal: one text)."""
+def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None:
+    """Refuse what cannot carry block statistics (the trainer's and the planner's refusal:
+    one text): the bounded schedule, and per-replica weights (``gather_weights=step``: a
+    replica's micro-batch would compute its own, different, statistics)."""
+    if gather_weights == "step":
+        raise ShardingError(
+            "pipeline_gather_weights=step runs the pipeline once per data/fsdp replica, and "
+            "this model's blocks return statistics that are not linear in the batch (an MoE "
+            "router's load-balancing loss): each replica would compute its own. Fix: "
+            "pipeline_gather_weights=microbatch (the default) for this model."
+        )
     if schedule == "bounded":
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "
