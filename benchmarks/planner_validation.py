@@ -104,6 +104,21 @@ CASES = {
             {"layers": 8},
             dict(fsdp=2, stage=2, microbatches=2, schedule="circular", virtual=2),
         ),
+        # ring attention inside the stages; an MoE's router statistics carried through them
+        (
+            "llama-small",
+            16,
+            128,
+            {"layers": 4},
+            dict(data=2, stage=2, context=2, microbatches=2, schedule="gpipe"),
+        ),
+        (
+            "moe-tiny",
+            16,
+            128,
+            {**MOE, "expert_mlp": 512, "layers": 4, "moe_every": 2},
+            dict(data=2, stage=2, expert=2, microbatches=2, schedule="gpipe"),
+        ),
         # published widths: the plan `shardlib plan` writes for llama-7b on 8 H100s, and more
         ("llama-7b", 64, 2048, {}, dict(fsdp=8, microbatches=4, remat="selective")),
         ("llama-7b", 32, 4096, {"layers": 4}, dict(fsdp=4, context=2)),

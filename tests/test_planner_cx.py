@@ -119,7 +119,7 @@ def test_expert_axis_reduces_only_the_replicated_gradients():
     assert _wire(est, "all-reduce", "expert") == pytest.approx(2 * 7 / 8 * 4 * replicated)
 
 
-def test_search_space_has_experts_only_for_moe_and_no_moe_stages_or_context():
+def test_search_space_has_experts_only_for_moe_moe_stages_and_no_moe_context():
     cluster = Cluster(
         name="t",
         devices_per_host=8,
@@ -131,10 +131,21 @@ def test_search_space_has_experts_only_for_moe_and_no_moe_stages_or_context():
     )
     dense = list(meshes(_llama(), cluster, Space()))
     assert dense and all(m["expert"] == 1 for m in dense)
+    assert any(m["stage"] > 1 and m["context"] > 1 for m in dense)  # ring inside the stages
     moe = list(meshes(_moe(), cluster, Space()))
     assert any(m["expert"] > 1 for m in moe)
-    assert all(m["stage"] == 1 and m["context"] == 1 for m in moe)
-    refusals = {"does not pipeline MoE": candidate(stage=2, expert=4)}
+    assert any(m["stage"] > 1 and m["expert"] > 1 for m in moe)  # GPipe/circular carry stats
+    assert all(m["context"] == 1 for m in moe)
+    # GPipe p = 2, m = 2: 3 loop trips of 2 blocks (1 MoE) each: 4 all-to-alls per MoE run,
+    # and no data replicas (the router's statistics): data gradients reduced every trip
+    est = estimate(_moe(), candidate(stage=2, data=2, expert=2, microbatches=2))
+    a2a = [c for c in est.comms if c.kind == "all-to-all" and c.axes == ("expert",)]
+    assert [c.count for c in a2a] == [4 * 3 * 1]
+    assert all(c.count == 3 * 2 for c in est.comms if c.axes == ("data",))
+    # the trainer's refusals, in its words
+    refusals = {
+        "per-stage vjp.*gpipe or circular": candidate(stage=2, expert=4, schedule="bounded")
+    }
     refusals["ring attention's token order"] = candidate(context=2, expert=4)
     for needle, plan in refusals.items():
         with pytest.raises(ShardingError, match=needle):

@@ -28,6 +28,12 @@ memory does not. Every schedule runs once per data replica under ``vmap``
 over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
 only for circular). Layers that do not divide into p·v stages are padded with identity
 slots (``pipeline_partition.py``).
+
+Blocks that return statistics (an MoE router's losses) have them carried with their
+micro-batch (``pipeline_stats.py``; such models run without data replicas, see
+``layers``). A ``context`` axis splits the seq dim of the state and buffer like every
+activation's, and ring / Ulysses / all-gather attention run their ``shard_map`` inside the
+stage ``vmap``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
 from shardlib.strategies.pipeline_partition import balanced_stages, masked, pad_stages
 from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
+from shardlib.strategies.pipeline_stats import (
+    check_block_stats,
+    join_carry,
+    split_carry,
+    stats_mean,
+    stats_slots,
+)
 
 SCHEDULES = ("gpipe", "circular", "bounded")
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
@@ -214,12 +227,8 @@ class PipelineParallel:
         spec = self.spec(mesh_axes)
         if spec is None:
             return
-        if target.block_stats:  # the stage loop carries only the residual stream
-            raise ShardingError(
-                "pipeline stages carry only the residual stream between blocks; this model's "
-                "blocks also return statistics (an MoE router's). Fix: drop the stage axis "
-                "(use expert/data/fsdp/tensor axes) for this model."
-            )
+        if target.block_stats:  # an MoE router's losses: GPipe/circular carry them
+            check_block_stats(spec.schedule, spec.gather_weights)
         if target.precision == "fp16" and spec.schedule == "bounded":
             raise ShardingError(
                 "precision=fp16 with pipeline_schedule=bounded: the bounded schedule computes "
@@ -316,7 +325,8 @@ def stage_mask(p: int, ndim: int) -> jax.Array:
 
 
 def pipeline_layers(spec: PipelineSpec, stage_layers):
-    """A ``layers(block_fn, blocks_state, x)`` running GPipe or circular over ``spec.stages``.
+    """A ``layers(block_fn, blocks_state, carry)`` running GPipe or circular over
+    ``spec.stages``; ``carry`` is ``x_BLD`` or ``(x_BLD, totals)`` (block statistics).
 
     ``stage_layers`` applies k stacked blocks on one stage (``shardlib.ops.scan_blocks``,
     with a remat policy already around ``block_fn``).
@@ -325,62 +335,84 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
     if spec.schedule == "bounded":
         raise ValueError("the bounded schedule is a value_and_grad, see pipeline_1f1b")
 
-    def layers(block_fn, blocks_state, x_BLD):
-        """One copy of the weights per data replica (one gradient reduction per step)."""
-        reps = replicas(gather_weights=spec.gather_weights)
+    def layers(block_fn, blocks_state, carry):
+        """One copy of the weights per data replica (one gradient reduction per step).
+
+        Not with block statistics: a replica's micro-batch holds only its own rows, and a
+        statistic that is not linear in the batch (an MoE's load-balancing loss) would differ
+        from the one of the whole micro-batch. Those models leave the data axes to GSPMD
+        (gradients then reduced per loop trip) and match one device exactly.
+        """
+        reps = None if isinstance(carry, tuple) else replicas(gather_weights=spec.gather_weights)
         if reps is None:
-            return run(block_fn, blocks_state, x_BLD)
+            return run(block_fn, blocks_state, carry)
         x_spec = reps.outer.spec(("batch", "seq", "embed"))
         out_R = reps.vmap(lambda w, x: run(block_fn, w, x))(
-            to_replicas(reps, blocks_state), reps.split_batch(x_BLD, x_spec)
+            to_replicas(reps, blocks_state), reps.split_batch(carry, x_spec)
         )
         return reps.merge_batch(out_R, x_spec)
 
-    def run(block_fn, blocks_state, x_BLD):
+    def pin_state(state):  # (x [p, b, seq, embed], stats [p, ...]) on their layouts
+        x, stats = state
+        return constrain(x, STATE_NAMES), jax.tree.map(
+            lambda s: constrain(s, ("stage", *[None] * (s.ndim - 1))), stats
+        )
+
+    def run(block_fn, blocks_state, carry):
+        x_BLD, stats = split_carry(carry)
         blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)
         staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
         if keep is not None:  # uneven stages: (weights, keep) slots
             staged, block_fn = (staged, to_stages(keep, None, p, v)), masked(block_fn)
 
-        def run_stage(w_vk, repeat, x_bld):
+        def run_stage(w_vk, repeat, stage_carry):
+            dtype = split_carry(stage_carry)[0].dtype
+
             # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
             def pick(w):
                 if v == 1:
-                    return w[0].astype(x_bld.dtype)
+                    return w[0].astype(dtype)
                 # this round's layers; re-gathered in the backward pass, never saved
                 w = jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
-                return checkpoint_name(w.astype(x_bld.dtype), _PICKED)
+                return checkpoint_name(w.astype(dtype), _PICKED)
 
-            return stage_layers(block_fn, jax.tree.map(pick, w_vk), x_bld)
+            return stage_layers(block_fn, jax.tree.map(pick, w_vk), stage_carry)
 
         if v > 1:
             policy = jax.checkpoint_policies.save_anything_except_these_names(_PICKED)
             run_stage = jax.checkpoint(run_stage, policy=policy, prevent_cse=False)
         all_stages = jax.vmap(run_stage, spmd_axis_name=stage_axes())
-        buf_MBLD = constrain(split_microbatches(x_BLD, m), BUFFER_NAMES)
-        state_PBLD = constrain(jnp.zeros((p, *buf_MBLD.shape[1:]), x_BLD.dtype), STATE_NAMES)
+        # micro-batches: activations [m, b, seq, embed], statistics [m, ...] (from zero)
+        buf = (constrain(split_microbatches(x_BLD, m), BUFFER_NAMES), stats_slots(stats, m))
+        x_PBLD = jnp.zeros((p, *buf[0].shape[1:]), x_BLD.dtype)
+        state = pin_state((x_PBLD, stats_slots(stats, p, lead="stage")))
         stage_ids = jnp.arange(p)
-        first = stage_mask(p, state_PBLD.ndim) == 0
 
-        def body(carry, t):
-            state_PBLD, buf_MBLD = carry
+        def body(loop, t):
+            state, buf = loop
             # stage 0 takes micro-batch t mod m: fresh input, or back for its next round
-            x0_BLD = jax.lax.dynamic_index_in_dim(buf_MBLD, t % m, 0, keepdims=False)
-            state_PBLD = jnp.where(first, x0_BLD[None], state_PBLD)
+            take = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, t % m, 0, False), buf)
+            state = jax.tree.map(
+                lambda s, b: jnp.where(stage_mask(p, s.ndim) == 0, b[None], s), state, take
+            )
             repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
-            out_PBLD = constrain(all_stages(staged, repeat_P, state_PBLD), STATE_NAMES)
+            out = pin_state(split_carry(all_stages(staged, repeat_P, join_carry(*state, carry))))
             # the last stage hands micro-batch (t - p + 1) mod m back to the buffer
             done = (t - (p - 1)) % m
-            keep = jax.lax.dynamic_index_in_dim(buf_MBLD, done, 0, keepdims=False)
-            new = jnp.where(t >= p - 1, out_PBLD[p - 1], keep)
-            buf_MBLD = constrain(
-                jax.lax.dynamic_update_index_in_dim(buf_MBLD, new, done, 0), BUFFER_NAMES
-            )
-            # shift: stage s + 1 works next on what stage s just produced
-            state_PBLD = constrain(jnp.roll(out_PBLD, 1, axis=0), STATE_NAMES)
-            return (state_PBLD, buf_MBLD), None
 
-        (_, buf_MBLD), _ = jax.lax.scan(body, (state_PBLD, buf_MBLD), jnp.arange(spec.iterations()))
-        return constrain(merge_microbatches(buf_MBLD), ("batch", "seq", "embed"))
+            def hand_over(b, o):
+                keep = jax.lax.dynamic_index_in_dim(b, done, 0, keepdims=False)
+                new = jnp.where(t >= p - 1, o[p - 1], keep)
+                return jax.lax.dynamic_update_index_in_dim(b, new, done, 0)
+
+            buf = jax.tree.map(hand_over, buf, out)
+            buf = (constrain(buf[0], BUFFER_NAMES), buf[1])
+            # shift: stage s + 1 works next on what stage s just produced
+            state = pin_state(jax.tree.map(lambda o: jnp.roll(o, 1, axis=0), out))
+            return (state, buf), None
+
+        (_, buf), _ = jax.lax.scan(body, (state, buf), jnp.arange(spec.iterations()))
+        x_out = constrain(merge_microbatches(buf[0]), ("batch", "seq", "embed"))
+        return join_carry(x_out, stats_mean(buf[1]), carry)
 
     return layers

@@ -18,6 +18,7 @@ from shardlib.layout import constrain, use_layout
 from shardlib.ops import run_blocks
 from shardlib.staging import cast_params, master_blocks, on_device
 from shardlib.strategies.offload import DEVICE_MEMORY
+from shardlib.strategies.pipeline_stats import stats_tokens
 from shardlib.train import layouts, precision
 from shardlib.train.data import BATCH_NAMES
 
@@ -52,7 +53,9 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
             x_BLD = model.embed(inputs_BL, dtype=dtype)
             x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L, layers=layers)
             logits_BLV = model.head(x_BLD, dtype=dtype)
-        aux = {} if totals is None else model.aux(totals, inputs_BL.size)
+        # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
+        tokens = stats_tokens(plan.pipeline_spec(), inputs_BL.size)
+        aux = {} if totals is None else model.aux(totals, tokens)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:

@@ -73,7 +73,7 @@ def context(ctx: Context) -> Contribution:
     elems = ctx.micro_batch * ctx.local_seq * w.kv_heads / p.tensor * w.head_dim
     kv = 2 * elems * w.compute_bytes + ctx.local_seq * POSITION_BYTES  # K, V, positions
     dkv = 2 * elems * GRAD_BYTES
-    runs = ctx.layers_per_device * p.microbatches
+    runs = ctx.layer_runs  # per layer and micro-batch; a pipeline's bubble trips too
     axes = (str(Axis.CONTEXT),)
     return Contribution(
         comms=(

@@ -85,8 +85,13 @@ def gradient_reduction(ctx: Context) -> Contribution:
         if merged:
             buffers[(tuple(merged), param.per_layer)] += shard
 
+    # an MoE's router statistics are not linear in the batch: its pipeline runs no data
+    # replicas (``pipeline_layers``), so data-axis reductions stay in the loop too
+    axes_once = (data,) if not ctx.w.experts else None
+
     def count(axes: tuple[str, ...], per_layer: bool) -> float:
-        layer, outer = once if axes == (data,) and p.zero < 3 else (layer_count, outer_count)
+        once_here = axes == axes_once and p.zero < 3
+        layer, outer = once if once_here else (layer_count, outer_count)
         return layer if per_layer else outer
 
     comms = [

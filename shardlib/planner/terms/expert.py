@@ -86,7 +86,7 @@ def expert(ctx: Context) -> Contribution:
     if not w.experts:
         return Contribution()
     buffer = dispatched_elements(ctx, ctx.micro_batch) * w.compute_bytes
-    runs = ctx.layers_per_device / w.moe_every * p.microbatches  # MoE layer executions
+    runs = ctx.layer_runs / w.moe_every  # MoE layer executions (a pipeline's bubble too)
     comms = []
     if p.expert > 1:
         axes = (str(Axis.EXPERT),)

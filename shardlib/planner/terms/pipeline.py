@@ -24,6 +24,12 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
   gradients) from the stored contiguous layout to the round-robin one: an all-to-all over
   min(v, p) devices of the device's L/p blocks, and when v < p a collective-permute of them.
 
+A ``context`` axis splits the seq dim of the stage state (``Context.local_seq``) and its
+ring runs in every loop trip (``terms.context``); an MoE's all-to-alls likewise
+(``terms.expert``), and its pipeline runs no data replicas (the router statistics are not
+linear in the batch), so its data-axis gradient reductions stay in the loop (``terms.dp``).
+Both checked against compiled programs (``benchmarks/planner_validation.py``).
+
 ``partition`` (``strategies/pipeline_partition.py``, dynamic programming over contiguous
 splits minimising the slowest stage, as PipeDream and Alpa do) is the trainer's: it places
 the identity slots of uneven stages. The terms cost equal stages only (L divisible by p·v):
@@ -32,7 +38,6 @@ the planner does not search uneven ones yet.
 
 from __future__ import annotations
 
-from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import (
     MASTER_BYTES,
@@ -43,6 +48,7 @@ from shardlib.planner.terms.base import (
     iterations,
 )
 from shardlib.strategies.pipeline_partition import partition
+from shardlib.strategies.pipeline_stats import check_block_stats
 
 __all__ = ["partition"]  # re-exported: the trainer's stage partition
 
@@ -64,21 +70,18 @@ STAGE_ALL_REDUCES = 2
 
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
-    if not space.pipeline or size > min(space.max_stage, workload.layers):
-        return False
-    # the trainer does not pipeline MoE models; ring attention inside pipeline stages is not
-    # in the cost model (compiled: memory 0.78x, bytes 0.85x of the prediction): not searched
-    return not workload.experts and chosen.get(str(Axis.CONTEXT), 1) == 1
+    # MoE models and a context axis pipeline too (GPipe/circular carry the router's
+    # statistics; ring attention runs inside the stage loop); the bounded schedule's MoE
+    # refusal is ``_check``'s, per plan
+    return space.pipeline and size <= min(space.max_stage, workload.layers)
 
 
 def _check(workload, view) -> None:
-    """The pipeline strategy's own refusals (equal stages, circular m >= p), and MoE."""
+    """The pipeline strategy's own refusals (equal stages, circular m >= p, MoE under the
+    bounded schedule), in the trainer's words."""
     view.plan.pipeline.spec(view.sizes).check(workload.layers, workload.global_batch)
     if workload.experts:
-        raise ShardingError(
-            f"plan {view.mesh_text()}: the trainer does not pipeline MoE models. Fix: use "
-            "expert/data/fsdp/tensor axes."
-        )
+        check_block_stats(view.plan.pipeline.schedule)
 
 
 SEARCH_AXIS = SearchAxis(
@@ -86,7 +89,7 @@ SEARCH_AXIS = SearchAxis(
     placement=10,  # small point-to-point sends per micro-batch: outer, next to data
     admits=_admits,
     splits_batch=False,
-    rule="at most the layer count (and max_stage), dense models without a context axis",
+    rule="at most the layer count (and max_stage)",
     check=_check,
 )
 
