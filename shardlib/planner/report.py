@@ -12,6 +12,7 @@ from shardlib.planner.candidate import PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, collective_seconds
 from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
+from shardlib.planner.throughput import is_exposed
 from shardlib.planner.workload import Workload
 
 
@@ -188,11 +189,12 @@ def axis_times(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = defaultdict(
         lambda: {"wire_bytes": 0.0, "seconds": 0.0, "critical_seconds": 0.0}
     )
+    staged = PlanView(est.plan).stage > 1
     for comm in est.comms:
         row, seconds = out[",".join(comm.axes)], collective_seconds(comm, cluster, est.plan)
         row["wire_bytes"] += comm.wire_bytes
         row["seconds"] += seconds
-        row["critical_seconds"] += 0.0 if comm.overlap else seconds
+        row["critical_seconds"] += seconds if is_exposed(comm, staged) else 0.0
     return dict(out)
 
 
@@ -215,6 +217,7 @@ def estimate_record(est: Estimate, workload: Workload, cluster: Cluster) -> dict
         "fits": est.fits,
         "axes": axis_times(est, cluster),
         "compute_s": est.compute_s,
+        "compute_efficiency": est.compute_efficiency,
         "comm_s": est.comm_s,
         "exposed_comm_s": est.exposed_comm_s,
         "bubble_s": est.bubble_s,
@@ -273,7 +276,8 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         )
     wide.print(comms)
     console.print(
-        f"step {est.step_s:.4f} s = compute {est.compute_s:.4f} s + exposed communication "
+        f"step {est.step_s:.4f} s = compute {est.compute_s:.4f} s (at "
+        f"{est.compute_efficiency:.0%} of peak on these matmul shapes) + exposed communication "
         f"{est.exposed_comm_s:.4f} s (of {est.comm_s:.4f} s) + bubble {est.bubble_s:.4f} s + "
         f"host {est.host_s:.4f} s; {est.tokens_per_s:,.0f} tokens/s; MFU {est.mfu:.1%}; "
         f"memory {fits}.",

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner.candidate import AXIS_ORDER, REMAT, batch_ways, candidate
+from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, batch_ways, candidate
 from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate, estimate
+from shardlib.planner.cost import Estimate, collective_seconds, estimate
 from shardlib.planner.terms import SEARCH_AXES
+from shardlib.planner.throughput import is_exposed
 from shardlib.planner.workload import Workload
 
 
@@ -204,29 +205,31 @@ def estimate_or_none(workload, plan, cluster) -> Estimate | None:
 
 
 def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, space: Space) -> float:
-    """No plan on ``mesh`` is faster: compute without recompute or bubble, plus the
+    """No plan on ``mesh`` is faster: compute without recompute or bubble at one
+    micro-batch (the largest matmuls: the throughput model's fastest rate), plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
     latency only grows with m). With stages the pipeline loop's bubble trips also move
     bytes, fewest at the most micro-batches: GPipe and circular there bound every
     schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
-    options = [("gpipe", 1, 1)]
+    whole = estimate_or_none(workload, candidate(**mesh), cluster)
+    if whole is None:
+        return math.inf
+    options = [whole]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
         m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
-        options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
-    bound = math.inf
-    for schedule, virtual, m in options:
-        plan = candidate(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
-        est = estimate_or_none(workload, plan, cluster)
-        if est is not None:
-            bound = min(bound, est.compute_s + _critical_s(est, cluster))
-    return bound
+        plans = [candidate(**mesh, microbatches=m)]
+        plans += [
+            candidate(**mesh, schedule="circular", virtual=v, microbatches=m) for v in space.virtual
+        ]
+        options = [e for e in (estimate_or_none(workload, p, cluster) for p in plans) if e]
+    critical = min((_critical_s(e, cluster) for e in options), default=math.inf)
+    return whole.compute_s + critical
 
 
 def _critical_s(est: Estimate, cluster: Cluster) -> float:
-    from shardlib.planner.cost import collective_seconds
-
-    return sum(collective_seconds(c, cluster, est.plan) for c in est.comms if not c.overlap)
+    staged = PlanView(est.plan).stage > 1
+    return sum(collective_seconds(c, cluster, est.plan) for c in est.comms if is_exposed(c, staged))
 
 
 @dataclass(frozen=True)
