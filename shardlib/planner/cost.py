@@ -188,8 +188,9 @@ def estimate(
     # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
     bubble_s = pipeline.extra_flops(ctx)[0] / rate.flops_per_s
     compute_s = flops / rate.flops_per_s - bubble_s
+    windows = throughput.overlap_windows(rate, compute_s)
     exposed_s, comm_s = throughput.exposed_seconds(
-        comms, cluster, plan.mesh.axes, compute_s, staged=ctx.p.stage > 1
+        comms, cluster, plan.mesh.axes, windows, staged=ctx.p.stage > 1
     )
     step_s = compute_s + exposed_s + bubble_s + host_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)

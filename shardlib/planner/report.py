@@ -160,7 +160,8 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
         else:
             lines.append(
                 f"Runner-up {runner_up.mesh_text()} ({runner_up.knobs_text()}) is as fast; "
-                "the tie goes to less exposed communication, then less memory."
+                "the tie goes to less exposed communication, then less communication, then "
+                "less memory."
             )
     return lines + family_lines(workload, cluster, best)
 

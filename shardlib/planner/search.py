@@ -183,10 +183,16 @@ def knob_groups(
         ]
 
 
-def rank_key(est: Estimate) -> tuple[float, float, float]:
-    """Fastest first; among equally fast plans, less exposed communication (robust to
-    slower links than assumed), then less memory (headroom)."""
-    return (round(est.step_s, 9), round(est.exposed_comm_s, 9), est.memory_bytes)
+def rank_key(est: Estimate) -> tuple[float, float, float, float]:
+    """Fastest first; among equally fast plans, less exposed communication, then less
+    communication in all (both robust to slower links than assumed: hidden traffic can
+    surface), then less memory (headroom)."""
+    return (
+        round(est.step_s, 9),
+        round(est.exposed_comm_s, 9),
+        round(est.comm_s, 6),
+        est.memory_bytes,
+    )
 
 
 def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:

@@ -27,8 +27,10 @@ the tie. Here the rate depends on the plan:
   the critical path. Data-parallel gradient reductions run during the backward pass
   (without stages: a micro-batch's reduction behind its own backward) and are exposed only
   beyond it; with stages they run after the pipeline's flush, exposed (as Megatron-LM's).
-  FSDP gathers and reductions and ring-attention passes hide behind ``OVERLAP`` of the
-  compute (prefetch is partial: an assumption, not fitted: no calibration run uses FSDP).
+  Ring-attention passes hide behind the attention blocks only (Liu et al. 2023: a pass
+  is free while a block's compute outlasts its transfer). FSDP gathers and reductions hide
+  behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not fitted: no
+  calibration run uses FSDP).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ the fit sits at its bound, 1.0, because shardlib's programs move more bytes than
 published Megatron runs did (docs/throughput_calibration.md), so the runs cannot identify
 a lower one."""
 OVERLAP = 0.8
-"""Fraction of compute time that FSDP prefetches and ring-attention passes hide behind (an
-assumption: the calibration runs use neither)."""
+"""Fraction of compute time that FSDP prefetches hide behind (an assumption: the
+calibration runs use none)."""
 BACKWARD_SHARE = 2 / 3
 """The backward pass's share of compute (two matmuls per forward one): the window a
 data-parallel reduction overlaps."""
@@ -156,7 +158,7 @@ def head_matmul(shape: Shape) -> Matmul:
 def elementwise_bytes(shape: Shape) -> float:
     """HBM bytes of one block's forward elementwise work on one micro-batch, one device."""
     w, t = shape.workload, shape.tensor
-    keys = w.seq // shape.context
+    keys = w.seq  # every query meets every key: in one pass, or in c ring passes of s/c
     widths = (
         ELEMENTWISE_EMBED * w.embed
         + ELEMENTWISE_QKV * 2 * w.heads * w.head_dim / t  # q and k get rotary
@@ -229,20 +231,36 @@ def is_exposed(comm: Comm, staged: bool) -> bool:
 
 
 def exposed_seconds(
-    comms: Iterable[Comm], cluster: Cluster, axes: tuple, compute_s: float, staged: bool
+    comms: Iterable[Comm], cluster: Cluster, axes: tuple, windows: dict[str, float], staged: bool
 ) -> tuple[float, float]:
-    """(exposed seconds, all collective seconds) of a step with ``compute_s`` of compute."""
-    critical = grads = hidden = 0.0
+    """(exposed seconds, all collective seconds) of a step.
+
+    ``windows``: the compute seconds each overlappable strategy hides behind (``dp``: the
+    backward pass; ``context``: the attention blocks that ring passes run beside, Liu et
+    al. 2023; ``default``: ``OVERLAP`` of all compute). What spills over its window is
+    exposed; the collectives also share the links, so together they expose at least what
+    exceeds ``OVERLAP`` of the longest window.
+    """
+    critical = 0.0
+    hidden: dict[str, float] = {}
     for comm in comms:
         seconds = collective_seconds(comm, cluster, axes)
         if is_exposed(comm, staged):
             critical += seconds
-        elif comm.strategy == "dp":
-            grads += seconds
         else:
-            hidden += seconds
-    # gradient reductions hide behind the backward pass, the rest behind OVERLAP of compute;
-    # they share the links, so what spills over either window is exposed
-    spill = max(0.0, grads - BACKWARD_SHARE * compute_s)
-    spill = max(spill, grads + hidden - OVERLAP * compute_s, 0.0)
-    return critical + spill, critical + grads + hidden
+            key = comm.strategy if comm.strategy in windows else "default"
+            hidden[key] = hidden.get(key, 0.0) + seconds
+    spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
+    spill = max(spill, sum(hidden.values()) - OVERLAP * max(windows.values(), default=0.0))
+    return critical + spill, critical + sum(hidden.values())
+
+
+def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
+    """The compute seconds each overlappable strategy's collectives hide behind."""
+    total = sum(rate.seconds.values())
+    attention = (rate.seconds["scores"] + rate.seconds["values"]) / total
+    return {
+        "dp": BACKWARD_SHARE * compute_s,
+        "context": attention * compute_s,
+        "default": OVERLAP * compute_s,
+    }
