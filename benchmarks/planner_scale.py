@@ -8,7 +8,7 @@ Issue 15's first "done means": for every model from 1B to 1T on 8 to 3072 GPUs o
 or H100 preset, ``shardlib plan`` answers in under 10 s, and whenever a published layout
 fits (Narayanan et al. 2021 Table 1: 310B on 1920 GPUs, 530B on 2520, 1T on 3072), a plan
 is found. Prints, per point, the search time, the plan (or why none fits) and its MFU.
-Each model trains on its Table 1 global batch (seq 2048, vocab 51,200).
+Seq 2048, vocab 51,200; the global batch is Table 1's at the published points.
 """
 
 from __future__ import annotations
@@ -23,25 +23,27 @@ from rich.table import Table
 from shardlib.planner import PlanView, Workload, load_cluster
 from shardlib.planner.search import Space, search
 
-MODELS = {  # name: (hidden, heads, layers, global batch) as in Narayanan et al. 2021 Table 1
-    "1.7B": (2304, 24, 24, 512),
-    "7.5B": (4096, 32, 36, 512),
-    "39B": (8192, 64, 48, 1536),
-    "175B": (12288, 96, 96, 1536),
-    "310B": (16384, 128, 96, 2160),
-    "530B": (20480, 128, 105, 2520),
-    "1T": (25600, 160, 128, 3072),
+MODELS = {  # name: (hidden, heads, layers) as in Narayanan et al. 2021 Table 1 and GPT-3
+    "1.7B": (2304, 24, 24),
+    "7.5B": (4096, 32, 36),
+    "39B": (8192, 64, 48),
+    "175B": (12288, 96, 96),
+    "310B": (16384, 128, 96),
+    "530B": (20480, 128, 105),
+    "1T": (25600, 160, 128),
 }
-SIZES = ("1.7B", "7.5B", "39B", "175B", "530B", "1T")
-GRID = [*[(m, g) for m in SIZES for g in (8, 64, 512, 1024, 3072)], ("310B", 1920), ("530B", 2520)]
-QUICK = [("1.7B", 32), ("530B", 2520)]
-PUBLISHED = {("310B", 1920), ("530B", 2520), ("1T", 3072)}
-"""Points where a published layout ran (Table 1): a plan must be found."""
+BATCH = {"1.7B": 512, "7.5B": 512, "39B": 1536, "175B": 1536, "530B": 3072, "1T": 3072}
+"""Global batch on the grid (Table 1's, rounded to 2^k·3 so that 3072 GPUs can split it)."""
+SIZES = tuple(BATCH)
+GRID = [(m, g, BATCH[m]) for m in SIZES for g in (8, 64, 512, 1024, 3072)]
+PUBLISHED = [("310B", 1920, 2160), ("530B", 2520, 2520), ("1T", 3072, 3072)]
+"""(model, GPUs, global batch) where a published layout ran (Table 1): a plan must be found."""
+QUICK = [("1.7B", 32, 512), ("530B", 2520, 2520)]
 LIMIT_S = 10.0
 
 
-def workload(name: str) -> Workload:
-    h, a, layers, batch = MODELS[name]
+def workload(name: str, batch: int) -> Workload:
+    h, a, layers = MODELS[name]
     return Workload.from_preset(
         "llama-70b",
         batch,
@@ -56,10 +58,10 @@ def workload(name: str) -> Workload:
     )
 
 
-def plan_point(name: str, gpus: int, cluster_name: str) -> dict:
+def plan_point(name: str, gpus: int, batch: int, cluster_name: str) -> dict:
     """One search, timed as ``shardlib plan`` runs it (the workload built, then searched)."""
     start = time.perf_counter()
-    w = workload(name)
+    w = workload(name, batch)
     cluster = load_cluster(cluster_name)
     cluster = cluster.with_hosts(max(1, gpus // cluster.devices_per_host))
     result = search(w, cluster, Space(), top=5)
@@ -86,20 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=150)
     table = Table(title=f"shardlib plan on {args.cluster} (--hosts): time per plan")
-    for col in ("model", "GPUs", "time", "plan", "step", "MFU", "meshes", "costed"):
+    for col in ("model", "GPUs", "batch", "time", "plan", "step", "MFU", "meshes", "costed"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     ok = True
-    points = QUICK if args.quick else GRID
+    points = QUICK if args.quick else GRID + PUBLISHED
     with console.status("planning...") as status:
-        for name, gpus in points:
+        for name, gpus, batch in points:
             status.update(f"planning {name} on {gpus} GPUs")
-            row = plan_point(name, gpus, args.cluster)
+            row = plan_point(name, gpus, batch, args.cluster)
             slow = row["seconds"] >= LIMIT_S
-            missing = (name, gpus) in PUBLISHED and row["mfu"] is None
+            missing = (name, gpus, batch) in PUBLISHED and row["mfu"] is None
             ok &= not slow and not missing
+            console.print(f"{name} on {gpus} GPUs: {row['seconds']:.1f} s, {row['plan']}")
             table.add_row(
                 name,
                 str(gpus),
+                str(batch),
                 f"[red]{row['seconds']:.1f} s[/]" if slow else f"{row['seconds']:.1f} s",
                 f"[red]{row['plan']}[/]" if missing else row["plan"],
                 f"{row['step_s']:.2f} s" if row["step_s"] else "-",

@@ -12,7 +12,10 @@ pipeline schedule and virtual stages, micro-batch count, rematerialisation and o
 2. for one mesh, ZeRO stage, schedule and micro-batch count, more rematerialisation or
    offload never makes a step faster (more FLOPs, more host traffic), so once a
    (remat, offload) pair fits, every pair that is at least as heavy on both is skipped,
-   and so is every such pair once one is slower than the k-th best plan found.
+   and so is every such pair once one is slower than the k-th best plan found; without
+   stages the same holds across larger micro-batch counts (smaller matmuls, more
+   reductions); and the heaviest pair, which needs the least memory, is costed first: if
+   it does not fit, neither does the rest of its group.
 ``exhaustive`` costs every point; the tests check that both return the same optimum.
 """
 
@@ -267,16 +270,35 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
         if bound == math.inf or (len(heap) >= top and bound > -heap[0][0][0]):
             break
         visited += 1
+        # without stages a step is no faster with more micro-batches (smaller matmuls, a
+        # reduction per micro-batch): what fits or is too slow at m rules out heavier
+        # plans at every larger m too (groups come in ascending m per ZeRO stage)
+        carried: dict[tuple, tuple[list, list]] = {}
         for group in knob_groups(workload, mesh, space):
-            fitting: list[ParallelPlan] = []
-            too_slow: list[ParallelPlan] = []  # slower than the k-th best: so are heavier
+            view = PlanView(group[0])
+            key = (view.zero, view.schedule, view.virtual, view.microbatches)
+            if mesh["stage"] == 1:
+                key = (view.zero,)
+            fitting, too_slow = carried.setdefault(key, ([], []))
             best_here: Estimate | None = None
             worst = -heap[0][0][0] if len(heap) >= top else math.inf
+            # the heaviest plan (most remat, offload) uses the least memory: if it does not
+            # fit, nothing in the group does
+            heaviest = group[-1]
+            known: dict[int, Estimate | None] = {}
+            if not (_dominated(heaviest, fitting) or _dominated(heaviest, too_slow)):
+                known[id(heaviest)] = est = estimate_or_none(workload, heaviest, cluster)
+                evaluated += 1
+                if est is None or not est.fits:
+                    continue
             for plan in group:
                 if _dominated(plan, fitting) or _dominated(plan, too_slow):
                     continue
-                est = estimate_or_none(workload, plan, cluster)
-                evaluated += 1
+                if id(plan) in known:
+                    est = known[id(plan)]
+                else:
+                    est = estimate_or_none(workload, plan, cluster)
+                    evaluated += 1
                 if est is not None and rank_key(est)[0] > worst:
                     too_slow.append(plan)
                     continue

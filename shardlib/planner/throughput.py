@@ -238,8 +238,8 @@ def exposed_seconds(
     ``windows``: the compute seconds each overlappable strategy hides behind (``dp``: the
     backward pass; ``context``: the attention blocks that ring passes run beside, Liu et
     al. 2023; ``default``: ``OVERLAP`` of all compute). What spills over its window is
-    exposed; the collectives also share the links, so together they expose at least what
-    exceeds ``OVERLAP`` of the longest window.
+    exposed; they also share the links and the step, so together they expose at least
+    what exceeds the longest window.
     """
     critical = 0.0
     hidden: dict[str, float] = {}
@@ -251,7 +251,7 @@ def exposed_seconds(
             key = comm.strategy if comm.strategy in windows else "default"
             hidden[key] = hidden.get(key, 0.0) + seconds
     spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
-    spill = max(spill, sum(hidden.values()) - OVERLAP * max(windows.values(), default=0.0))
+    spill = max(spill, sum(hidden.values()) - max(windows.values(), default=0.0))
     return critical + spill, critical + sum(hidden.values())
 
 
