@@ -122,7 +122,6 @@ def test_calibration_table_is_computed_from_the_model():
         assert math.isfinite(est.mfu) and 0.2 < est.mfu < 0.7
 
 
-@pytest.mark.slow
 def test_published_layouts_get_a_plan():
     """Two grid points of benchmarks/planner_scale.py (the time bound is the benchmark's)."""
     bench = _benchmark("planner_scale")

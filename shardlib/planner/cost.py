@@ -61,6 +61,9 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     compute_efficiency: float = 0.0
     """Fraction of peak FLOP/s this plan's matmul shapes reach (``planner.throughput``)."""
+    compute_parts: dict[str, float] = field(default_factory=dict)
+    """``compute_s`` shared out by part (each matmul of the blocks, ``head``,
+    ``elementwise``) in the proportions of one micro-batch's forward."""
 
     @property
     def memory_bytes(self) -> float:
@@ -188,6 +191,7 @@ def estimate(
     # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
     bubble_s = pipeline.extra_flops(ctx)[0] / rate.flops_per_s
     compute_s = flops / rate.flops_per_s - bubble_s
+    total_s = sum(rate.seconds.values())
     windows = throughput.overlap_windows(rate, compute_s)
     exposed_s, comm_s = throughput.exposed_seconds(
         comms, cluster, plan.mesh.axes, windows, staged=ctx.p.stage > 1
@@ -211,4 +215,5 @@ def estimate(
         fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
         notes=tuple(dict.fromkeys(notes)),
         compute_efficiency=rate.efficiency,
+        compute_parts={k: compute_s * v / total_s for k, v in rate.seconds.items()},
     )

@@ -219,6 +219,7 @@ def estimate_record(est: Estimate, workload: Workload, cluster: Cluster) -> dict
         "axes": axis_times(est, cluster),
         "compute_s": est.compute_s,
         "compute_efficiency": est.compute_efficiency,
+        "compute_parts_s": est.compute_parts,
         "comm_s": est.comm_s,
         "exposed_comm_s": est.exposed_comm_s,
         "bubble_s": est.bubble_s,
@@ -265,6 +266,12 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         "total (device)", f"{format_bytes(est.memory_bytes)} / {format_bytes(cluster.memory_bytes)}"
     )
     wide.print(memory)
+    compute = Table(title="compute per device and step, by part (planner.throughput)")
+    for col in ("part", "time", "share"):
+        compute.add_column(col, justify="left" if col == "part" else "right")
+    for part, seconds in est.compute_parts.items():
+        compute.add_row(part, f"{seconds:.4f} s", f"{seconds / max(est.compute_s, 1e-30):.0%}")
+    wide.print(compute)
     comms = Table(title="communication per mesh axis, per device and step")
     for col in ("axes", "wire bytes", "time", "on the critical path"):
         comms.add_column(col, justify="left" if col == "axes" else "right")
