@@ -204,52 +204,74 @@ def fit(console: Console) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def table(title: str, runs: list[Run], **cluster_fields) -> tuple[Table, list[float]]:
-    out = Table(title=title)
-    for col in ("source", "model", "GPUs", "layout (t, p, d, m, b, B)", "shardlib knobs"):
-        out.add_column(col)
-    for col in ("published TFLOP/s/GPU", "predicted", "ratio", "step (pred.)", "MFU (pred.)"):
-        out.add_column(col, justify="right")
-    ratios = []
+COLUMNS = (
+    "source",
+    "model",
+    "GPUs",
+    "layout (t, p, d, m, b, B)",
+    "shardlib knobs",
+    "published TFLOP/s/GPU",
+    "predicted",
+    "ratio",
+    "step (pred.)",
+    "MFU (pred.)",
+)
+
+
+def rows(runs: list[Run], **cluster_fields) -> list[tuple[list[str], float]]:
+    """Each run's cells (``COLUMNS``) and its predicted/published ratio."""
+    out = []
     for run in runs:
         tflops, est = predict(run, **cluster_fields)
         ratio = tflops / run.published_tflops()
-        ratios.append(ratio)
         m = PlanView(est.plan).microbatches
         b = run.global_batch // (run.data * m)
-        layout = f"t={run.tensor} p={run.stage} d={run.data} m={m} b={b} B={run.global_batch}"
-        out.add_row(
+        cells = [
             run.source.split(",")[0],
             run.name,
             str(run.gpus),
-            layout,
+            f"t={run.tensor} p={run.stage} d={run.data} m={m} b={b} B={run.global_batch}",
             PlanView(est.plan).knobs_text(),
             f"{run.published_tflops():.1f}",
             f"{tflops:.1f}",
             f"{ratio:.3f}",
             f"{est.step_s:.2f} s",
             f"{est.mfu:.1%}",
-        )
-    return out, ratios
+        ]
+        out.append((cells, ratio))
+    return out
+
+
+def show(console: Console, title: str, body: list[tuple[list[str], float]], markdown: bool):
+    if markdown:
+        console.print(f"\n{title}\n\n| " + " | ".join(COLUMNS) + " |", highlight=False)
+        console.print("|" + " --- |" * len(COLUMNS), highlight=False)
+        for cells, _ in body:
+            console.print("| " + " | ".join(cells) + " |", highlight=False)
+        return
+    out = Table(title=title)
+    for i, col in enumerate(COLUMNS):
+        out.add_column(col, justify="right" if i >= 5 else "left")
+    for cells, _ in body:
+        out.add_row(*cells)
+    console.print(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the two constants first")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
-    console = Console(width=160)
+    console = Console(width=1000 if args.markdown else 200)
     fields = {}
     if args.fit:
         eff, _ = fit(console)
         fields = {"matmul_efficiency": eff}
-    cal, cal_ratios = table(
-        "calibration: predicted / published (target 0.85-1.15)", CALIBRATION, **fields
-    )
-    console.print(cal)
-    held, held_ratios = table(
-        "held out: Narayanan et al. 2021 Table 1 (never fitted)", HELD_OUT, **fields
-    )
-    console.print(held)
+    cal = rows(CALIBRATION, **fields)
+    show(console, "calibration: predicted / published (target 0.85-1.15)", cal, args.markdown)
+    held = rows(HELD_OUT, **fields)
+    show(console, "held out: Narayanan et al. 2021 Table 1 (never fitted)", held, args.markdown)
+    cal_ratios, held_ratios = [r for _, r in cal], [r for _, r in held]
     within = sum(0.85 <= r <= 1.15 for r in cal_ratios)
     console.print(
         f"calibration: {within}/{len(cal_ratios)} rows within 15%, ratios "
