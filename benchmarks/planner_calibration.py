@@ -257,10 +257,49 @@ def show(console: Console, title: str, body: list[tuple[list[str], float]], mark
     console.print(out)
 
 
+def plot(path: str, cal: list, held: list) -> None:
+    """Predicted against published TFLOP/s per GPU, the ±15% band around parity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    lo, hi = 100, 260
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+    ax.fill_between(
+        [lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15
+    )
+    for body, runs, marker, label in (
+        (cal, CALIBRATION, "o", "calibration"),
+        (held, HELD_OUT, "^", "held out (Narayanan et al. 2021 Table 1)"),
+    ):
+        xs = [run.published_tflops() for run in runs]
+        ys = [float(cells[6]) for cells, _ in body]
+        ax.scatter(xs, ys, marker=marker, label=label)
+        for x, y, run in zip(xs, ys, runs, strict=True):
+            ax.annotate(
+                f"{run.name}/{run.gpus}",
+                (x, y),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("published TFLOP/s per A100 (the publication's FLOP count)")
+    ax.set_ylabel("predicted by shardlib's planner")
+    ax.set_title("planner throughput model vs published runs (band: ±15%)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the two constants first")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="draw predicted vs published")
     args = parser.parse_args(argv)
     console = Console(width=1000 if args.markdown else 200)
     fields = {}
@@ -272,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     held = rows(HELD_OUT, **fields)
     show(console, "held out: Narayanan et al. 2021 Table 1 (never fitted)", held, args.markdown)
     cal_ratios, held_ratios = [r for _, r in cal], [r for _, r in held]
+    if args.plot:
+        plot(args.plot, cal, held)
+        console.print(f"wrote {args.plot}")
     within = sum(0.85 <= r <= 1.15 for r in cal_ratios)
     console.print(
         f"calibration: {within}/{len(cal_ratios)} rows within 15%, ratios "
