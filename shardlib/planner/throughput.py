@@ -100,9 +100,10 @@ class Matmul:
     def seconds(self, cluster: Cluster, itemsize: int) -> float:
         """Roofline time (compute-bound at the ceiling, or memory-bound below the ridge),
         plus the last wave's idle SMs: half a wave on average."""
-        waves = self.waves(cluster)
         math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency)
-        math_s *= (waves + 0.5) / waves
+        if cluster.sms:
+            waves = self.waves(cluster)
+            math_s *= (waves + 0.5) / waves
         return max(math_s, self.bytes(itemsize) / cluster.hbm_bw)
 
 
