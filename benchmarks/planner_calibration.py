@@ -33,7 +33,7 @@ from shardlib.planner.candidate import AXIS_ORDER
 from shardlib.planner.search import Space, search
 
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv:2205.05198, Tables 3 and 5"
-MTNLG = "Smith et al. 2022 (MT-NLG), arXiv:2201.11990, Sec. 2.3 table"
+MTNLG = "Smith et al. 2022 (MT-NLG), arXiv:2201.11990, system-throughput table"
 NARAYANAN = "Narayanan et al. 2021 (SC21), arXiv:2104.04473, Table 1"
 
 
