@@ -7,7 +7,7 @@ Runs the train step ``steps`` times (the first, compiling, step is left out), co
 FLOPs as the planner does (6 per parameter per token plus attention, no recompute) and
 divides by the cluster preset's peak: MFU. It also times an all-reduce over every device
 (bus bandwidth 2(N-1)/N x bytes / time) and prints the planner's predicted step for the same
-plan next to the measured one, with the ``compute_efficiency`` that would make them agree:
+plan next to the measured one, with the ``matmul_efficiency`` that would make them agree:
 on a GPU or TPU that is how the preset's compute and bandwidth figures get calibrated.
 With simulated CPU devices (this repository's CI, and the session this was written in: no
 GPU was available) the numbers describe 8 fake devices sharing a few cores, not hardware.
@@ -104,13 +104,14 @@ def main() -> int:
         table.add_row("planner's predicted step", f"{predicted.step_s:.4f} s")
         table.add_row("measured / predicted", f"{step_s / predicted.step_s:.2f}")
         compute_share = predicted.compute_s / predicted.step_s
+        # compute time scales about as 1 / matmul_efficiency (memory-bound parts do not)
         eff = (
-            cluster.compute_efficiency
+            cluster.matmul_efficiency
             * predicted.compute_s
             / max(step_s - (predicted.step_s - predicted.compute_s), 1e-12)
         )
         table.add_row(
-            f"compute_efficiency that fits (preset: {cluster.compute_efficiency})",
+            f"matmul_efficiency that fits (preset: {cluster.matmul_efficiency})",
             f"{eff:.3f} (compute is {compute_share:.0%} of the prediction)",
         )
     Console(width=140).print(table)

@@ -10,6 +10,7 @@ device ids, so an axis is intra-host when it and every axis after it fit in one 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,9 +46,17 @@ class Cluster:
     """Seconds per ring step across hosts."""
     host_link_bw: float = 25e9
     """Bytes/s between a device and its host memory (PCIe), for offload."""
-    compute_efficiency: float = 0.75
-    """Fraction of peak a large bf16 matmul reaches (an assumption until
-    ``benchmarks/throughput.py`` measures it on the hardware)."""
+    matmul_efficiency: float = 0.75
+    """Fraction of peak a large, compute-bound bf16 matmul reaches: the ceiling of the
+    throughput model's roofline (``planner.throughput``). The A100 presets carry the value
+    fitted on published runs (docs/throughput_calibration.md)."""
+    sms: int = 0
+    """Streaming multiprocessors (or matrix units) that a matmul's output tiles are spread
+    over (A100: 108, H100 SXM: 132): small matmuls leave some idle (``planner.throughput``).
+    Unset (0): no wave tail."""
+    hbm_bw: float = math.inf
+    """Bytes/s between a device and its own memory (HBM): the roofline's slope, and the
+    rate of elementwise work. Unset: matmuls are never memory-bound, elementwise is free."""
     platform: str | None = None
     """``"cpu"``: simulated CPU devices; plans written for it can run here."""
     source: str = "<inline>"
@@ -89,7 +98,9 @@ _FIELDS = {
     "intra_host_latency_us": ("intra_host_latency", float, 1e-6),
     "inter_host_latency_us": ("inter_host_latency", float, 1e-6),
     "host_link_gbps": ("host_link_bw", float, 1e9),
-    "compute_efficiency": ("compute_efficiency", float, 1.0),
+    "matmul_efficiency": ("matmul_efficiency", float, 1.0),
+    "hbm_gbps": ("hbm_bw", float, 1e9),
+    "sms": ("sms", int, 1.0),
 }
 
 _REQUIRED = tuple(

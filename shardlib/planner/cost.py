@@ -1,22 +1,20 @@
 """The cost model: per-device memory and step time of a plan, as a sum of strategy terms.
 
 ``estimate(workload, plan, cluster)`` asks each term in ``terms/`` for its share and adds
-them up. Time is compute (FLOPs at the cluster's achievable rate) plus the collectives that
-cannot hide behind compute plus the pipeline bubble plus host transfers; a collective over
-mesh axes costs ``wire bytes / bandwidth + ring steps x latency`` on the slowest link its
-axes use (``Cluster.link``). Gradient reductions and weight prefetches overlap with
-compute up to ``OVERLAP`` of it (an assumption, not a measurement); tensor-parallel and
-expert all-reduces sit on the critical path.
+them up. Time is compute (the terms' FLOPs at the rate this plan's matmul shapes reach on
+the cluster) plus the collectives that cannot hide behind compute plus the pipeline bubble
+plus host transfers; ``planner.throughput`` is that model (rate, links, overlap), calibrated
+on published runs (docs/throughput_calibration.md).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
+from shardlib.planner import throughput
 from shardlib.planner.candidate import REMAT, PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.coefficients import COEFFICIENTS
@@ -35,8 +33,6 @@ from shardlib.planner.terms import (
 from shardlib.planner.terms.base import Comm, Context, Contribution
 from shardlib.planner.workload import Workload
 
-OVERLAP = 0.8
-"""Fraction of compute time that overlappable collectives can hide behind."""
 MEMORY_HEADROOM = 0.92
 """Usable fraction of device memory (allocator fragmentation, NCCL and runtime buffers)."""
 
@@ -63,6 +59,11 @@ class Estimate:
     tokens_per_s: float
     fits: bool
     notes: tuple[str, ...] = field(default=())
+    compute_efficiency: float = 0.0
+    """Fraction of peak FLOP/s this plan's matmul shapes reach (``planner.throughput``)."""
+    compute_parts: dict[str, float] = field(default_factory=dict)
+    """``compute_s`` shared out by part (each matmul of the blocks, ``head``,
+    ``elementwise``) in the proportions of one micro-batch's forward."""
 
     @property
     def memory_bytes(self) -> float:
@@ -136,18 +137,8 @@ def _unmodelled(p: PlanView) -> str:
 
 
 def collective_seconds(comm: Comm, cluster: Cluster, plan: ParallelPlan) -> float:
-    if comm.group <= 1 or comm.count == 0:
-        return 0.0
-    bw, latency = _link(cluster, plan.mesh.axes, comm.axes)
-    steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
-        comm.kind, comm.group - 1
-    )
-    return comm.wire_bytes / bw + steps * latency * comm.count * comm.ops
-
-
-@functools.lru_cache(maxsize=65536)
-def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
-    return cluster.link(axes, names)
+    """Seconds of one collective on its link (``throughput.collective_seconds``)."""
+    return throughput.collective_seconds(comm, cluster, plan.mesh.axes)
 
 
 def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
@@ -195,14 +186,16 @@ def estimate(
     memory["runtime"] = ctx.calib["fixed_bytes"]
     if cluster is None:
         return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
-    rate = cluster.peak_flops * cluster.compute_efficiency
+    rate = throughput.compute_rate(ctx, cluster)
     # the SPMD pipeline computes its bubble (every stage, every iteration): those FLOPs are
     # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
-    bubble_s = pipeline.extra_flops(ctx)[0] / rate
-    compute_s = flops / rate - bubble_s
-    hidden = sum(collective_seconds(c, cluster, plan) for c in comms if c.overlap)
-    exposed = sum(collective_seconds(c, cluster, plan) for c in comms if not c.overlap)
-    exposed_s = exposed + max(0.0, hidden - OVERLAP * compute_s)
+    bubble_s = pipeline.extra_flops(ctx)[0] / rate.flops_per_s
+    compute_s = flops / rate.flops_per_s - bubble_s
+    total_s = sum(rate.seconds.values())
+    windows = throughput.overlap_windows(rate, compute_s)
+    exposed_s, comm_s = throughput.exposed_seconds(
+        comms, cluster, plan.mesh.axes, windows, staged=ctx.p.stage > 1
+    )
     step_s = compute_s + exposed_s + bubble_s + host_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
     total = sum(v for k, v in memory.items() if not k.startswith("host"))
@@ -212,7 +205,7 @@ def estimate(
         comms=tuple(comms),
         flops=flops,
         compute_s=compute_s,
-        comm_s=hidden + exposed,
+        comm_s=comm_s,
         exposed_comm_s=exposed_s,
         bubble_s=bubble_s,
         host_s=host_s,
@@ -221,4 +214,6 @@ def estimate(
         tokens_per_s=workload.tokens / step_s,
         fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
         notes=tuple(dict.fromkeys(notes)),
+        compute_efficiency=rate.efficiency,
+        compute_parts={k: compute_s * v / total_s for k, v in rate.seconds.items()},
     )

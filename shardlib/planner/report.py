@@ -12,6 +12,7 @@ from shardlib.planner.candidate import PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.cost import Estimate, collective_seconds
 from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
+from shardlib.planner.throughput import is_exposed
 from shardlib.planner.workload import Workload
 
 
@@ -159,7 +160,8 @@ def explain_choice(result: Result, workload: Workload, cluster: Cluster) -> list
         else:
             lines.append(
                 f"Runner-up {runner_up.mesh_text()} ({runner_up.knobs_text()}) is as fast; "
-                "the tie goes to less exposed communication, then less memory."
+                "the tie goes to less exposed communication, then less communication, then "
+                "less memory."
             )
     return lines + family_lines(workload, cluster, best)
 
@@ -188,11 +190,12 @@ def axis_times(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = defaultdict(
         lambda: {"wire_bytes": 0.0, "seconds": 0.0, "critical_seconds": 0.0}
     )
+    staged = PlanView(est.plan).stage > 1
     for comm in est.comms:
         row, seconds = out[",".join(comm.axes)], collective_seconds(comm, cluster, est.plan)
         row["wire_bytes"] += comm.wire_bytes
         row["seconds"] += seconds
-        row["critical_seconds"] += 0.0 if comm.overlap else seconds
+        row["critical_seconds"] += seconds if is_exposed(comm, staged) else 0.0
     return dict(out)
 
 
@@ -215,6 +218,8 @@ def estimate_record(est: Estimate, workload: Workload, cluster: Cluster) -> dict
         "fits": est.fits,
         "axes": axis_times(est, cluster),
         "compute_s": est.compute_s,
+        "compute_efficiency": est.compute_efficiency,
+        "compute_parts_s": est.compute_parts,
         "comm_s": est.comm_s,
         "exposed_comm_s": est.exposed_comm_s,
         "bubble_s": est.bubble_s,
@@ -261,6 +266,12 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         "total (device)", f"{format_bytes(est.memory_bytes)} / {format_bytes(cluster.memory_bytes)}"
     )
     wide.print(memory)
+    compute = Table(title="compute per device and step, by part (planner.throughput)")
+    for col in ("part", "time", "share"):
+        compute.add_column(col, justify="left" if col == "part" else "right")
+    for part, seconds in est.compute_parts.items():
+        compute.add_row(part, f"{seconds:.4f} s", f"{seconds / max(est.compute_s, 1e-30):.0%}")
+    wide.print(compute)
     comms = Table(title="communication per mesh axis, per device and step")
     for col in ("axes", "wire bytes", "time", "on the critical path"):
         comms.add_column(col, justify="left" if col == "axes" else "right")
@@ -273,7 +284,8 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         )
     wide.print(comms)
     console.print(
-        f"step {est.step_s:.4f} s = compute {est.compute_s:.4f} s + exposed communication "
+        f"step {est.step_s:.4f} s = compute {est.compute_s:.4f} s (at "
+        f"{est.compute_efficiency:.0%} of peak on these matmul shapes) + exposed communication "
         f"{est.exposed_comm_s:.4f} s (of {est.comm_s:.4f} s) + bubble {est.bubble_s:.4f} s + "
         f"host {est.host_s:.4f} s; {est.tokens_per_s:,.0f} tokens/s; MFU {est.mfu:.1%}; "
         f"memory {fits}.",

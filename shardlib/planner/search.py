@@ -12,7 +12,10 @@ pipeline schedule and virtual stages, micro-batch count, rematerialisation and o
 2. for one mesh, ZeRO stage, schedule and micro-batch count, more rematerialisation or
    offload never makes a step faster (more FLOPs, more host traffic), so once a
    (remat, offload) pair fits, every pair that is at least as heavy on both is skipped,
-   and so is every such pair once one is slower than the k-th best plan found.
+   and so is every such pair once one is slower than the k-th best plan found; without
+   stages the same holds across larger micro-batch counts (smaller matmuls, more
+   reductions); and the heaviest pair, which needs the least memory, is costed first: if
+   it does not fit, neither does the rest of its group.
 ``exhaustive`` costs every point; the tests check that both return the same optimum.
 """
 
@@ -27,10 +30,11 @@ from dataclasses import dataclass
 
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner.candidate import AXIS_ORDER, REMAT, batch_ways, candidate
+from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, batch_ways, candidate
 from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate, estimate
+from shardlib.planner.cost import Estimate, collective_seconds, estimate
 from shardlib.planner.terms import SEARCH_AXES
+from shardlib.planner.throughput import is_exposed
 from shardlib.planner.workload import Workload
 
 
@@ -182,10 +186,16 @@ def knob_groups(
         ]
 
 
-def rank_key(est: Estimate) -> tuple[float, float, float]:
-    """Fastest first; among equally fast plans, less exposed communication (robust to
-    slower links than assumed), then less memory (headroom)."""
-    return (round(est.step_s, 9), round(est.exposed_comm_s, 9), est.memory_bytes)
+def rank_key(est: Estimate) -> tuple[float, float, float, float]:
+    """Fastest first; among equally fast plans, less exposed communication, then less
+    communication in all (both robust to slower links than assumed: hidden traffic can
+    surface), then less memory (headroom)."""
+    return (
+        round(est.step_s, 9),
+        round(est.exposed_comm_s, 9),
+        round(est.comm_s, 6),
+        est.memory_bytes,
+    )
 
 
 def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
@@ -204,29 +214,31 @@ def estimate_or_none(workload, plan, cluster) -> Estimate | None:
 
 
 def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, space: Space) -> float:
-    """No plan on ``mesh`` is faster: compute without recompute or bubble, plus the
+    """No plan on ``mesh`` is faster: compute without recompute or bubble at one
+    micro-batch (the largest matmuls: the throughput model's fastest rate), plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
     latency only grows with m). With stages the pipeline loop's bubble trips also move
     bytes, fewest at the most micro-batches: GPipe and circular there bound every
     schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
-    options = [("gpipe", 1, 1)]
+    whole = estimate_or_none(workload, candidate(**mesh), cluster)
+    if whole is None:
+        return math.inf
+    options = [whole]
     if mesh["stage"] > 1:
         per_replica = _per_replica(workload, mesh)
         m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
-        options = [("gpipe", 1, m)] + [("circular", v, m) for v in space.virtual]
-    bound = math.inf
-    for schedule, virtual, m in options:
-        plan = candidate(**mesh, schedule=schedule, virtual=virtual, microbatches=m)
-        est = estimate_or_none(workload, plan, cluster)
-        if est is not None:
-            bound = min(bound, est.compute_s + _critical_s(est, cluster))
-    return bound
+        plans = [candidate(**mesh, microbatches=m)]
+        plans += [
+            candidate(**mesh, schedule="circular", virtual=v, microbatches=m) for v in space.virtual
+        ]
+        options = [e for e in (estimate_or_none(workload, p, cluster) for p in plans) if e]
+    critical = min((_critical_s(e, cluster) for e in options), default=math.inf)
+    return whole.compute_s + critical
 
 
 def _critical_s(est: Estimate, cluster: Cluster) -> float:
-    from shardlib.planner.cost import collective_seconds
-
-    return sum(collective_seconds(c, cluster, est.plan) for c in est.comms if not c.overlap)
+    staged = PlanView(est.plan).stage > 1
+    return sum(collective_seconds(c, cluster, est.plan) for c in est.comms if is_exposed(c, staged))
 
 
 @dataclass(frozen=True)
@@ -258,16 +270,35 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
         if bound == math.inf or (len(heap) >= top and bound > -heap[0][0][0]):
             break
         visited += 1
+        # without stages a step is no faster with more micro-batches (smaller matmuls, a
+        # reduction per micro-batch): what fits or is too slow at m rules out heavier
+        # plans at every larger m too (groups come in ascending m per ZeRO stage)
+        carried: dict[tuple, tuple[list, list]] = {}
         for group in knob_groups(workload, mesh, space):
-            fitting: list[ParallelPlan] = []
-            too_slow: list[ParallelPlan] = []  # slower than the k-th best: so are heavier
+            view = PlanView(group[0])
+            key = (view.zero, view.schedule, view.virtual, view.microbatches)
+            if mesh["stage"] == 1:
+                key = (view.zero,)
+            fitting, too_slow = carried.setdefault(key, ([], []))
             best_here: Estimate | None = None
             worst = -heap[0][0][0] if len(heap) >= top else math.inf
+            # the heaviest plan (most remat, offload) uses the least memory: if it does not
+            # fit, nothing in the group does
+            heaviest = group[-1]
+            known: dict[int, Estimate | None] = {}
+            if not (_dominated(heaviest, fitting) or _dominated(heaviest, too_slow)):
+                known[id(heaviest)] = est = estimate_or_none(workload, heaviest, cluster)
+                evaluated += 1
+                if est is None or not est.fits:
+                    continue
             for plan in group:
                 if _dominated(plan, fitting) or _dominated(plan, too_slow):
                     continue
-                est = estimate_or_none(workload, plan, cluster)
-                evaluated += 1
+                if id(plan) in known:
+                    est = known[id(plan)]
+                else:
+                    est = estimate_or_none(workload, plan, cluster)
+                    evaluated += 1
                 if est is not None and rank_key(est)[0] > worst:
                     too_slow.append(plan)
                     continue

@@ -12,6 +12,7 @@ shape shows (top-k, capacity, which blocks are MoE) come from the model's config
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -95,6 +96,15 @@ class Workload:
     """The model's config (None for a plain function): MoE routing facts only."""
     overrides: tuple[tuple[str, Any], ...] = ()
     """The ``model.NAME`` settings applied to the model (as given)."""
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        """The fields' hash, computed once: the planner's caches key on the workload
+        thousands of times per search, and its parameter list is long."""
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     @classmethod
     def from_factory(

@@ -12,6 +12,7 @@ and head to their stages, sees balanced stages.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -58,6 +59,7 @@ def partition(
     return tuple(reversed(bounds))
 
 
+@functools.lru_cache(maxsize=4096)  # pure; the planner checks many plans of one shape
 def balanced_stages(
     layers: int, stages: int, *, first: float = EDGE_COST, last: float = EDGE_COST
 ) -> tuple[int, ...]:

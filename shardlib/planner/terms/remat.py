@@ -31,10 +31,15 @@ def saved_coefficients(policy: str, calib: dict) -> dict[str, float]:
 
 
 def recompute_flops(ctx: Context, tokens: float, layer_flops: float, attn_flops: float) -> float:
-    """FLOPs the backward pass spends recomputing forward work, per device per step."""
+    """FLOPs the backward pass spends recomputing forward work, per device per step.
+
+    Ring attention (a context axis) recomputes each block's probabilities in its backward
+    whatever the policy (``kernels/ring_attention.py``): q·kᵀ again, as selective does.
+    """
     policy, layers = ctx.p.remat, ctx.layers_per_device
-    if policy == "selective":  # scores and softmax again: q·kᵀ is half the attention FLOPs
-        return tokens * layers * attn_flops / 2
+    extra = 0.0
+    if policy == "selective" or ctx.p.context > 1:  # q·kᵀ: half the attention FLOPs
+        extra += tokens * layers * attn_flops / 2
     if policy == "full":
-        return tokens * layers * (layer_flops + attn_flops)
-    return 0.0
+        extra += tokens * layers * (layer_flops + attn_flops)
+    return extra
