@@ -142,14 +142,17 @@ def rotary(x_BLHK, theta: float, positions_L=None):
     packed rows (``Packed``) carry per-row positions [batch, seq] restarting per document.
     """
     seq, half = x_BLHK.shape[1], x_BLHK.shape[-1] // 2
-    freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if isinstance(positions_L, Packed):
-        angle_BLK = positions_L.positions.astype(jnp.float32)[:, :, None] * freq_K
-        sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
+    packed = isinstance(positions_L, Packed)
+    if packed:
+        pos = positions_L.positions  # [batch, seq]
     else:
-        pos_L = jnp.arange(seq) if positions_L is None else positions_L
-        angle_LK = pos_L.astype(jnp.float32)[:, None] * freq_K[None, :]
-        sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+        pos = jnp.arange(seq) if positions_L is None else positions_L  # [seq]
+    freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = pos.astype(jnp.float32)[..., None] * freq_K  # [(batch,) seq, head_dim / 2]
+    if packed:
+        sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    else:
+        sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
