@@ -116,6 +116,33 @@ def test_int32_above_65536_ids(tmp_path):
     assert _docs(str(tmp_path / "out"), "train") == [[3, 65535, 65536, 69999]]
 
 
+def test_sentencepiece_model_and_hf_dataset_input(corpus, tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    (tmp_path / "lines.txt").write_text("\n".join(_lines(100, 4)))
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "lines.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=19,
+        model_type="word", minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    index = prepare([str(corpus["plain_jsonl"])], str(tmp_path / "sp.model"), str(tmp_path / "o"))
+    assert index["tokenizer"]["kind"] == "sentencepiece" and index["eos_id"] == sp.eos_id()
+    texts = [json.loads(x)["text"] for x in corpus["plain_jsonl"].read_text().splitlines()]
+    docs = _docs(str(tmp_path / "o"), "train") + _docs(str(tmp_path / "o"), "eval")
+    assert sorted(sp.decode(d[:-1]) for d in docs) == sorted(texts)
+    assert all(d[-1] == sp.eos_id() for d in docs)
+    # a saved Hugging Face dataset: read when `datasets` is installed, else a clear error
+    (tmp_path / "hf").mkdir()
+    try:
+        import datasets
+    except ImportError:
+        with pytest.raises(ShardingError, match="pip install datasets"):
+            prepare([str(tmp_path / "hf")], corpus["tok"], str(tmp_path / "o2"))
+        return
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf2"))
+    prepare([str(tmp_path / "hf2")], corpus["tok"], str(tmp_path / "o2"), eval_fraction=0)
+    assert Prepared(tmp_path / "o2").documents("train") == len(texts)
+
+
 def test_prompt_mask_and_packing_keep_documents_apart(corpus):
     data = PreparedData.open(corpus["sft"], "", seq=SEQ, batch=4, seed=0, vocab=256)
     items = documents(data.sets, "train", SEQ, 0)
@@ -139,9 +166,12 @@ def test_prompt_mask_and_packing_keep_documents_apart(corpus):
 
 @pytest.fixture(scope="module")
 def one_device(corpus):
+    """A 1-layer model on one device and its parameters (initialised eagerly: no compile)."""
     cfg = train_config(data=corpus["sft"], batch=4, seq=SEQ, steps=2, **{"model.layers": 1})
     setup = make_setup(cfg, MeshSpec((("data", 1),)).build(jax.devices()[:1]))
-    return setup, jax.device_get(setup.init_state()["params"])
+    with nnx.use_eager_sharding(False):
+        model = setup.model.make(nnx.Rngs(params=0))
+    return setup, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def test_packed_loss_is_the_token_weighted_loss_of_its_documents(corpus, one_device):
@@ -153,24 +183,31 @@ def test_packed_loss_is_the_token_weighted_loss_of_its_documents(corpus, one_dev
     batch = {k: jnp.asarray(v) for k, v in rows.items()}
     loss_fn = make_loss_fn(setup)
     packed = float(jax.jit(loss_fn)(params, normalise_weights(batch)))
-    model = nnx.merge(setup.graphdef, params)
-    total, weight = 0.0, 0.0
+    # every document alone, right-padded (causal: padding after it changes nothing)
+    alone, weights = [], []
     for r in range(4):
         for s in range(1, rows["segments"][r].max() + 1):
             cols = np.flatnonzero(rows["segments"][r] == s)
             doc = rows["tokens"][r, cols[0] : cols[-1] + 2]  # inputs and their targets
-            logits = model(jnp.asarray(doc[None, :-1]))  # alone: plain causal attention
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits[0], doc[1:])
-            total += float((ce * rows["weights"][r, cols]).sum())
-            weight += float(rows["weights"][r, cols].sum())
-    assert abs(packed - total / weight) <= 1e-5 * abs(packed)
+            alone.append(np.pad(doc, (0, SEQ + 1 - len(doc))))
+            weights.append(np.pad(rows["weights"][r, cols], (0, SEQ - len(cols))))
+    docs_DL1, w_DL = np.stack(alone), np.stack(weights)
+
+    @jax.jit
+    def token_losses(p, tokens_DL1):  # [docs, seq]: plain causal attention, positions 0..
+        logits = nnx.merge(setup.graphdef, p)(tokens_DL1[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_DL1[:, 1:])
+
+    ce_DL = np.asarray(token_losses(params, docs_DL1))
+    reference = float((ce_DL * w_DL).sum() / w_DL.sum())
+    assert len(alone) > 4 and abs(packed - reference) <= 1e-5 * abs(reference)
     # two micro-batches carrying different token weights: still the one global masked mean
     w = rows["weights"]
     assert w[0::2].sum() != w[1::2].sum()
     loss2, _ = jax.jit(
         lambda p, b: accumulate_grads(loss_fn, p, normalise_weights(b), 2, setup.grad_shardings)
     )(params, batch)
-    assert abs(float(loss2) - packed) <= 1e-5 * abs(packed)
+    assert abs(float(loss2) - reference) <= 1e-5 * abs(reference)
 
 
 def test_mixture_follows_its_weights(corpus):
