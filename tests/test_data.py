@@ -210,6 +210,36 @@ def test_packed_loss_is_the_token_weighted_loss_of_its_documents(corpus, one_dev
     assert abs(float(loss2) - reference) <= 1e-5 * abs(reference)
 
 
+def test_embedded_corpus_evaluation_is_held_out(one_device):
+    from shardlib.train.data import DEFAULT_CORPUS_BYTES, FlatData, embedded_corpus
+    from shardlib.train.step import build_eval_step
+
+    setup, params = one_device
+    train, held = embedded_corpus(), embedded_corpus(DEFAULT_CORPUS_BYTES + (512 << 10))
+    assert np.array_equal(held[: train.size], train)  # training bytes unchanged, eval after
+    flat = FlatData(train, None, batch=4, seq=SEQ, seed=0)
+    (batch,) = flat.eval_batches(1, setup.batch_sharding)
+    assert np.isin(np.asarray(batch), held[train.size :]).all()
+    loss, weight = build_eval_step(setup)(params, batch)
+    assert float(weight) == 4 * SEQ
+    assert abs(float(loss) - float(jax.jit(make_loss_fn(setup))(params, batch))) < 1e-6
+    with pytest.raises(ShardingError, match="no held-out part"):
+        FlatData(train, "tokens.bin", batch=4, seq=SEQ, seed=0).eval_batches(1, None)
+
+
+def test_each_process_reads_its_own_slice(corpus, monkeypatch):
+    from shardlib.data import loader
+
+    sets = [(Prepared(corpus["plain"]), 1.0)]
+    whole = loader.documents(sets, "train", SEQ, 0)
+    monkeypatch.setattr(loader.jax, "process_count", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(loader.jax, "process_index", lambda r=rank: r)
+        mine = loader.documents(sets, "train", SEQ, 0)
+        assert all(np.array_equal(mine[i]["tokens"], whole[2 * i + rank]["tokens"])
+                   for i in range(20))  # fmt: skip
+
+
 def test_mixture_follows_its_weights(corpus):
     sets = [(Prepared(corpus["sft"]), 3.0), (Prepared(corpus["plain"]), 1.0)]
     stream = documents(sets, "train", SEQ, 0)
