@@ -306,3 +306,19 @@ def test_bad_data_is_refused_before_any_work(corpus, tmp_path):
     with pytest.raises(ShardingError, match=r"train-00000.bin is corrupt"):
         run(setup, show=False)
     assert not (tmp_path / "ck").exists()
+
+
+def test_cli_prepares_and_refuses_a_pipeline_for_packed_rows(corpus, tmp_path, capsys):
+    from shardlib.cli import main
+
+    out = tmp_path / "cli"
+    args = ["data", "prepare", str(corpus["plain_jsonl"]), "--tokenizer", corpus["tok"]]
+    assert main([*args, "--out", str(out), "--eval-fraction", "0.1"]) == 0
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps lines
+    assert "54 train documents" in said and Prepared(out).documents("eval") == 6
+    assert main([*args, "--out", str(out)]) == 2  # exists: refused, one line, no traceback
+    err = capsys.readouterr().err
+    assert "already exists" in err and "Traceback" not in err
+    train = ["train", "--mesh", "cpu-8-pipeline", f"data={out}", "steps=1", "seq=16", "batch=8"]
+    assert main(train) == 2
+    assert "pipeline schedule" in " ".join(capsys.readouterr().err.split())
