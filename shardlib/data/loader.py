@@ -102,7 +102,8 @@ def packed_rows(sets, split: str, seq: int, rows: int, seed: int, *, shuffle: bo
     """A grain ``IterDataset`` of this process's batches of ``rows`` packed rows."""
     docs = documents(sets, split, seq, seed, shuffle=shuffle).map(_drop_source)
     packed = grain.experimental.FirstFitPackIterDataset(
-        docs.to_iter_dataset(),
+        # items are small preads: a thread pool's hand-offs would cost more than the reads
+        docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)),
         length_struct={"tokens": seq + 1, "weights": seq + 1},
         num_packing_bins=rows,
         shuffle_bins=False,
