@@ -18,6 +18,7 @@ from shardlib.data.index import Prepared
 from shardlib.data.loader import PreparedData, documents, packed_rows
 from shardlib.data.prepare import prepare
 from shardlib.errors import ShardingError
+from shardlib.layout import use_layout
 from shardlib.mesh import MeshSpec
 from shardlib.train.config import train_config
 from shardlib.train.loop import run
@@ -204,10 +205,23 @@ def test_packed_loss_is_the_token_weighted_loss_of_its_documents(corpus, one_dev
     # two micro-batches carrying different token weights: still the one global masked mean
     w = rows["weights"]
     assert w[0::2].sum() != w[1::2].sum()
-    loss2, _ = jax.jit(
+    loss2, grads = jax.jit(
         lambda p, b: accumulate_grads(loss_fn, p, normalise_weights(b), 2, setup.grad_shardings)
     )(params, batch)
     assert abs(float(loss2) - reference) <= 1e-5 * abs(reference)
+    # parity: data x fsdp x tensor (batch rows and heads split) gives the same loss and grads
+    cube = make_setup(setup.cfg, MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2))).build())
+
+    def cube_grads(p, b):
+        with use_layout(cube.mesh, cube.rules):
+            return jax.value_and_grad(make_loss_fn(cube))(p, normalise_weights(b))
+
+    shard = jax.jit(cube_grads, in_shardings=(cube.param_shardings, cube.batch_sharding))
+    loss8, grads8 = shard(params, batch)
+    assert abs(float(loss8) - reference) <= 1e-5 * abs(reference)
+    one, eight = jax.device_get((jax.tree.leaves(grads), jax.tree.leaves(grads8)))
+    for g1, g8 in zip(one, eight, strict=True):
+        assert np.linalg.norm(g8 - g1) <= 1e-5 * np.linalg.norm(g1) + 1e-12
 
 
 def test_embedded_corpus_evaluation_is_held_out(one_device):
