@@ -155,6 +155,12 @@ def cmd_train(args, console: Console) -> int:
         f"(peak {result.peak_flops / 1e9:,.1f} GFLOP/s per device: {result.peak_source}), "
         f"goodput {last['goodput']:.0%}"
     )
+    evals = [r for r in result.records if "eval_loss" in r]
+    if evals:
+        console.print(
+            f"held-out loss {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f} "
+            f"(perplexity {evals[-1]['eval_perplexity']:.2f}) over {len(evals)} evaluations"
+        )
     for name in ("jsonl", "tensorboard", "wandb"):
         if getattr(cfg.metrics, name):
             console.print(f"metrics.{name}: {getattr(cfg.metrics, name)}")

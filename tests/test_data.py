@@ -336,3 +336,17 @@ def test_cli_prepares_and_refuses_a_pipeline_for_packed_rows(corpus, tmp_path, c
     train = ["train", "--mesh", "cpu-8-pipeline", f"data={out}", "steps=1", "seq=16", "batch=8"]
     assert main(train) == 2
     assert "pipeline schedule" in " ".join(capsys.readouterr().err.split())
+
+
+def test_tensorboard_puts_held_out_figures_under_eval(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardlib.train.metrics import TensorBoard
+
+    board = TensorBoard(str(tmp_path))
+    board.write({"step": 3, "loss": 2.0, "eval_loss": 1.5, "eval_perplexity": 4.48})
+    board.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"train/loss", "eval/loss", "eval/perplexity"}
