@@ -131,7 +131,12 @@ class Prepared:
         if not parts or not sum(len(p[0]) for p in parts):
             raise ShardingError(
                 f"data={str(self.directory)!r}: the {split} split has no document of two or "
-                "more tokens. Fix: prepare more data (or a smaller --eval-fraction)."
+                "more tokens. Fix: "
+                + (
+                    "prepare it with --eval-fraction above 0, or eval_every=0."
+                    if split == "eval"
+                    else "prepare more data (or a smaller --eval-fraction)."
+                )
             )
         return Pieces(*(np.concatenate(column) for column in zip(*parts, strict=True)))
 

@@ -16,6 +16,7 @@ the held-out split is read by evaluation, always from its start and unshuffled.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import grain
@@ -159,8 +160,6 @@ class PreparedData:
         ids = [(data.identity(), w) for data, w in self.sets]
         if len(ids) == 1:
             return ids[0][0]
-        import hashlib
-
         digest = hashlib.sha256(repr([(i["sample_sha256"], w) for i, w in ids]).encode())
         return {
             "path": ",".join(f"{i['path']}:{w}" for i, w in ids),
