@@ -1,4 +1,9 @@
-"""Token data: an embedded default corpus, or a flat file of uint16 token ids.
+"""Token data: an embedded default corpus, or a flat file of uint16 token ids (``FlatData``).
+
+Prepared datasets (packed, masked, with a held-out split) are ``shardlib.data``'s; this is
+the zero-setup path, and its batches stay exactly what they were before those existed.
+Evaluation on the embedded corpus reads the standard-library source after the training
+bytes (``embedded_held_out``), never trained on.
 
 The default corpus is the Python standard library's own source, read as bytes (vocab 256):
 it ships with every Python, needs no download, and a byte-level model's loss falls on it

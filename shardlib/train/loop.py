@@ -2,7 +2,8 @@
 
 Each step's record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU
 and HFU (``train.metrics``), memory in use where the backend reports it, the loss scale and
-MoE statistics where they apply, and the running goodput (``train.goodput``).
+MoE statistics where they apply, and the running goodput (``train.goodput``); every
+``data.eval_every`` steps it also holds the held-out ``eval_loss`` and ``eval_perplexity``.
 """
 
 from __future__ import annotations

@@ -122,7 +122,9 @@ def accumulate_grads(
 
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
-    micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
+    packed batch's dict is cut alike, field by field; its weights are normalised over the
+    whole batch first, ``normalise_weights``, so the masked mean stays global too).
     With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
     ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the bounded pipeline schedule).
     """
