@@ -188,7 +188,7 @@ def run(
         state = setup.init_state() if state is None else state
         start = int(jax.device_get(state["step"]))
         if start and ckpt is not None and ckpt.loader_state is not None:
-            if not cfg.data.allow_changed or ckpt.saved_loader is not None:
+            if not cfg.data.allow_changed:  # changed data on purpose: its loader starts anew
                 source.restore(ckpt.saved_loader)  # the batches an uninterrupted run reads
         run_cfg = cfg.run
         profile = ProfileWindow(
