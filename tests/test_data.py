@@ -205,11 +205,23 @@ def test_packed_loss_is_the_token_weighted_loss_of_its_documents(corpus, one_dev
     # two micro-batches carrying different token weights: still the one global masked mean
     w = rows["weights"]
     assert w[0::2].sum() != w[1::2].sum()
-    loss2, grads = jax.jit(
+    loss2, _ = jax.jit(
         lambda p, b: accumulate_grads(loss_fn, p, normalise_weights(b), 2, setup.grad_shardings)
     )(params, batch)
     assert abs(float(loss2) - reference) <= 1e-5 * abs(reference)
-    # parity: data x fsdp x tensor (batch rows and heads split) gives the same loss and grads
+
+
+@pytest.mark.slow
+def test_packed_batch_parity_on_data_fsdp_tensor(corpus, one_device):
+    """data x fsdp x tensor (rows and heads split) gives one device's loss and gradients."""
+    setup, params = one_device
+    sets = PreparedData.open(corpus["sft"], "", seq=SEQ, batch=4, seed=0, vocab=256).sets
+    batch = {
+        k: jnp.asarray(v) for k, v in next(iter(packed_rows(sets, "train", SEQ, 4, 0))).items()
+    }
+    loss_fn = make_loss_fn(setup)
+    loss1, grads = jax.jit(jax.value_and_grad(loss_fn))(params, normalise_weights(batch))
+    reference = float(loss1)
     cube = make_setup(setup.cfg, MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2))).build())
 
     def cube_grads(p, b):
