@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.layout import constrain
-from shardlib.ops import attention, run_blocks
+from shardlib.ops import Packed, attention, run_blocks
 
 init_normal = nnx.initializers.normal
 # The residual stream between blocks (and the norms on it) has its own logical dims, so that
@@ -138,13 +138,21 @@ def rotary(x_BLHK, theta: float, positions_L=None):
     """Rotate pairs of features by position-dependent angles (RoFormer).
 
     ``positions_L`` are the tokens' true positions (default 0..L-1): a strategy that
-    reorders the sequence (zig-zag context parallelism) passes them so angles stay right.
+    reorders the sequence (zig-zag context parallelism) passes them so angles stay right;
+    packed rows (``Packed``) carry per-row positions [batch, seq] restarting per document.
     """
     seq, half = x_BLHK.shape[1], x_BLHK.shape[-1] // 2
-    pos_L = jnp.arange(seq) if positions_L is None else positions_L
+    packed = isinstance(positions_L, Packed)
+    if packed:
+        pos = positions_L.positions  # [batch, seq]
+    else:
+        pos = jnp.arange(seq) if positions_L is None else positions_L  # [seq]
     freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LK = pos_L.astype(jnp.float32)[:, None] * freq_K[None, :]
-    sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+    angle = pos.astype(jnp.float32)[..., None] * freq_K  # [(batch,) seq, head_dim / 2]
+    if packed:
+        sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    else:
+        sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)

@@ -9,7 +9,7 @@ and ring, all-to-all (Ulysses) or all-gather across the context axis, each a sma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -19,7 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ShardingError
 from shardlib.kernels import shard_map
-from shardlib.kernels.blockwise import chunked_attention, dense_attention, pick_chunk
+from shardlib.kernels.blockwise import (
+    NEG_INF,
+    chunked_attention,
+    dense_attention,
+    from_groups,
+    pick_chunk,
+    to_groups,
+)
 from shardlib.kernels.gathered import all_gather_attention, ulysses_attention
 from shardlib.kernels.ring_attention import ring_attention
 from shardlib.layout import active_layout, mesh_axes
@@ -90,6 +97,46 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for pair in chunks for j in pair])
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["positions", "segments"], meta_fields=[])
+@dataclass(frozen=True)
+class Packed:
+    """Positions and document ids of packed rows: several documents share one row.
+
+    Passed where a model takes ``positions_L``: RoPE reads the per-row ``positions`` (they
+    restart at 0 for each document) and attention keeps each query inside its own document
+    (``segments`` equal) as well as causal. Segment 0 is padding.
+    """
+
+    positions: jax.Array = field()  # [batch, seq] int32, 0.. within each document
+    segments: jax.Array = field()  # [batch, seq] int32, 1.. per document in the row, 0: pad
+
+
+def packed_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
+    """Dense attention with grouped K/V heads, causal within each packed document only."""
+    g, d = k_BTGK.shape[2], q_BLHK.shape[-1]
+    q_BGRQK = to_groups(q_BLHK, g)
+    s_BGRQT = jnp.einsum(
+        "bgrqk,btgk->bgrqt", q_BGRQK, k_BTGK, preferred_element_type=jnp.float32
+    ) * (d**-0.5)
+    pos_BL, seg_BL = packed.positions, packed.segments
+    same_BQT = seg_BL[:, :, None] == seg_BL[:, None, :]
+    mask_BQT = same_BQT & (pos_BL[:, :, None] >= pos_BL[:, None, :])
+    s_BGRQT = jnp.where(mask_BQT[:, None, None], s_BGRQT, NEG_INF)
+    probs = jax.nn.softmax(s_BGRQT, axis=-1).astype(v_BTGK.dtype)
+    out_BGRQK = jnp.einsum("bgrqt,btgk->bgrqk", probs, v_BTGK)
+    return from_groups(out_BGRQK).astype(q_BLHK.dtype)
+
+
+def check_packed(plan: AttentionPlan) -> None:
+    """Packed rows (document masks) run the dense kernel on whole sequences only."""
+    if plan.context != "none" or plan.impl != "dense":
+        raise ShardingError(
+            f"packed documents (a prepared dataset) need dense attention on whole sequences; "
+            f"this plan runs attention={plan.context}, attention_impl={plan.impl}. Fix: a mesh "
+            "without a context axis and attention_impl=dense, or a flat token file."
+        )
+
+
 def _cudnn(q, k, v, q_pos, k_pos, *, causal):
     # cuDNN's fused kernel knows only the natural order: plans never pair it with zig-zag.
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
@@ -108,8 +155,12 @@ def attend(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, plan: AttentionPlan, cau
     """Causal (or full) attention with grouped K/V heads: [B, L, H, K] -> [B, L, H, K].
 
     ``positions_L`` are the true positions of the L tokens (default ``arange(L)``): they
-    drive the causal mask, so a permuted token order (zig-zag) attends correctly.
+    drive the causal mask, so a permuted token order (zig-zag) attends correctly. ``Packed``
+    positions (several documents per row) mask attention across documents.
     """
+    if isinstance(positions_L, Packed):
+        check_packed(plan if active_layout() is not None else AttentionPlan(impl=plan.impl))
+        return packed_attention(q_BLHK, k_BLGK, v_BLGK, positions_L)
     seq = q_BLHK.shape[1]
     pos = jnp.arange(seq, dtype=jnp.int32) if positions_L is None else positions_L
     active = active_layout()

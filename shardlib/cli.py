@@ -1,4 +1,4 @@
-"""``shardlib`` command line: train, explain, parity, export, plan, estimate.
+"""``shardlib`` command line: train, explain, parity, export, plan, estimate, data prepare.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -68,6 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True, help="a run's checkpoint_dir")
     x.add_argument("--out", required=True, help="PATH.safetensors, PATH.npz, or a directory")
     x.add_argument("--step", type=int, default=None, help="default: the latest complete step")
+    d = sub.add_parser("data", help="prepare token datasets (docs/data.md)")
+    prep = d.add_subparsers(dest="data_command", required=True).add_parser(
+        "prepare", help="tokenize text / JSON lines / a saved HF dataset into token shards"
+    )
+    prep.add_argument("inputs", nargs="+", help="text files, .jsonl files, dataset directories")
+    prep.add_argument("--tokenizer", required=True, help="tokenizer.json or sentencepiece .model")
+    prep.add_argument("--out", required=True, help="a new directory for shards + index.json")
+    prep.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out")
+    prep.add_argument("--seed", type=int, default=0, help="seeds the held-out choice")
+    prep.add_argument("--eos", default="auto", help="auto, none, or the end-of-sequence token")
     from shardlib.planner.cli import add_plan_command
 
     add_plan_command(sub)
@@ -145,6 +155,12 @@ def cmd_train(args, console: Console) -> int:
         f"(peak {result.peak_flops / 1e9:,.1f} GFLOP/s per device: {result.peak_source}), "
         f"goodput {last['goodput']:.0%}"
     )
+    evals = [r for r in result.records if "eval_loss" in r]
+    if evals:
+        console.print(
+            f"held-out loss {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f} "
+            f"(perplexity {evals[-1]['eval_perplexity']:.2f}) over {len(evals)} evaluations"
+        )
     for name in ("jsonl", "tensorboard", "wandb"):
         if getattr(cfg.metrics, name):
             console.print(f"metrics.{name}: {getattr(cfg.metrics, name)}")
@@ -196,6 +212,28 @@ def cmd_export(args, console: Console) -> int:
     return 0
 
 
+def cmd_data(args, console: Console) -> int:
+    from shardlib.data.prepare import prepare
+
+    index = prepare(
+        args.inputs,
+        args.tokenizer,
+        args.out,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        eos=args.eos,
+        console=console,
+    )
+    splits = index["splits"]
+    console.print(
+        f"wrote {args.out}: {splits['train']['documents']} train documents "
+        f"({splits['train']['tokens']:,} tokens), {splits['eval']['documents']} held out "
+        f"({splits['eval']['tokens']:,} tokens), {index['dtype']}, vocabulary "
+        f"{index['vocab_size']:,}, eos {index['eos_id']}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -224,6 +262,7 @@ def _main(argv: list[str] | None) -> int:
         "export": cmd_export,
         "plan": cmd_plan,
         "estimate": cmd_estimate,
+        "data": cmd_data,
     }[args.command]
     try:
         return handler(args, console)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.attention import AttentionPlan, attend
+from shardlib.attention import AttentionPlan, Packed, attend
 from shardlib.errors import ShardingError
 from shardlib.kernels import shard_map
 from shardlib.layout import active_layout, constrain, mesh_axes
@@ -32,6 +32,7 @@ __all__ = [
     "DISPATCH_NAMES",
     "EXPERT_NAMES",
     "OpsSettings",
+    "Packed",
     "active_ops",
     "attention",
     "exchange",

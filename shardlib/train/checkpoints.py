@@ -23,7 +23,8 @@ RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
 NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
                   "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.resume", "data.allow_changed"}  # fmt: skip
+                  "checkpoint.resume", "data.allow_changed", "data.eval_every",
+                  "data.eval_batches"}  # fmt: skip
 NOT_TRAJECTORY_SECTIONS = ("metrics.",)
 
 
@@ -58,6 +59,10 @@ class RunCheckpoints:
         self._saver: Saver | None = None
         self.data: dict | None = None
         """What the run reads (``data_identity``): recorded in saves, compared on resume."""
+        self.loader_state: Callable[[], dict] | None = None
+        """The data loader's position (a prepared dataset's), recorded in every save."""
+        self.saved_loader: dict | None = None
+        """The loader position of the checkpoint resumed from (None: none recorded)."""
 
     def locked(self) -> RunLock:
         """The directory's lock (``with ckpt.locked():``): one run per directory."""
@@ -76,7 +81,9 @@ class RunCheckpoints:
             return None
         if mode == "auto" and not steps:
             return None
-        self._check_data(read_meta(self.directory)[1].get("data", {}))
+        saved_data = read_meta(self.directory)[1].get("data", {})
+        self._check_data(saved_data)
+        self.saved_loader = (saved_data.get("identity") or {}).get("loader")
         restored = restore(self.directory, self.setup)
         self.say(f"resumed from {restored.path} (step {restored.step})")
         changed = _changed_settings(restored.meta.get("config", {}), self.setup)
@@ -114,7 +121,10 @@ class RunCheckpoints:
         error of an earlier save that failed in the background."""
         self._saver.check()
         if final or self._saver.due(step):
-            self._saver.save(self.setup, state, step, self.data)  # None: this step is already saved
+            data = self.data
+            if self.loader_state is not None:  # every process's, gathered: all call this
+                data = {**(data or {}), "loader": self.loader_state()}
+            self._saver.save(self.setup, state, step, data)  # None: this step is already saved
             self.last = self.directory / str(step)
 
     def __exit__(self, exc_type, exc, tb) -> None:

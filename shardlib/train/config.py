@@ -75,16 +75,31 @@ class Data:
     """What one step reads."""
 
     path: str | None = None
-    """Flat binary file of uint16 token ids; None = the embedded stdlib-source corpus."""
+    """A prepared dataset directory (``shardlib data prepare``: packed, masked, held-out
+    split), a flat binary file of uint16 token ids, or None: the embedded stdlib corpus."""
     batch: int = 32
     """Global batch, in sequences, per optimizer step (all micro-batches together)."""
     seq: int = 128
     """Tokens per sequence fed to the model (each example reads seq + 1 tokens)."""
+    mix: str = ""
+    """Weighted mixture of prepared datasets, ``DIR:WEIGHT,DIR:WEIGHT`` (replaces ``path``);
+    each step's documents are drawn from them in these proportions."""
+    eval_every: int = 0
+    """Evaluate on held-out data every this many steps and at the last step (0: never). The
+    held-out data is a prepared dataset's eval split, or for the embedded corpus the stdlib
+    source after the training bytes."""
+    eval_batches: int = 4
+    """Batches of held-out data per evaluation (the same ones every time)."""
     allow_changed: bool = False
     """Resume even though the data differs from what the checkpoint was trained on (size or
     sampled content); without it such a resume is refused."""
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ShardingError(
+                f"config: data.eval_every={self.eval_every}, data.eval_batches="
+                f"{self.eval_batches}: every must be >= 0 and batches >= 1. Fix: eval_every=50."
+            )
         if self.batch < 1 or self.seq < 2:
             raise ShardingError(
                 f"config: data.batch={self.batch}, data.seq={self.seq}: batch must be >= 1 and "

@@ -1,4 +1,9 @@
-"""Token data: an embedded default corpus, or a flat file of uint16 token ids.
+"""Token data: an embedded default corpus, or a flat file of uint16 token ids (``FlatData``).
+
+Prepared datasets (packed, masked, with a held-out split) are ``shardlib.data``'s; this is
+the zero-setup path, and its batches stay exactly what they were before those existed.
+Evaluation on the embedded corpus reads the standard-library source after the training
+bytes (``embedded_held_out``), never trained on.
 
 The default corpus is the Python standard library's own source, read as bytes (vocab 256):
 it ships with every Python, needs no download, and a byte-level model's loss falls on it
@@ -177,3 +182,48 @@ def global_batch(
         return out[(slice(None),) + tuple(index[1:])].astype(np.int32)
 
     return jax.make_array_from_callback((batch, seq + 1), sharding, rows)
+
+
+HELD_OUT_BYTES = 512 << 10  # the embedded corpus's evaluation bytes, after the training ones
+EVAL_SEED = 1 << 20  # evaluation windows: a fixed stream apart from any training seed
+
+
+def embedded_held_out() -> np.ndarray:
+    """The stdlib source right after the embedded corpus's training bytes: never trained on."""
+    return embedded_corpus(DEFAULT_CORPUS_BYTES + HELD_OUT_BYTES)[DEFAULT_CORPUS_BYTES:]
+
+
+class FlatData:
+    """The plain path behind the same interface as ``shardlib.data.loader.PreparedData``:
+    the embedded corpus or a flat uint16 file, random windows, every target counted."""
+
+    def __init__(self, tokens, path: str | None, *, batch: int, seq: int, seed: int) -> None:
+        self.tokens, self.path = tokens, path
+        self.batch, self.seq, self.seed = batch, seq, seed
+
+    def identity(self) -> dict:
+        return data_identity(self.tokens)
+
+    def batch_for(self, step: int, sharding) -> jax.Array:
+        """Step ``step``'s [batch, seq + 1] tokens: a pure function of (seed, step)."""
+        check_unchanged(self.tokens)
+        return global_batch(self.tokens, step, self.batch, self.seq, self.seed, sharding)
+
+    def eval_batches(self, count: int, sharding) -> list[jax.Array]:
+        """Windows of the embedded corpus's held-out bytes, the same ones every time."""
+        if self.path is not None:
+            raise ShardingError(
+                f"eval_every: data={self.path!r} is a flat token file with no held-out part. "
+                "Fix: prepare the data with `shardlib data prepare` (it writes an eval split), "
+                "or eval_every=0."
+            )
+        held = embedded_held_out()
+        return [
+            global_batch(held, i, self.batch, self.seq, EVAL_SEED, sharding) for i in range(count)
+        ]
+
+    def state(self) -> None:
+        return None  # batches are a function of the step: nothing to save
+
+    def restore(self, saved) -> None:
+        return None

@@ -2,7 +2,8 @@
 
 Each step's record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU
 and HFU (``train.metrics``), memory in use where the backend reports it, the loss scale and
-MoE statistics where they apply, and the running goodput (``train.goodput``).
+MoE statistics where they apply, and the running goodput (``train.goodput``); every
+``data.eval_every`` steps it also holds the held-out ``eval_loss`` and ``eval_perplexity``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardlib.checkpoint import jsonable
+from shardlib.errors import ShardingError
 from shardlib.train.checkpoints import RunCheckpoints
-from shardlib.train.data import (
-    TokenFile,
-    check_unchanged,
-    check_vocab,
-    data_identity,
-    global_batch,
-    load_tokens,
-)
+from shardlib.train.data import FlatData, check_vocab, load_tokens
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -63,25 +58,67 @@ class RunResult:
         return [r["loss"] for r in self.records]
 
 
-def open_tokens(setup: TrainSetup) -> np.ndarray | TokenFile:
-    """The token file, checked (whole uint16 tokens, ids below the vocabulary).
+def open_data(setup: TrainSetup):
+    """The run's data, checked: a prepared dataset (or mixture) through grain, else the
+    embedded corpus or a flat token file (whole uint16 tokens, ids below the vocabulary).
 
-    Called at the top of ``run``: a bad file is an error before any state is built or any
-    progress line is printed, not after a ``0/2 loss nan`` line.
+    Called at the top of ``run``: bad data (a corrupt shard, a tokenizer larger than the
+    model's vocabulary, a prompt longer than a row) is an error before any state is built
+    or any progress line is printed, not after a ``0/2 loss nan`` line.
     """
-    tokens = load_tokens(setup.cfg.data.path)
-    check_vocab(tokens, setup.target.dims.get("vocab", 0), setup.cfg.data.path)
-    return tokens
+    from shardlib.data.index import is_prepared
+
+    data, seed, vocab = setup.cfg.data, setup.cfg.run.seed, setup.target.dims.get("vocab", 0)
+    if data.mix or is_prepared(data.path):
+        from shardlib.attention import check_packed
+        from shardlib.data.loader import PreparedData
+
+        if setup.plan.pipeline_spec() is not None:
+            raise ShardingError(
+                "a prepared dataset's packed rows cannot run through a pipeline schedule yet. "
+                "Fix: a mesh without a stage axis, or a flat token file."
+            )
+        check_packed(setup.plan.attention_plan())
+        return PreparedData.open(
+            data.path, data.mix, seq=data.seq, batch=data.batch, seed=seed, vocab=vocab
+        )
+    tokens = load_tokens(data.path)
+    check_vocab(tokens, vocab, data.path)
+    return FlatData(tokens, data.path, batch=data.batch, seq=data.seq, seed=seed)
 
 
-def batches(setup: TrainSetup, start: int = 0, tokens=None) -> Iterator[tuple[int, jax.Array]]:
-    """The steps' batches from ``start`` on; the token file is checked before each."""
-    cfg = setup.cfg
-    tokens = open_tokens(setup) if tokens is None else tokens
-    b, s, seed = cfg.data.batch, cfg.data.seq, cfg.run.seed
-    for step in range(start, cfg.run.steps):
-        check_unchanged(tokens)
-        yield step, global_batch(tokens, step, b, s, seed, setup.batch_sharding)
+def batches(setup: TrainSetup, start: int = 0, source=None) -> Iterator[tuple[int, jax.Array]]:
+    """The steps' batches from ``start`` on (a token file is checked before each)."""
+    source = open_data(setup) if source is None else source
+    for step in range(start, setup.cfg.run.steps):
+        yield step, source.batch_for(step, setup.batch_sharding)
+
+
+class Evaluation:
+    """Held-out loss every ``data.eval_every`` steps: the same batches each time, one
+    compiled step, loss and perplexity (exp of the loss, per token that counts)."""
+
+    def __init__(self, setup: TrainSetup, source) -> None:
+        self.setup, self.source = setup, source
+        self.every = setup.cfg.data.eval_every
+        if self.every:  # a flat file without held-out data fails here, before step 1
+            self._batches = source.eval_batches(setup.cfg.data.eval_batches, setup.batch_sharding)
+        self._step = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == self.setup.cfg.run.steps)
+
+    def __call__(self, params) -> dict:
+        if self._step is None:
+            from shardlib.train.step import build_eval_step
+
+            self._step = build_eval_step(self.setup)
+        total, weight = 0.0, 0.0
+        for batch in self._batches:
+            loss, w = jax.device_get(self._step(params, batch))
+            total, weight = total + float(loss) * float(w), weight + float(w)
+        loss = total / max(weight, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0)))}
 
 
 def _progress(console: Console) -> Progress:
@@ -135,18 +172,24 @@ def run(
             console.print(message, highlight=False)
 
     t_start, started_at = time.perf_counter(), time.time()
-    tokens = open_tokens(setup)
+    source = open_data(setup)
+    evaluation = Evaluation(setup, source)
     enable_compile_cache(cfg.run.compile_cache)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
     with ExitStack() as stack:
         preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
         if ckpt is not None:  # before reading or writing anything in its directory
             stack.enter_context(ckpt.locked())
-            ckpt.data = data_identity(tokens)  # what the run trains on, checked on resume
+            ckpt.data = source.identity()  # what the run trains on, checked on resume
+            if source.state() is not None:
+                ckpt.loader_state = source.state  # where the loader is, saved with each step
         if state is None and ckpt is not None:
             state = ckpt.resume()
         state = setup.init_state() if state is None else state
         start = int(jax.device_get(state["step"]))
+        if start and ckpt is not None and ckpt.loader_state is not None:
+            if not cfg.data.allow_changed:  # changed data on purpose: its loader starts anew
+                source.restore(ckpt.saved_loader)  # the batches an uninterrupted run reads
         run_cfg = cfg.run
         profile = ProfileWindow(
             run_cfg.profile_steps, run_cfg.profile_dir, first=start, last=run_cfg.steps
@@ -180,7 +223,7 @@ def run(
                 mfu=0.0, dt=0.0,
             )  # fmt: skip
         data_t0 = time.perf_counter()
-        for step, batch in batches(setup, start, tokens):
+        for step, batch in batches(setup, start, source):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
                 compiled, seconds = compile_step(setup, state, batch)
@@ -218,6 +261,12 @@ def run(
                 ckpt.after_step(state, done, final=bool(result.stopped_by) or done == cfg.run.steps)
                 goodput.checkpoint_s += time.perf_counter() - t_save
             record.update(goodput.record())
+            if evaluation.due(done):
+                record.update(evaluation(state["params"]))
+                say(
+                    f"step {done}: eval loss {record['eval_loss']:.4f}, perplexity "
+                    f"{record['eval_perplexity']:.2f}"
+                )
             result.records.append(record)
             writers.write(record)
             if progress is not None:

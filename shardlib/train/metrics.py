@@ -85,7 +85,8 @@ class JsonLines:
 
 
 class TensorBoard:
-    """Scalars under ``train/<name>`` at their step (tensorboardX event files)."""
+    """Scalars under ``train/<name>`` at their step, held-out figures (``eval_loss``,
+    ``eval_perplexity``) under ``eval/<name>`` (tensorboardX event files)."""
 
     def __init__(self, directory: str) -> None:
         from tensorboardX import SummaryWriter
@@ -96,7 +97,8 @@ class TensorBoard:
         step = int(record["step"])
         for name, value in record.items():
             if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(f"train/{name}", value, step)
+                tag = f"eval/{name[5:]}" if name.startswith("eval_") else f"train/{name}"
+                self._writer.add_scalar(tag, value, step)
         self._writer.flush()
 
     def close(self) -> None:

@@ -152,9 +152,21 @@ class TrainSetup:
             self.state_shardings,
         )
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        shape = (self.cfg.data.batch, self.cfg.data.seq + 1)
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+    def abstract_batch(self) -> jax.ShapeDtypeStruct | dict:
+        """The step's batch, abstractly: [batch, seq + 1] tokens, or for a prepared dataset
+        the packed dict (``shardlib.data.loader``) that the step then compiles for."""
+        b, s, sharding = self.cfg.data.batch, self.cfg.data.seq, self.batch_sharding
+        tokens = jax.ShapeDtypeStruct((b, s + 1), jnp.int32, sharding=sharding)
+        from shardlib.data.index import is_prepared
+
+        if not (self.cfg.data.mix or is_prepared(self.cfg.data.path)):
+            return tokens
+        rows = {
+            k: jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sharding)
+            for k in ("segments", "positions")
+        }
+        weights = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=sharding)
+        return {"tokens": tokens, "weights": weights, **rows}
 
     @cached_property
     def _init(self):

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from shardlib.layout import constrain, use_layout
-from shardlib.ops import run_blocks
+from shardlib.ops import Packed, run_blocks
 from shardlib.staging import cast_params, master_blocks, on_device
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.strategies.pipeline_stats import stats_tokens
@@ -30,8 +30,39 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
+def split_batch(plan, batch):
+    """(inputs [b, seq], targets [b, seq], positions, weights [b, seq] or None) of a batch.
+
+    A batch is [b, seq + 1] token ids (the plain path: every target counts), or a prepared
+    dataset's packed dict (``shardlib.data.loader``): ``tokens`` [b, seq + 1], ``weights``,
+    ``positions`` and ``segments`` [b, seq], the weights already normalised
+    (``normalise_weights``).
+    """
+    if not isinstance(batch, dict):
+        return (*plan.split_tokens(batch), None)
+    tokens_BL1 = batch["tokens"]
+    packed = Packed(positions=batch["positions"], segments=batch["segments"])
+    return tokens_BL1[:, :-1], tokens_BL1[:, 1:], packed, batch["weights"]
+
+
+def normalise_weights(batch):
+    """Weights scaled so that ``mean(weights * ce)`` over the whole batch is the masked mean
+    ``sum(w * ce) / sum(w)``.
+
+    Normalising once, over the global batch, before micro-batches are cut makes every
+    micro-batch's plain mean a share of the one global masked mean: the accumulated loss is
+    the same however the batch is split over devices or micro-batches (not a mean of means).
+    """
+    if not isinstance(batch, dict):
+        return batch
+    w_BL = batch["weights"]
+    scale = w_BL.size / jnp.maximum(jnp.sum(w_BL), 1.0)
+    return {**batch, "weights": w_BL * scale}
+
+
 def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
-    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens.
+    """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens (``split_batch``;
+    a packed batch's is the weighted mean, its weights normalised by ``normalise_weights``).
 
     The model is driven through the decoder protocol: ``embed``, the plan's layer loop over
     the stacked ``blocks`` (remat, pipeline, offload) and ``head``. Blocks that return
@@ -43,11 +74,11 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
     layers = plan.layer_loop(setup.target, dtype)  # remat, pipeline schedule, param offload
 
-    def loss_fn(params, tokens_BL1):
+    def loss_fn(params, batch):
         # fp32 master weights are cast once here; the model computes in ``dtype``.
         params = cast_params(params, dtype, keep_blocks=master_blocks(plan))
         model = nnx.merge(graphdef, params)
-        inputs_BL, targets_BL, positions_L = plan.split_tokens(tokens_BL1)
+        inputs_BL, targets_BL, positions_L, weights_BL = split_batch(plan, batch)
         block_graph, blocks_state = nnx.split(model.blocks)
         with plan.ops():  # the attention kernel and MoE exchange the plan picks
             x_BLD = model.embed(inputs_BL, dtype=dtype)
@@ -56,7 +87,8 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
         tokens = stats_tokens(plan.pipeline_spec(), inputs_BL.size)
         aux = {} if totals is None else model.aux(totals, tokens)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+        ce = ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
             metrics["ce_loss"] = ce
@@ -93,27 +125,54 @@ def accumulate_grads(
 
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
-    micro-batch has the same size, so the mean of means is the full-batch mean exactly.
+    micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
+    packed batch's dict is cut alike, field by field; its weights are normalised over the
+    whole batch first, ``normalise_weights``, so the masked mean stays global too).
     With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
     ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the bounded pipeline schedule).
     """
     grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=has_aux)
     if microbatches == 1:
         return grad_fn(params, tokens_BL1)
-    b, l1 = tokens_BL1.shape
-    micro_MBL1 = tokens_BL1.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
+
+    def cut(x_BL):  # [B, L] -> [m, B/m, L]
+        b, l1 = x_BL.shape
+        return x_BL.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
+
+    micro_MBL1 = jax.tree.map(cut, tokens_BL1)  # a packed batch's every array alike
 
     def body(carry, tokens_mb):
         loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, constrain(tokens_mb, BATCH_NAMES))
+        tokens_mb = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_mb)
+        loss, grads = grad_fn(params, tokens_mb)
         loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
         return (loss_sum, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, micro_MBL1[0]))
+    first = jax.tree.map(lambda x: x[0], micro_MBL1)
+    loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first))
     (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro_MBL1)
     return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
+
+
+def build_eval_step(setup: TrainSetup):
+    """``eval(params, batch) -> (loss, weight)``: one held-out batch's (masked) mean
+    cross-entropy and the weight it carries, so that evaluation combines batches as
+    ``sum(loss * weight) / sum(weight)``, a mean over all held-out tokens that count."""
+    loss_fn = make_loss_fn(setup, with_metrics=True)
+
+    def eval_step(params, batch):
+        with use_layout(setup.mesh, setup.rules):
+            batch = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), batch)
+            if isinstance(batch, dict):
+                weight = jnp.sum(batch["weights"])
+            else:
+                weight = jnp.float32(batch[:, 1:].size)
+            loss, metrics = loss_fn(params, normalise_weights(batch))
+        return metrics.get("ce_loss", loss), weight  # without a router's auxiliary loss
+
+    return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.batch_sharding))
 
 
 def build_train_step(setup: TrainSetup):
@@ -132,7 +191,8 @@ def build_train_step(setup: TrainSetup):
     def train_step(state, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
             params = state["params"]
-            tokens_BL1 = constrain(tokens_BL1, BATCH_NAMES)
+            tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
+            tokens_BL1 = normalise_weights(tokens_BL1)  # packed: one global masked mean
             scale = state["loss_scale"]["scale"] if scaled else None
 
             def fn(p, t):
