@@ -176,9 +176,18 @@ class TrainSetup:
         return jax.jit(init, out_shardings=self.state_shardings)
 
     def init_state(self) -> dict:
-        """Parameters initialised straight into their shards (jit with out_shardings)."""
+        """Parameters initialised straight into their shards (jit with out_shardings), or
+        read from ``checkpoint.init_from`` (parameters only; adapters stay fresh)."""
         with jax.set_mesh(self.mesh):
-            return self._init(jax.random.key(self.cfg.run.seed))
+            state = self._init(jax.random.key(self.cfg.run.seed))
+        source = self.cfg.checkpoint.init_from
+        if source:  # parameters only: the optimizer state stays fresh (all zeros)
+            from shardlib.init_from import load_initial_params, overlay
+
+            abstract = self.abstract_state()["params"]
+            loaded = load_initial_params(source, abstract, self.model_cfg)
+            state["params"] = overlay(state["params"], loaded)
+        return state
 
     @cached_property
     def schedule(self) -> optax.Schedule:
@@ -203,7 +212,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         mesh = plan.build_mesh()
     else:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
-    model = resolve_model(cfg.model, dict(cfg.model_overrides))
+    model = resolve_model(cfg.model, dict(cfg.model_overrides) | cfg.lora.model_settings())
     inv = inventory(model)
     target = Target.from_params(
         inv.params,
@@ -226,5 +235,20 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         target=target,
         mesh=mesh,
         param_specs=specs,
-        tx=build_optimizer(cfg.optimizer, cfg.run.steps),
+        tx=freeze_base(build_optimizer(cfg.optimizer, cfg.run.steps), cfg.lora.rank),
     )
+
+
+def freeze_base(tx: optax.GradientTransformation, lora_rank: int):
+    """With LoRA the optimizer sees only the adapters: every other update is zero (optax's
+    ``multi_transform`` keeps no state for them), so the base weights never move."""
+    if not lora_rank:
+        return tx
+
+    def labels(params):
+        def label(path, _):
+            return "adapter" if any("lora_" in str(getattr(k, "key", k)) for k in path) else "base"
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    return optax.multi_transform({"adapter": tx, "base": optax.set_to_zero()}, labels)
