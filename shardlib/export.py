@@ -156,6 +156,7 @@ def export_hf_checkpoint(directory: str | Path, out: str | Path, *, step: int | 
     step, tensors, meta = read_params(Path(directory).absolute(), step)
     if not {"vocab", "embed", "heads", "kv_heads"} <= set(meta["model"]):
         raise CheckpointError(
-            f"export --format hf: checkpoint {directory} is not a Llama ({meta['config']['model']})."
+            f"export --format hf: checkpoint {directory} holds "
+            f"{meta['config']['model']}, not a Llama."
         )
     return export_hf(tensors, meta["model"], out)

@@ -68,7 +68,7 @@ def load_checkpoint_params(directory: str | Path, abstract: dict) -> dict:
             f"init_from {where} cannot be read ({type(err).__name__}: {error_summary(err)})."
         ) from None
     flat = flatten(params)
-    for (path, x), fp in zip(flat.items(), fingerprints(list(flat.values())), strict=True):
+    for path, fp in zip(flat, fingerprints(list(flat.values())), strict=True):
         if saved[path]["fingerprint"] != fp:
             raise CheckpointError(
                 f"init_from {where} is damaged: tensor params/{path} does not read back as "
