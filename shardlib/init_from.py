@@ -125,5 +125,5 @@ def load_model(source: str | Path, mesh, rules):
 
     factory = model_factory(source)
     graphdef, abstract = abstract_params(lambda: factory.make(nnx.Rngs(0)), mesh, rules)
-    params = load_initial_params(source, nnx.to_pure_dict(abstract), factory.config)
+    params = load_initial_params(source, abstract, factory.config)
     return nnx.merge(graphdef, params)

@@ -1,0 +1,192 @@
+"""Hugging Face Llama weights in and out, LoRA, parameters-only loading, generation.
+
+Tiny random Llamas are made with ``transformers`` (nothing is downloaded) in two styles:
+Llama 2 (multi-head attention, plain RoPE, separate LM head) and Llama 3 (grouped-query
+attention, llama3 RoPE scaling, tied embeddings). Each is imported on cpu-8-3d
+(data x fsdp x tensor = 2 x 2 x 2) and must give transformers' logits within 1e-5.
+"""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardlib.generate import Sampling, generate, pick
+from shardlib.hf import HFError, Shards, half_to_meta, model_settings, read_config
+from shardlib.hf_io import flatten, load_params
+from shardlib.init_from import load_model
+from shardlib.mesh import MeshSpec
+from shardlib.parallel import ParallelPlan
+
+CUBE = MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2)))
+VOCAB = 256  # the embedded byte corpus trains the fine-tuning runs
+STYLES = {
+    "llama2": dict(num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=16,
+        ),
+    ),
+}  # fmt: skip
+
+
+def make_hf(style: str, out, seed: int = 0):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+        **STYLES[style],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def hf_logits(model_or_dir, tokens):
+    import torch
+    import transformers
+
+    model = model_or_dir
+    if not hasattr(model, "forward"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_or_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def cube():
+    plan = ParallelPlan(mesh=CUBE)
+    return CUBE.build(jax.devices()[:8]), plan.rules
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {s: (root / s, make_hf(s, root / s)) for s in STYLES}
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_import_matches_transformers_on_cube(style, hf_dirs, cube):
+    directory, hf = hf_dirs[style]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    assert model.cfg.tie_embeddings == (style == "llama3")
+    assert model.cfg.kv_heads == (2 if style == "llama3" else 4)
+    assert (model.cfg.rope_scaling is not None) == (style == "llama3")
+    wq = model.blocks.attn.wq[...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}  # a slice each
+    logits = jax.jit(lambda m, t: m(t))(model, TOKENS)
+    assert rel_err(logits, hf_logits(hf, TOKENS)) < 1e-5
+
+
+def test_meta_rotary_order_is_permuted_back(hf_dirs, cube, tmp_path):
+    """q/k rows in Meta's interleaved rotary order import to the same weights."""
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = hf_dirs["llama3"]
+    shutil.copytree(directory, tmp_path / "meta")
+    (shard,) = (tmp_path / "meta").glob("*.safetensors")
+    tensors = load_file(shard)
+    for name in list(tensors):
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = np.ascontiguousarray(half_to_meta(tensors[name], 8))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    mesh, rules = cube
+    plain = load_model(directory, mesh, rules)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            nnx.to_pure_dict(nnx.state(plain, nnx.Param)))  # fmt: skip
+    settings = model_settings(read_config(directory))
+    meta = load_params(tmp_path / "meta", abstract, settings, interleaved_rope=True)
+    wrong = load_params(tmp_path / "meta", abstract, settings)
+    want = flatten(nnx.to_pure_dict(nnx.state(plain, nnx.Param)))
+    for path, x in flatten(meta).items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want[path]), err_msg=path)
+    assert not np.array_equal(flatten(wrong)["blocks/attn/wq"], want["blocks/attn/wq"])
+
+
+def test_greedy_cache_equals_argmax_without_cache(hf_dirs, cube):
+    directory, _ = hf_dirs["llama3"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    prompt = TOKENS[:, :5]  # batch 2 over data x fsdp = 4: the cache keeps the batch whole
+    out = generate(model, prompt, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=6))
+    assert out.tokens.shape == (2, 11)
+    full = jax.jit(lambda m, t: m(t))  # causal: padding after position i leaves i's logits
+    tokens = np.zeros((2, 11), np.int32)
+    tokens[:, :5] = prompt
+    for i in range(5, 11):
+        tokens[:, i] = np.argmax(np.asarray(full(model, tokens))[:, i - 1], axis=-1)
+    np.testing.assert_array_equal(out.tokens, tokens)
+
+
+def test_sampling_keeps_to_the_top_k():
+    logits = np.random.default_rng(1).normal(size=(512, 50)).astype(np.float32)
+    keys = jax.random.key(0)
+    np.testing.assert_array_equal(pick(logits, keys, 0.0, 0), logits.argmax(-1))
+    np.testing.assert_array_equal(pick(logits, keys, 1.0, 1), logits.argmax(-1))
+    top3 = np.argsort(logits, axis=-1)[:, -3:]
+    drawn = np.asarray(pick(logits, keys, 1.0, 3))
+    assert all(d in row for d, row in zip(drawn, top3, strict=True))
+    assert len(set((drawn[:, None] == top3).argmax(1).tolist())) == 3  # not always the argmax
+
+
+def test_bad_inputs_fail_before_any_work(hf_dirs, cube, tmp_path):
+    from shardlib.state import abstract_params
+
+    directory, _ = hf_dirs["llama2"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    settings = model_settings(read_config(directory))
+    # shapes that do not match the model config: the tensor, both shapes named
+    from shardlib.model import resolve_model
+
+    wider = resolve_model("llama-tiny", settings | {"mlp": 64})
+    _, abstract = abstract_params(lambda: wider.make(nnx.Rngs(0)), mesh, rules)
+    with pytest.raises(HFError, match=r"model.layers.0.mlp.down_proj.weight has shape \[32, 48\]"
+                       r", the model expects \[32, 64\]"):  # fmt: skip
+        load_params(directory, abstract, settings | {"mlp": 64})
+    # a setting no shape shows
+    with pytest.raises(HFError, match="rope_theta=10000.0 but the model has rope_theta=5"):
+        load_params(directory, abstract, settings | {"rope_theta": 5.0})
+    # a truncated shard: named before anything is read
+    shutil.copytree(directory, tmp_path / "cut")
+    (shard,) = (tmp_path / "cut").glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(HFError, match=f"safetensors shard {shard} is corrupt"):
+        Shards.open(tmp_path / "cut")
+    # a prompt longer than the context
+    long = np.zeros((1, 61), np.int32)
+    with pytest.raises(Exception, match="65 positions, more than the model's context of 64"):
+        generate(model, long, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=4))
+    # config.json of another architecture
+    bad = json.loads((directory / "config.json").read_text()) | {"model_type": "gpt2"}
+    with pytest.raises(HFError, match="model_type='gpt2'"):
+        model_settings(bad)
+
+
+def test_presets_have_published_sizes():
+    import models
+
+    published = {  # parameters, from the model cards
+        "llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9,
+        "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,
+    }  # fmt: skip
+    for name, count in published.items():
+        assert abs(models.config(name).param_count() / count - 1) < 0.01, name
