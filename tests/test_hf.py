@@ -43,6 +43,7 @@ def make_hf(style: str, out, seed: int = 0):
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+        initializer_range=0.2,  # std 0.02 (the default) caps a frozen head's |logits| below 1
         **STYLES[style],
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -190,3 +191,65 @@ def test_presets_have_published_sizes():
     }  # fmt: skip
     for name, count in published.items():
         assert abs(models.config(name).param_count() / count - 1) < 0.01, name
+
+
+def _run(directory, mesh, tmp_path, name, **settings):
+    """A short fine-tuning run from ``directory``'s parameters on the embedded byte corpus."""
+    from shardlib.train.config import TrainConfig, override
+    from shardlib.train.loop import run
+    from shardlib.train.setup import make_setup
+
+    model = {f"model.{k}": v for k, v in model_settings(read_config(directory)).items()}
+    cfg = override(TrainConfig(), model | {
+        "steps": 6, "batch": 8, "seq": 16, "warmup": 1, "init_from": str(directory),
+        "checkpoint_dir": str(tmp_path / name), "checkpoint_every": 0, **settings,
+    })  # fmt: skip
+    setup = make_setup(cfg, mesh)
+    return setup, run(setup, show=False)
+
+
+def _logits(setup, params, tokens):
+    return jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
+
+
+@pytest.mark.slow
+def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path):
+    """Full fine-tuning (Llama 2 style) and LoRA (Llama 3 style) from imported weights: loss
+    falls; LoRA moves only the adapters; the Hugging Face export loads in transformers and
+    gives shardlib's logits; a checkpoint's parameters alone start a new run."""
+    from shardlib.export import export_hf_checkpoint
+    from shardlib.init_from import max_abs_difference
+
+    mesh, rules = cube
+    full_dir, _ = hf_dirs["llama2"]
+    setup, full = _run(full_dir, mesh, tmp_path, "full", lr=1e-2)
+    assert full.losses[-1] < full.losses[0] - 0.1, full.losses
+    export_hf_checkpoint(tmp_path / "full", tmp_path / "full_hf")
+    ours = _logits(setup, full.state["params"], TOKENS)
+    assert rel_err(ours, hf_logits(tmp_path / "full_hf", TOKENS)) < 1e-5
+
+    lora_dir, _ = hf_dirs["llama3"]
+    targets = "q,k,v,o,gate,up,down"
+    setup, lora = _run(lora_dir, mesh, tmp_path, "lora", lr=3e-2, **{
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": targets})  # fmt: skip
+    assert lora.losses[-1] < lora.losses[0] - 0.1, lora.losses
+    params = flatten(jax.device_get(lora.state["params"]))
+    base = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(load_model(lora_dir, mesh, rules)))))
+    adapters = [p for p in params if "/lora_" in p]
+    assert len(adapters) == 14 and set(params) == set(base) | set(adapters)
+    assert max_abs_difference(params, base) == 0.0  # the base weights did not move
+    assert all(np.abs(params[p]).max() > 0 for p in adapters if p.endswith("_b"))
+    export_hf_checkpoint(tmp_path / "lora", tmp_path / "lora_hf")  # adapters merged
+    ours = _logits(setup, lora.state["params"], TOKENS)
+    assert rel_err(ours, hf_logits(tmp_path / "lora_hf", TOKENS)) < 1e-5
+
+    # parameters only, from a shardlib checkpoint: step 0, fresh optimizer, the same weights
+    from shardlib.train.config import override
+    from shardlib.train.setup import make_setup
+
+    cfg = override(setup.cfg, {"init_from": str(tmp_path / "lora"), "checkpoint_dir": None})
+    state = make_setup(cfg, mesh).init_state()
+    assert int(state["step"]) == 0
+    assert max_abs_difference(state["params"], lora.state["params"]) == 0.0
+    assert all(float(np.abs(m).max()) == 0.0 for m in jax.tree.leaves(state["opt_state"])
+               if hasattr(m, "shape") and m.ndim > 0)  # fmt: skip
