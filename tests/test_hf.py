@@ -213,7 +213,7 @@ def _logits(setup, params, tokens):
 
 
 @pytest.mark.slow
-def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path):
+def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path, capsys):
     """Full fine-tuning (Llama 2 style) and LoRA (Llama 3 style) from imported weights: loss
     falls; LoRA moves only the adapters; the Hugging Face export loads in transformers and
     gives shardlib's logits; a checkpoint's parameters alone start a new run."""
@@ -239,7 +239,18 @@ def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path):
     assert len(adapters) == 14 and set(params) == set(base) | set(adapters)
     assert max_abs_difference(params, base) == 0.0  # the base weights did not move
     assert all(np.abs(params[p]).max() > 0 for p in adapters if p.endswith("_b"))
-    export_hf_checkpoint(tmp_path / "lora", tmp_path / "lora_hf")  # adapters merged
+    from shardlib import cli
+
+    lora_ckpt = str(tmp_path / "lora")  # the CLI: export (adapters merged) and generate
+    assert cli.main(["export", "--checkpoint", lora_ckpt, "--out", str(tmp_path / "lora_hf"),
+                     "--format", "hf"]) == 0  # fmt: skip
+    capsys.readouterr()
+    generate_args = ["generate", "--checkpoint", lora_ckpt, "--prompt", "def f"]
+    assert cli.main([*generate_args, "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("def f") and "4 new tokens x 1" in printed.err
+    assert cli.main([*generate_args, "--max-new-tokens", "60"]) == 2  # 65 > 64 positions
+    assert "more than the model's context of 64" in capsys.readouterr().err
     ours = _logits(setup, lora.state["params"], TOKENS)
     assert rel_err(ours, hf_logits(tmp_path / "lora_hf", TOKENS)) < 1e-5
 
