@@ -29,7 +29,7 @@ from shardlib.target import Target
 from shardlib.train import layouts, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.data import BATCH_NAMES
-from shardlib.train.optim import build_optimizer, schedule
+from shardlib.train.optim import build_optimizer, freeze_base, schedule
 
 
 @dataclass(frozen=True)
@@ -237,18 +237,3 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         param_specs=specs,
         tx=freeze_base(build_optimizer(cfg.optimizer, cfg.run.steps), cfg.lora.rank),
     )
-
-
-def freeze_base(tx: optax.GradientTransformation, lora_rank: int):
-    """With LoRA the optimizer sees only the adapters: every other update is zero (optax's
-    ``multi_transform`` keeps no state for them), so the base weights never move."""
-    if not lora_rank:
-        return tx
-
-    def labels(params):
-        def label(path, _):
-            return "adapter" if any("lora_" in str(getattr(k, "key", k)) for k in path) else "base"
-
-        return jax.tree_util.tree_map_with_path(label, params)
-
-    return optax.multi_transform({"adapter": tx, "base": optax.set_to_zero()}, labels)
