@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.lora import adapted, add_lora
+from models.lora import adapted, add_lora, update
 from shardlib.layout import constrain
 from shardlib.ops import attention, run_blocks
 
@@ -259,7 +259,7 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD, positions_L=None):
         dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
-        wq, wk, wv, wo = self.weights()
+        wq, wk, wv, wo = self.wq[...], self.wk[...], self.wv[...], self.wo[...]
         # One product for q, k and v (each K/V head next to its query heads): the backward
         # pass then sums the three input gradients before one reduction, not after three.
         w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
@@ -269,6 +269,9 @@ class Attention(nnx.Module):
         qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
         q = qkv_BLGJK[:, :, :, : h // g].reshape(b, l, h, d)
         k, v = qkv_BLGJK[:, :, :, h // g], qkv_BLGJK[:, :, :, h // g + 1]
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
+                   v + update(self, "v", x_BLD, 1, s))  # fmt: skip
         q = constrain(self.rotary(q, positions_L), ("batch", "seq", "heads", "head_dim"))
         k = constrain(self.rotary(k, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -281,6 +284,7 @@ class Attention(nnx.Module):
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
         out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, wo.astype(dt))
+        out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
         return constrain(out_BLD, RESIDUAL)
 
 
@@ -298,16 +302,15 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
-        gate, up, down = (
-            adapted(self, t, w, self.lora_scale)
-            for t, w in (("gate", self.w_gate), ("up", self.w_up), ("down", self.w_down))
-        )
-        w_DJF = jnp.stack([gate, up], axis=1).astype(dt)  # [embed, 2, mlp]
+        w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
         gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
-        gate_BLF, up_BLF = gate_up_BLJF[:, :, 0], gate_up_BLJF[:, :, 1]
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        gate_BLF = gate_up_BLJF[:, :, 0] + update(self, "gate", x_BLD, 1, s)
+        up_BLF = gate_up_BLJF[:, :, 1] + update(self, "up", x_BLD, 1, s)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
-        return constrain(jnp.einsum("blf,fd->bld", h_BLF, down.astype(dt)), RESIDUAL)
+        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        return constrain(out_BLD + update(self, "down", h_BLF, 1, s), RESIDUAL)
 
 
 class Block(nnx.Module):

@@ -1,8 +1,10 @@
 """LoRA adapters (Hu et al. 2021) on a Llama's projections, as ``nnx.LoRAParam`` factors.
 
-The adapted weight is ``W + (alpha / rank) * A @ B``: the same math as ``nnx.LoRALinear``,
-written on the weight rather than the activation so that the fused q/k/v and gate/up
-products, every sharding rule and every strategy apply unchanged. ``nnx.LoRAParam`` is a
+The adapted projection is ``x @ W + (alpha / rank) * (x @ A) @ B``: ``nnx.LoRALinear``'s
+math, applied on the activations (``update``) beside the model's fused q/k/v and gate/up
+products, so the backward pass never forms a full-size weight gradient (the frozen base
+weights get none at all). Inference and export use the merged weight
+``W + (alpha / rank) * A @ B`` (``adapted``). ``nnx.LoRAParam`` is a
 ``nnx.Param`` subclass, so checkpoints carry the adapters; the trainer's optimizer filters
 on it to freeze the base weights.
 """
@@ -51,3 +53,15 @@ def adapted(module: nnx.Module, target: str, w: nnx.Param, lora_scale: float) ->
         return w[...]
     b = getattr(module, f"lora_{target}_b")
     return w[...] + lora_scale * jnp.tensordot(a[...], b[...], axes=1)
+
+
+def update(module: nnx.Module, target: str, x, inputs: int, lora_scale: float):
+    """(alpha / rank) * (x @ A) @ B for input ``x`` (its last ``inputs`` dims contract with
+    A), or 0 without adapters: [..., *in] -> [..., *out], in ``x``'s dtype."""
+    a = getattr(module, f"lora_{target}_a", None)
+    if a is None:
+        return 0
+    b = getattr(module, f"lora_{target}_b")
+    dt = x.dtype
+    xa = jnp.tensordot(x, a[...].astype(dt), axes=inputs)  # [..., rank]
+    return lora_scale * jnp.tensordot(xa, b[...].astype(dt), axes=1)
