@@ -295,3 +295,44 @@ def test_lora_parity_on_cube(cube):
     mesh, _ = cube
     result = check_parity(train_config(batch=8, seq=16, steps=2, **LORA), mesh)
     assert result.ok(1e-5), result
+
+
+def test_export_in_several_shards_reads_back(hf_dirs, cube, tmp_path):
+    from shardlib.hf_io import export_hf
+
+    directory, _ = hf_dirs["llama2"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    params = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    settings = model_settings(read_config(directory))
+    files = export_hf(params, settings, tmp_path / "out", shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted({f for f in index["weight_map"].values()})
+    assert len(shards) > 2 and [f.name for f in files[: len(shards)]] == shards
+    assert len(index["weight_map"]) == 3 + 9 * 2  # embed, norm, head + 9 per layer
+    again = load_model(tmp_path / "out", mesh, rules)
+    back = flatten(nnx.to_pure_dict(nnx.state(again, nnx.Param)))
+    assert all(np.array_equal(np.asarray(back[p]), params[p]) for p in params)
+    with pytest.raises(HFError, match="is not empty"):  # nothing written is overwritten
+        export_hf(params, settings, tmp_path / "out")
+
+
+def test_tokenizer_file_and_cache_layout(tmp_path, cube):
+    from jax.sharding import PartitionSpec as P
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardlib.errors import ShardingError
+    from shardlib.generate import ByteTokenizer, cache_sharding, tokenizer_for
+
+    words = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = tokenizer_for(None, tmp_path, vocab=3)  # found in the model's directory
+    assert loaded.encode("hello world") == [1, 2] and loaded.decode([2, 1]) == "world hello"
+    with pytest.raises(ShardingError, match="the tokenizer has 3 tokens but the model's"):
+        tokenizer_for(str(tmp_path / "tokenizer.json"), None, vocab=2)
+    assert isinstance(tokenizer_for(None, None, vocab=256), ByteTokenizer)
+    mesh, rules = cube  # the cache: batch over data x fsdp, kv heads over tensor
+    assert cache_sharding(mesh, rules, 4).spec == P(None, ("data", "fsdp"), None, "tensor")
+    assert cache_sharding(mesh, rules, 2).spec == P(None, None, None, "tensor")  # 2 % 4
