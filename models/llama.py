@@ -394,6 +394,8 @@ class Llama(nnx.Module):
         with their keys and values written in (``models.llama_cache``: prefill and decode)."""
         from models.llama_cache import decode
 
+        if not isinstance(self.blocks, Block):
+            raise ValueError(f"generate: {type(self).__name__} blocks have no KV-cache path.")
         return decode(self, tokens_BT, cache, start, dtype=dtype)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
