@@ -336,3 +336,21 @@ def test_tokenizer_file_and_cache_layout(tmp_path, cube):
     mesh, rules = cube  # the cache: batch over data x fsdp, kv heads over tensor
     assert cache_sharding(mesh, rules, 4).spec == P(None, ("data", "fsdp"), None, "tensor")
     assert cache_sharding(mesh, rules, 2).spec == P(None, None, None, "tensor")  # 2 % 4
+
+
+def test_bf16_shards_import_as_their_fp32_values(hf_dirs, cube, tmp_path):
+    """Published checkpoints are bf16: numpy has no bf16, so those slices go through jax."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory, _ = hf_dirs["llama2"]
+    shutil.copytree(directory, tmp_path / "bf16")
+    (shard,) = (tmp_path / "bf16").glob("*.safetensors")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(shard).items()}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert Shards.open(tmp_path / "bf16").dtypes["model.norm.weight"] == "BF16"
+    mesh, rules = cube
+    model = load_model(tmp_path / "bf16", mesh, rules)
+    wq = np.asarray(model.blocks.attn.wq[...])[0]  # [embed, heads, head_dim]
+    want = tensors["model.layers.0.self_attn.q_proj.weight"].float().numpy()  # [h*d, embed]
+    np.testing.assert_array_equal(wq, want.reshape(4, 8, 32).transpose(2, 0, 1))
