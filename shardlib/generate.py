@@ -50,7 +50,11 @@ class Generated:
     """[batch, prompt + new] token ids (after eos: eos repeated)."""
     prompt_len: int
     prefill_s: float
+    """The prompt's forward pass, its compilation included."""
+    first_decode_s: float
+    """The first decode step, its compilation included (0 when none ran)."""
     decode_s: float
+    """Every later decode step together."""
     new_tokens: int
 
 
@@ -106,7 +110,7 @@ def generate(model, prompt_BP, *, mesh: Mesh, rules: Rules, sampling: Sampling) 
     with jax.set_mesh(mesh):
         token_B, cache = step(params, jnp.asarray(prompt_BP), cache, jnp.int32(0), keys[0])
         token_B = np.asarray(token_B)
-        prefill_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        prefill_s, t1, first_s = time.perf_counter() - t0, time.perf_counter(), 0.0
         for i in range(sampling.max_new_tokens):
             if sampling.eos is not None:
                 token_B = np.where(done, sampling.eos, token_B)
@@ -118,8 +122,11 @@ def generate(model, prompt_BP, *, mesh: Mesh, rules: Rules, sampling: Sampling) 
                 params, jnp.asarray(token_B[:, None]), cache, jnp.int32(p + i), keys[i + 1]
             )
             token_B = np.asarray(token_B)
+            if i == 0:
+                first_s, t1 = time.perf_counter() - t1, time.perf_counter()
     tokens = np.concatenate(out, axis=1)
-    return Generated(tokens, p, prefill_s, time.perf_counter() - t1, tokens.shape[1] - p)
+    later_s = time.perf_counter() - t1 if first_s else 0.0
+    return Generated(tokens, p, prefill_s, first_s, later_s, tokens.shape[1] - p)
 
 
 class ByteTokenizer:
