@@ -15,9 +15,11 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.lora import adapted, add_lora, update
 from shardlib.layout import constrain
 from shardlib.ops import Packed, attention, run_blocks
 
@@ -60,8 +62,29 @@ class LlamaConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama 3's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    original_max_positions), as in Hugging Face's ``rope_type="llama3"``; None: plain RoPE."""
+    max_positions: int = 8192
+    """Longest sequence (prompt + generated tokens) ``shardlib generate`` accepts; Hugging
+    Face's ``max_position_embeddings``."""
+    tie_embeddings: bool = False
+    """The LM head is the embedding table transposed (no ``lm_head`` parameter)."""
+    lora_rank: int = 0
+    """LoRA adapters' rank on ``lora_targets`` (0: none). The base weights stay, frozen by
+    the trainer; adapters are ``nnx.LoRAParam``s."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / rank) * A @ B (Hu et al. 2021)."""
+    lora_targets: tuple[str, ...] = ("q", "v")
+    """Projections that get adapters, from q, k, v, o, gate, up, down."""
 
     def __post_init__(self) -> None:
+        bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if bad or self.lora_rank < 0:
+            raise ValueError(
+                f"model: lora_targets={self.lora_targets}, lora_rank={self.lora_rank}: "
+                f"targets must come from {', '.join(LORA_TARGETS)} and rank be >= 0."
+            )
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"model: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}. "
@@ -81,8 +104,16 @@ class LlamaConfig:
             self.layers,
         )
         block = 2 * e + e * h * d * 2 + e * k * d * 2 + 3 * e * f
-        return n * block + 2 * v * e + e
+        r = self.lora_rank
+        sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
+        sizes |= {"gate": (e, f), "up": (e, f), "down": (f, e)}
+        block += sum(r * sum(sizes[t]) for t in self.lora_targets) if r else 0
+        return n * block + (1 if self.tie_embeddings else 2) * v * e + e
 
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Llama 3.1's published RoPE scaling (factor, low_freq_factor, high_freq_factor, original ctx)
+LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
 
 PRESETS: dict[str, LlamaConfig] = {
     # tests and the default training run: a few hundred thousand parameters
@@ -108,7 +139,33 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-70b": LlamaConfig(
         vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672
     ),
-}
+    # published Hugging Face shapes (config.json of meta-llama/*): `init_from` checks them
+    "llama2-7b": LlamaConfig(
+        vocab=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11_008,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama2-13b": LlamaConfig(
+        vocab=32_000, embed=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13_824,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama2-70b": LlamaConfig(
+        vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama3-8b": LlamaConfig(  # Llama 3.1 8B
+        vocab=128_256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14_336,
+        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
+    ),
+    "llama3-70b": LlamaConfig(  # Llama 3.1 70B
+        vocab=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
+        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
+    ),
+    "llama3-405b": LlamaConfig(  # Llama 3.1 405B
+        vocab=128_256, embed=16_384, layers=126, heads=128, kv_heads=8, head_dim=128,
+        mlp=53_248, rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE,
+        max_positions=131_072,
+    ),
+}  # fmt: skip
 
 
 def preset(name: str, **overrides) -> LlamaConfig:
@@ -134,20 +191,42 @@ class RMSNorm(nnx.Module):
         return (x32 * norm).astype(x_BLD.dtype) * self.scale[...].astype(x_BLD.dtype)
 
 
-def rotary(x_BLHK, theta: float, positions_L=None):
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2] in fp32, as Hugging Face's Llama computes them.
+
+    ``scaling`` = (factor, low_freq_factor, high_freq_factor, original_max_positions):
+    Llama 3's scheme divides long wavelengths by ``factor``, keeps short ones and blends
+    those in between (``rope_type="llama3"``).
+    """
+    inv_K = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv_K = inv_K.astype(np.float32)
+    if scaling is None:
+        return inv_K
+    factor, low, high, original = scaling
+    wavelen_K = 2 * np.pi / inv_K
+    scaled_K = np.where(wavelen_K > original / low, inv_K / factor, inv_K)
+    smooth_K = (original / wavelen_K - low) / (high - low)
+    blended_K = (1 - smooth_K) * scaled_K / factor + smooth_K * scaled_K
+    medium_K = (wavelen_K >= original / high) & (wavelen_K <= original / low)
+    return np.where(medium_K, blended_K, scaled_K).astype(np.float32)
+
+
+def rotary(x_BLHK, theta: float, positions_L=None, scaling=None):
     """Rotate pairs of features by position-dependent angles (RoFormer).
 
-    ``positions_L`` are the tokens' true positions (default 0..L-1): a strategy that
-    reorders the sequence (zig-zag context parallelism) passes them so angles stay right;
-    packed rows (``Packed``) carry per-row positions [batch, seq] restarting per document.
+    Pairs are (i, i + head_dim/2) ("rotate_half", Hugging Face's layout; Meta's original
+    checkpoints pair neighbours, see ``shardlib.hf``). ``positions_L`` are the tokens' true
+    positions (default 0..L-1): a strategy that reorders the sequence (zig-zag context
+    parallelism) passes them so angles stay right; packed rows (``Packed``) carry per-row
+    positions [batch, seq] restarting per document.
     """
-    seq, half = x_BLHK.shape[1], x_BLHK.shape[-1] // 2
+    seq = x_BLHK.shape[1]
     packed = isinstance(positions_L, Packed)
     if packed:
         pos = positions_L.positions  # [batch, seq]
     else:
         pos = jnp.arange(seq) if positions_L is None else positions_L  # [seq]
-    freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq_K = jnp.asarray(rope_frequencies(x_BLHK.shape[-1], theta, scaling))
     angle = pos.astype(jnp.float32)[..., None] * freq_K  # [(batch,) seq, head_dim / 2]
     if packed:
         sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
@@ -161,30 +240,48 @@ def rotary(x_BLHK, theta: float, positions_L=None):
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         e, h, g, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
         self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)  # [embed, heads, hd]
         self.wk = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
+        for t, w, names in (
+            ("q", self.wq, ("embed", "heads", "head_dim")),
+            ("k", self.wk, ("embed", "kv_heads", "head_dim")),
+            ("v", self.wv, ("embed", "kv_heads", "head_dim")),
+        ):
+            add_lora(self, cfg, rngs, t, w, names, inputs=1)
+        add_lora(self, cfg, rngs, "o", self.wo, ("heads", "head_dim", "embed"), inputs=2)
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(wq, wk, wv, wo) with their LoRA updates added (the base weights without any)."""
+        return tuple(
+            adapted(self, t, w, self.lora_scale)
+            for t, w in (("q", self.wq), ("k", self.wk), ("v", self.wv), ("o", self.wo))
+        )
+
+    def rotary(self, x_BLHK, positions_L=None):
+        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling)
 
     def __call__(self, x_BLD, positions_L=None):
         dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        wq, wk, wv, wo = self.wq[...], self.wk[...], self.wv[...], self.wo[...]
         # One product for q, k and v (each K/V head next to its query heads): the backward
         # pass then sums the three input gradients before one reduction, not after three.
         w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
-            [
-                self.wq[...].reshape(e, g, h // g, d),
-                self.wk[...][:, :, None],
-                self.wv[...][:, :, None],
-            ],
+            [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
             axis=2,
         ).astype(dt)
         qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
         q = qkv_BLGJK[:, :, :, : h // g].reshape(b, l, h, d)
         k, v = qkv_BLGJK[:, :, :, h // g], qkv_BLGJK[:, :, :, h // g + 1]
-        q = constrain(rotary(q, self.theta, positions_L), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(rotary(k, self.theta, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
+                   v + update(self, "v", x_BLD, 1, s))  # fmt: skip
+        q = constrain(self.rotary(q, positions_L), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(self.rotary(k, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         q, k, v = (
             checkpoint_name(q, "attn_q"),
@@ -194,7 +291,8 @@ class Attention(nnx.Module):
         out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
-        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, wo.astype(dt))
+        out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
         return constrain(out_BLD, RESIDUAL)
 
 
@@ -204,16 +302,23 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), e)  # [embed, mlp]
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), e)  # [embed, mlp]
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), f)  # [mlp, embed]
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
+        add_lora(self, cfg, rngs, "gate", self.w_gate, ("embed", "mlp"), inputs=1)
+        add_lora(self, cfg, rngs, "up", self.w_up, ("embed", "mlp"), inputs=1)
+        add_lora(self, cfg, rngs, "down", self.w_down, ("mlp", "embed"), inputs=1)
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
         w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
         gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
-        gate_BLF, up_BLF = gate_up_BLJF[:, :, 0], gate_up_BLJF[:, :, 1]
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        gate_BLF = gate_up_BLJF[:, :, 0] + update(self, "gate", x_BLD, 1, s)
+        up_BLF = gate_up_BLJF[:, :, 1] + update(self, "up", x_BLD, 1, s)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
-        return constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt)), RESIDUAL)
+        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        return constrain(out_BLD + update(self, "down", h_BLF, 1, s), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -253,7 +358,8 @@ class Llama(nnx.Module):
         self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)  # [V, E]
         self.blocks = self.make_blocks(cfg, rngs)  # every weight: [layers, ...]
         self.final_norm = RMSNorm(cfg)
-        self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+        if not cfg.tie_embeddings:  # tied: the head reads the embedding table
+            self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
 
     def make_blocks(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
         """The stack a subclass replaces (the MoE model stacks groups of blocks)."""
@@ -285,5 +391,23 @@ class Llama(nnx.Module):
     def head(self, x_BLD, *, dtype=jnp.float32):
         """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32."""
         x_BLD = self.final_norm(x_BLD)
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
+        if self.cfg.tie_embeddings:
+            logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(dtype))
+        else:
+            logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
         return constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
+        """Logits [batch, T, vocab] of T new tokens at positions start.., and the KV cache
+        with their keys and values written in (``models.llama_cache``: prefill and decode)."""
+        from models.llama_cache import decode
+
+        if not isinstance(self.blocks, Block):
+            raise ValueError(f"generate: {type(self).__name__} blocks have no KV-cache path.")
+        return decode(self, tokens_BT, cache, start, dtype=dtype)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
+        """Zeroed keys and values [layers, batch, length, kv_heads, head_dim]."""
+        from models.llama_cache import init_cache
+
+        return init_cache(self.cfg, batch, length, dtype)

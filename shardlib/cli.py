@@ -1,4 +1,5 @@
-"""``shardlib`` command line: train, explain, parity, export, plan, estimate, data prepare.
+"""``shardlib`` command line: train, explain, parity, export, generate, plan, estimate,
+data prepare.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -58,7 +59,26 @@ def _parser() -> argparse.ArgumentParser:
         )
         return c
 
-    command("train", "train on the mesh")
+    t = command("train", "train on the mesh")
+    t.add_argument(
+        "--load-params",
+        default=None,
+        metavar="DIR",
+        help="start from these parameters (a checkpoint_dir or a Hugging Face Llama "
+        "directory) with a fresh optimizer: checkpoint.init_from=DIR",
+    )
+    g = command("generate", "continue a prompt with a KV cache on the mesh")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a run's checkpoint_dir (latest step)")
+    source.add_argument("--hf", help="a Hugging Face Llama directory (config.json, safetensors)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: every token")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
+    g.add_argument("--samples", type=int, default=1, help="sequences generated together")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes)")
     e = command("explain", "compile the train step and report its layout; runs nothing")
     e.add_argument("--json", default=None, help="also write the report as JSON here")
     par = command("parity", "compare losses and gradients with a one-device run")
@@ -68,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True, help="a run's checkpoint_dir")
     x.add_argument("--out", required=True, help="PATH.safetensors, PATH.npz, or a directory")
     x.add_argument("--step", type=int, default=None, help="default: the latest complete step")
+    x.add_argument(
+        "--format",
+        choices=("shardlib", "hf"),
+        default="shardlib",
+        help="hf: a Hugging Face Llama directory (per-layer names, LoRA merged)",
+    )
     d = sub.add_parser("data", help="prepare token datasets (docs/data.md)")
     prep = d.add_subparsers(dest="data_command", required=True).add_parser(
         "prepare", help="tokenize text / JSON lines / a saved HF dataset into token shards"
@@ -117,6 +143,8 @@ def _prepare(args) -> tuple:
     plan = ParallelPlan.from_mesh_spec(spec)
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
     overrides = list(args.overrides)
+    if getattr(args, "load_params", None):
+        overrides.append(f"checkpoint.init_from={args.load_params}")
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
     cfg = parse_overrides(overrides, base)
@@ -204,9 +232,40 @@ def cmd_parity(args, console: Console) -> int:
     return 0 if ok else 1
 
 
-def cmd_export(args, console: Console) -> int:
-    from shardlib.export import export
+def cmd_generate(args, console: Console) -> int:
+    from shardlib.generate import Sampling, generate, tokenizer_for
+    from shardlib.init_from import load_model
+    from shardlib.layout import mesh_axes
 
+    mesh, cfg = _prepare(args)
+    rules = cfg.parallel.with_mesh_axes(mesh_axes(mesh)).rules
+    source = args.checkpoint or args.hf
+    model = load_model(source, mesh, rules)
+    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab)
+    prompt = [tok.encode(args.prompt)] * args.samples
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        seed=args.seed, eos=args.eos,
+    )  # fmt: skip
+    out = generate(model, prompt, mesh=mesh, rules=rules, sampling=sampling)
+    for row in out.tokens:
+        print(tok.decode(row))  # the text on stdout, the timings on stderr
+    per_token = out.decode_s / max(out.new_tokens - 2, 1)  # steps after the first
+    console.print(
+        f"{out.new_tokens} new tokens x {args.samples}: prefill {out.prefill_s:.2f} s and first "
+        f"decode step {out.first_decode_s:.2f} s (each compiled), then "
+        f"{per_token * 1e3:.1f} ms per decode step"
+    )
+    return 0
+
+
+def cmd_export(args, console: Console) -> int:
+    from shardlib.export import export, export_hf_checkpoint
+
+    if args.format == "hf":
+        files = export_hf_checkpoint(args.checkpoint, args.out, step=args.step)
+        console.print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
+        return 0
     out = export(args.checkpoint, args.out, step=args.step)
     console.print(f"wrote {out.path} ({out.tensors} tensors, {out.bytes:,} bytes, step {out.step})")
     return 0
@@ -260,6 +319,7 @@ def _main(argv: list[str] | None) -> int:
         "explain": cmd_explain,
         "parity": cmd_parity,
         "export": cmd_export,
+        "generate": cmd_generate,
         "plan": cmd_plan,
         "estimate": cmd_estimate,
         "data": cmd_data,

@@ -4,6 +4,7 @@
   header of name -> dtype/shape/byte range, then the raw little-endian bytes); the model
   and run config travel in the header's ``__metadata__``.
 * ``PATH.npz``: numpy's zip of ``.npy`` files, one per tensor (``np.load(PATH)``).
+* ``--format hf``: a Hugging Face Llama directory (``shardlib.hf_io.export_hf``).
 * any other ``PATH``: a directory with a plain orbax checkpoint of the parameter tree
   (``PATH/params``, restorable by ``orbax.checkpoint.StandardCheckpointer``) and
   ``PATH/config.json``.
@@ -146,3 +147,16 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None) -
     return Exported(
         path=out, step=step, tensors=len(tensors), bytes=sum(x.nbytes for x in tensors.values())
     )
+
+
+def export_hf_checkpoint(directory: str | Path, out: str | Path, *, step: int | None = None):
+    """A checkpoint's parameters as a Hugging Face Llama directory (LoRA merged); the files."""
+    from shardlib.hf_io import export_hf
+
+    step, tensors, meta = read_params(Path(directory).absolute(), step)
+    if not {"vocab", "embed", "heads", "kv_heads"} <= set(meta["model"]):
+        raise CheckpointError(
+            f"export --format hf: checkpoint {directory} holds "
+            f"{meta['config']['model']}, not a Llama."
+        )
+    return export_hf(tensors, meta["model"], out)

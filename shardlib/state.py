@@ -144,6 +144,7 @@ def optimizer_shardings(
         jax.eval_shape(tx.init, params),
         params,
         transform_non_params=lambda leaf: replicated if hasattr(leaf, "shape") else leaf,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
 
 

@@ -23,8 +23,8 @@ RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
 NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
                   "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.resume", "data.allow_changed", "data.eval_every",
-                  "data.eval_batches"}  # fmt: skip
+                  "checkpoint.resume", "checkpoint.init_from", "data.allow_changed",
+                  "data.eval_every", "data.eval_batches"}  # fmt: skip
 NOT_TRAJECTORY_SECTIONS = ("metrics.",)
 
 

@@ -174,6 +174,28 @@ class Checkpoint:
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint if any; require: fail without one;
     never: start fresh (and refuse a checkpoint dir that already holds checkpoints)."""
+    init_from: str | None = None
+    """A fresh run starts from these parameters (fresh optimizer, step 0): a shardlib
+    checkpoint_dir or a Hugging Face Llama directory (``shardlib.init_from``)."""
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA fine-tuning: adapters on chosen projections, the base weights frozen."""
+
+    rank: int = 0
+    """Adapter rank (0: no adapters, every parameter trains)."""
+    alpha: float = 16.0
+    """The update is (alpha / rank) * A @ B."""
+    targets: str = "q,v"
+    """Comma-separated projections from q, k, v, o, gate, up, down."""
+
+    def model_settings(self) -> dict:
+        """The model config fields that build the adapters (none when rank is 0)."""
+        if not self.rank:
+            return {}
+        targets = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        return {"lora_rank": self.rank, "lora_alpha": self.alpha, "lora_targets": targets}
 
 
 @dataclass(frozen=True)
@@ -190,6 +212,7 @@ class TrainConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     precision: Precision = field(default_factory=Precision)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    lora: Lora = field(default_factory=Lora)
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     """The mesh and every parallelism strategy (``shardlib.parallel``)."""
 

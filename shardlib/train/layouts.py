@@ -88,6 +88,7 @@ def opt_state_specs(
         abstract_opt_state,
         jax.tree_util.tree_unflatten(treedef, paths),
         transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),  # LoRA: frozen weights' slots
     )
 
 

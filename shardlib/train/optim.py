@@ -107,3 +107,37 @@ def build_optimizer(cfg, steps: int) -> optax.GradientTransformation:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(_optimizer(cfg, schedule(cfg, steps)))
     return optax.chain(*parts)
+
+
+def freeze_base(tx: optax.GradientTransformation, lora_rank: int):
+    """With LoRA the optimizer sees only the adapters: every other update is zero (optax's
+    ``multi_transform`` keeps no state for them), so the base weights never move."""
+    if not lora_rank:
+        return tx
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "adapter" if _is_adapter(path) else "base", params
+        )
+
+    return optax.multi_transform({"adapter": tx, "base": optax.set_to_zero()}, labels)
+
+
+def _is_adapter(path) -> bool:
+    return any("lora_" in str(getattr(k, "key", k)) for k in path)
+
+
+def stop_base_gradients(loss_fn, lora_rank: int):
+    """With LoRA, ``loss_fn`` sees the base weights as constants: XLA then drops their
+    weight-gradient products (``freeze_base`` would discard them anyway), and the reported
+    gradient norm is the adapters'."""
+    if not lora_rank:
+        return loss_fn
+
+    def frozen(params, *args):
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x if _is_adapter(path) else jax.lax.stop_gradient(x), params
+        )
+        return loss_fn(params, *args)
+
+    return frozen

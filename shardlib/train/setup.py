@@ -29,7 +29,7 @@ from shardlib.target import Target
 from shardlib.train import layouts, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.data import BATCH_NAMES
-from shardlib.train.optim import build_optimizer, schedule
+from shardlib.train.optim import build_optimizer, freeze_base, schedule
 
 
 @dataclass(frozen=True)
@@ -188,9 +188,18 @@ class TrainSetup:
         return jax.jit(init, out_shardings=self.state_shardings)
 
     def init_state(self) -> dict:
-        """Parameters initialised straight into their shards (jit with out_shardings)."""
+        """Parameters initialised straight into their shards (jit with out_shardings), or
+        read from ``checkpoint.init_from`` (parameters only; adapters stay fresh)."""
         with jax.set_mesh(self.mesh):
-            return self._init(jax.random.key(self.cfg.run.seed))
+            state = self._init(jax.random.key(self.cfg.run.seed))
+        source = self.cfg.checkpoint.init_from
+        if source:  # parameters only: the optimizer state stays fresh (all zeros)
+            from shardlib.init_from import load_initial_params, overlay
+
+            abstract = self.abstract_state()["params"]
+            loaded = load_initial_params(source, abstract, self.model_cfg)
+            state["params"] = overlay(state["params"], loaded)
+        return state
 
     @cached_property
     def schedule(self) -> optax.Schedule:
@@ -215,7 +224,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         mesh = plan.build_mesh()
     else:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
-    model = resolve_model(cfg.model, dict(cfg.model_overrides))
+    model = resolve_model(cfg.model, dict(cfg.model_overrides) | cfg.lora.model_settings())
     inv = inventory(model)
     target = Target.from_params(
         inv.params,
@@ -238,5 +247,5 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         target=target,
         mesh=mesh,
         param_specs=specs,
-        tx=build_optimizer(cfg.optimizer, cfg.run.steps),
+        tx=freeze_base(build_optimizer(cfg.optimizer, cfg.run.steps), cfg.lora.rank),
     )

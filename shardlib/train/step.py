@@ -21,6 +21,7 @@ from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.strategies.pipeline_stats import stats_tokens
 from shardlib.train import layouts, precision
 from shardlib.train.data import BATCH_NAMES
+from shardlib.train.optim import stop_base_gradients
 
 if TYPE_CHECKING:
     from shardlib.train.setup import TrainSetup
@@ -184,7 +185,7 @@ def build_train_step(setup: TrainSetup):
     to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
     step with non-finite gradients changes neither parameters nor optimizer state.
     """
-    loss_fn = make_loss_fn(setup, with_metrics=True)
+    loss_fn = stop_base_gradients(make_loss_fn(setup, with_metrics=True), setup.cfg.lora.rank)
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
 

@@ -1,0 +1,356 @@
+"""Hugging Face Llama weights in and out, LoRA, parameters-only loading, generation.
+
+Tiny random Llamas are made with ``transformers`` (nothing is downloaded) in two styles:
+Llama 2 (multi-head attention, plain RoPE, separate LM head) and Llama 3 (grouped-query
+attention, llama3 RoPE scaling, tied embeddings). Each is imported on cpu-8-3d
+(data x fsdp x tensor = 2 x 2 x 2) and must give transformers' logits within 1e-5.
+"""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardlib.generate import Sampling, generate, pick
+from shardlib.hf import HFError, Shards, half_to_meta, model_settings, read_config
+from shardlib.hf_io import flatten, load_params
+from shardlib.init_from import load_model
+from shardlib.mesh import MeshSpec
+from shardlib.parallel import ParallelPlan
+
+CUBE = MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2)))
+VOCAB = 256  # the embedded byte corpus trains the fine-tuning runs
+STYLES = {
+    "llama2": dict(num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=16,
+        ),
+    ),
+}  # fmt: skip
+
+
+def make_hf(style: str, out, seed: int = 0):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+        initializer_range=0.2,  # std 0.02 (the default) caps a frozen head's |logits| below 1
+        **STYLES[style],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def hf_logits(model_or_dir, tokens):
+    import torch
+    import transformers
+
+    model = model_or_dir
+    if not hasattr(model, "forward"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_or_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def cube():
+    plan = ParallelPlan(mesh=CUBE)
+    return CUBE.build(jax.devices()[:8]), plan.rules
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {s: (root / s, make_hf(s, root / s)) for s in STYLES}
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_import_matches_transformers_on_cube(style, hf_dirs, cube):
+    directory, hf = hf_dirs[style]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    assert model.cfg.tie_embeddings == (style == "llama3")
+    assert model.cfg.kv_heads == (2 if style == "llama3" else 4)
+    assert (model.cfg.rope_scaling is not None) == (style == "llama3")
+    wq = model.blocks.attn.wq[...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}  # a slice each
+    logits = jax.jit(lambda m, t: m(t))(model, TOKENS)
+    assert rel_err(logits, hf_logits(hf, TOKENS)) < 1e-5
+
+
+def test_meta_rotary_order_is_permuted_back(hf_dirs, cube, tmp_path):
+    """q/k rows in Meta's interleaved rotary order import to the same weights."""
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = hf_dirs["llama3"]
+    shutil.copytree(directory, tmp_path / "meta")
+    (shard,) = (tmp_path / "meta").glob("*.safetensors")
+    tensors = load_file(shard)
+    for name in list(tensors):
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = np.ascontiguousarray(half_to_meta(tensors[name], 8))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    mesh, rules = cube
+    plain = load_model(directory, mesh, rules)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            nnx.to_pure_dict(nnx.state(plain, nnx.Param)))  # fmt: skip
+    settings = model_settings(read_config(directory))
+    meta = load_params(tmp_path / "meta", abstract, settings, interleaved_rope=True)
+    wrong = load_params(tmp_path / "meta", abstract, settings)
+    want = flatten(nnx.to_pure_dict(nnx.state(plain, nnx.Param)))
+    for path, x in flatten(meta).items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want[path]), err_msg=path)
+    assert not np.array_equal(flatten(wrong)["blocks/attn/wq"], want["blocks/attn/wq"])
+
+
+def test_greedy_cache_equals_argmax_without_cache(hf_dirs, cube):
+    directory, _ = hf_dirs["llama3"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    prompt = TOKENS[:, :5]  # batch 2 over data x fsdp = 4: the cache keeps the batch whole
+    out = generate(model, prompt, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=6))
+    assert out.tokens.shape == (2, 11)
+    full = jax.jit(lambda m, t: m(t))  # causal: padding after position i leaves i's logits
+    tokens = np.zeros((2, 11), np.int32)
+    tokens[:, :5] = prompt
+    for i in range(5, 11):
+        tokens[:, i] = np.argmax(np.asarray(full(model, tokens))[:, i - 1], axis=-1)
+    np.testing.assert_array_equal(out.tokens, tokens)
+
+
+def test_sampling_keeps_to_the_top_k():
+    logits = np.random.default_rng(1).normal(size=(512, 50)).astype(np.float32)
+    keys = jax.random.key(0)
+    np.testing.assert_array_equal(pick(logits, keys, 0.0, 0), logits.argmax(-1))
+    np.testing.assert_array_equal(pick(logits, keys, 1.0, 1), logits.argmax(-1))
+    top3 = np.argsort(logits, axis=-1)[:, -3:]
+    drawn = np.asarray(pick(logits, keys, 1.0, 3))
+    assert all(d in row for d, row in zip(drawn, top3, strict=True))
+    assert len(set((drawn[:, None] == top3).argmax(1).tolist())) == 3  # not always the argmax
+
+
+def test_bad_inputs_fail_before_any_work(hf_dirs, cube, tmp_path):
+    from shardlib.state import abstract_params
+
+    directory, _ = hf_dirs["llama2"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    settings = model_settings(read_config(directory))
+    # shapes that do not match the model config: the tensor, both shapes named
+    from shardlib.model import resolve_model
+
+    wider = resolve_model("llama-tiny", settings | {"mlp": 64})
+    _, abstract = abstract_params(lambda: wider.make(nnx.Rngs(0)), mesh, rules)
+    with pytest.raises(HFError, match=r"model.layers.0.mlp.down_proj.weight has shape \[32, 48\]"
+                       r", the model expects \[32, 64\]"):  # fmt: skip
+        load_params(directory, abstract, settings | {"mlp": 64})
+    # a setting no shape shows
+    with pytest.raises(HFError, match="rope_theta=10000.0 but the model has rope_theta=5"):
+        load_params(directory, abstract, settings | {"rope_theta": 5.0})
+    # a truncated shard: named before anything is read
+    shutil.copytree(directory, tmp_path / "cut")
+    (shard,) = (tmp_path / "cut").glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(HFError, match=f"safetensors shard {shard} is corrupt"):
+        Shards.open(tmp_path / "cut")
+    # a prompt longer than the context
+    long = np.zeros((1, 61), np.int32)
+    with pytest.raises(Exception, match="65 positions, more than the model's context of 64"):
+        generate(model, long, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=4))
+    # config.json of another architecture
+    bad = json.loads((directory / "config.json").read_text()) | {"model_type": "gpt2"}
+    with pytest.raises(HFError, match="model_type='gpt2'"):
+        model_settings(bad)
+
+
+def test_presets_have_published_sizes():
+    import models
+
+    published = {  # parameters, from the model cards
+        "llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9,
+        "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,
+    }  # fmt: skip
+    for name, count in published.items():
+        assert abs(models.config(name).param_count() / count - 1) < 0.01, name
+
+
+def _run(directory, mesh, tmp_path, name, **settings):
+    """A short fine-tuning run from ``directory``'s parameters on the embedded byte corpus."""
+    from shardlib.train.config import TrainConfig, override
+    from shardlib.train.loop import run
+    from shardlib.train.setup import make_setup
+
+    model = {f"model.{k}": v for k, v in model_settings(read_config(directory)).items()}
+    cfg = override(TrainConfig(), model | {
+        "steps": 6, "batch": 8, "seq": 16, "warmup": 1, "init_from": str(directory),
+        "checkpoint_dir": str(tmp_path / name), "checkpoint_every": 0, **settings,
+    })  # fmt: skip
+    setup = make_setup(cfg, mesh)
+    return setup, run(setup, show=False)
+
+
+def _logits(setup, params, tokens):
+    return jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
+
+
+@pytest.mark.slow
+def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path, capsys):
+    """Full fine-tuning (Llama 2 style) and LoRA (Llama 3 style) from imported weights: loss
+    falls; LoRA moves only the adapters; the Hugging Face export loads in transformers and
+    gives shardlib's logits; a checkpoint's parameters alone start a new run."""
+    from shardlib.export import export_hf_checkpoint
+    from shardlib.init_from import max_abs_difference
+
+    mesh, rules = cube
+    full_dir, _ = hf_dirs["llama2"]
+    setup, full = _run(full_dir, mesh, tmp_path, "full", lr=1e-2)
+    assert full.losses[-1] < full.losses[0] - 0.1, full.losses
+    export_hf_checkpoint(tmp_path / "full", tmp_path / "full_hf")
+    ours = _logits(setup, full.state["params"], TOKENS)
+    assert rel_err(ours, hf_logits(tmp_path / "full_hf", TOKENS)) < 1e-5
+
+    lora_dir, _ = hf_dirs["llama3"]
+    targets = "q,k,v,o,gate,up,down"
+    setup, lora = _run(lora_dir, mesh, tmp_path, "lora", lr=3e-2, **{
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": targets})  # fmt: skip
+    assert lora.losses[-1] < lora.losses[0] - 0.1, lora.losses
+    params = flatten(jax.device_get(lora.state["params"]))
+    base = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(load_model(lora_dir, mesh, rules)))))
+    adapters = [p for p in params if "/lora_" in p]
+    assert len(adapters) == 14 and set(params) == set(base) | set(adapters)
+    assert max_abs_difference(params, base) == 0.0  # the base weights did not move
+    assert all(np.abs(params[p]).max() > 0 for p in adapters if p.endswith("_b"))
+    from shardlib import cli
+
+    lora_ckpt = str(tmp_path / "lora")  # the CLI: export (adapters merged) and generate
+    assert cli.main(["export", "--checkpoint", lora_ckpt, "--out", str(tmp_path / "lora_hf"),
+                     "--format", "hf"]) == 0  # fmt: skip
+    capsys.readouterr()
+    generate_args = ["generate", "--checkpoint", lora_ckpt, "--prompt", "def f"]
+    assert cli.main([*generate_args, "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("def f") and "4 new tokens x 1" in printed.err
+    assert cli.main([*generate_args, "--max-new-tokens", "60"]) == 2  # 65 > 64 positions
+    assert "more than the model's context of 64" in capsys.readouterr().err
+    ours = _logits(setup, lora.state["params"], TOKENS)
+    assert rel_err(ours, hf_logits(tmp_path / "lora_hf", TOKENS)) < 1e-5
+
+    # parameters only, from a shardlib checkpoint: step 0, fresh optimizer, the same weights
+    from shardlib.train.config import override
+    from shardlib.train.setup import make_setup
+
+    cfg = override(setup.cfg, {"init_from": str(tmp_path / "lora"), "checkpoint_dir": None})
+    state = make_setup(cfg, mesh).init_state()
+    assert int(state["step"]) == 0
+    assert max_abs_difference(state["params"], lora.state["params"]) == 0.0
+    assert all(float(np.abs(m).max()) == 0.0 for m in jax.tree.leaves(state["opt_state"])
+               if hasattr(m, "shape") and m.ndim > 0)  # fmt: skip
+
+
+LORA = {"lora.rank": 4, "lora.targets": "q,k,v,o,gate,up,down", "model.layers": 1}
+
+
+def test_lora_factors_are_sharded_like_their_base_weights(cube):
+    from jax.sharding import PartitionSpec as P
+
+    from shardlib.train.config import train_config
+    from shardlib.train.setup import make_setup
+
+    mesh, _ = cube
+    specs = make_setup(train_config(batch=8, seq=16, **LORA), mesh).param_specs
+    attn, mlp = specs["blocks"]["attn"], specs["blocks"]["mlp"]
+    assert attn["wq"] == P(None, "fsdp", "tensor")  # [layers, embed, heads, head_dim]
+    assert attn["lora_q_a"] == P(None, "fsdp")  # [layers, embed, rank]
+    assert attn["lora_q_b"] == P(None, None, "tensor")  # [layers, rank, heads, head_dim]
+    assert attn["lora_o_a"] == P(None, "tensor")  # [layers, heads, head_dim, rank]
+    assert attn["lora_o_b"] == P(None, None, "fsdp")  # [layers, rank, embed]
+    assert mlp["lora_down_a"] == P(None, "tensor") and mlp["lora_down_b"] == P(None, None, "fsdp")
+
+
+@pytest.mark.slow
+def test_lora_parity_on_cube(cube):
+    """Loss and gradients of a LoRA step on 2x2x2 equal one device's (fp32, 1e-5)."""
+    from shardlib.parity import check_parity
+    from shardlib.train.config import train_config
+
+    mesh, _ = cube
+    result = check_parity(train_config(batch=8, seq=16, steps=2, **LORA), mesh)
+    assert result.ok(1e-5), result
+
+
+def test_export_in_several_shards_reads_back(hf_dirs, cube, tmp_path):
+    from shardlib.hf_io import export_hf
+
+    directory, _ = hf_dirs["llama2"]
+    mesh, rules = cube
+    model = load_model(directory, mesh, rules)
+    params = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    settings = model_settings(read_config(directory))
+    files = export_hf(params, settings, tmp_path / "out", shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted({f for f in index["weight_map"].values()})
+    assert len(shards) > 2 and [f.name for f in files[: len(shards)]] == shards
+    assert len(index["weight_map"]) == 3 + 9 * 2  # embed, norm, head + 9 per layer
+    again = load_model(tmp_path / "out", mesh, rules)
+    back = flatten(nnx.to_pure_dict(nnx.state(again, nnx.Param)))
+    assert all(np.array_equal(np.asarray(back[p]), params[p]) for p in params)
+    with pytest.raises(HFError, match="is not empty"):  # nothing written is overwritten
+        export_hf(params, settings, tmp_path / "out")
+
+
+def test_tokenizer_file_and_cache_layout(tmp_path, cube):
+    from jax.sharding import PartitionSpec as P
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardlib.errors import ShardingError
+    from shardlib.generate import ByteTokenizer, cache_sharding, tokenizer_for
+
+    words = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = tokenizer_for(None, tmp_path, vocab=3)  # found in the model's directory
+    assert loaded.encode("hello world") == [1, 2] and loaded.decode([2, 1]) == "world hello"
+    with pytest.raises(ShardingError, match="the tokenizer has 3 tokens but the model's"):
+        tokenizer_for(str(tmp_path / "tokenizer.json"), None, vocab=2)
+    assert isinstance(tokenizer_for(None, None, vocab=256), ByteTokenizer)
+    mesh, rules = cube  # the cache: batch over data x fsdp, kv heads over tensor
+    assert cache_sharding(mesh, rules, 4).spec == P(None, ("data", "fsdp"), None, "tensor")
+    assert cache_sharding(mesh, rules, 2).spec == P(None, None, None, "tensor")  # 2 % 4
+
+
+def test_bf16_shards_import_as_their_fp32_values(hf_dirs, cube, tmp_path):
+    """Published checkpoints are bf16: numpy has no bf16, so those slices go through jax."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory, _ = hf_dirs["llama2"]
+    shutil.copytree(directory, tmp_path / "bf16")
+    (shard,) = (tmp_path / "bf16").glob("*.safetensors")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(shard).items()}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert Shards.open(tmp_path / "bf16").dtypes["model.norm.weight"] == "BF16"
+    mesh, rules = cube
+    model = load_model(tmp_path / "bf16", mesh, rules)
+    wq = np.asarray(model.blocks.attn.wq[...])[0]  # [embed, heads, head_dim]
+    want = tensors["model.layers.0.self_attn.q_proj.weight"].float().numpy()  # [h*d, embed]
+    np.testing.assert_array_equal(wq, want.reshape(4, 8, 32).transpose(2, 0, 1))
