@@ -17,10 +17,11 @@ COEFFICIENTS: dict[str, float] = {
     "grad_layers_live": 1.127,  # a layer's unreduced gradient in flight
     "fixed_bytes": 500562.933,  # runtime scratch independent of the model
     "selective_h": 0.0,  # remat=selective: elements of width h saved per token per layer
-    "selective_qkv": 1.091,  # ... of the q/k/v width
-    "selective_mlp": 3.218,  # ... of the MLP width
-    "full_h": 1.62,  # remat=full: elements of width h saved per token per layer (the input)
+    "selective_qkv": 0.091,  # ... of the q/k/v width
+    "selective_mlp": 1.218,  # ... of the MLP width
+    "full_h": 0.62,  # remat=full: elements of width h saved per token per layer (the input)
     "remat_scores": 1.566,  # remat: heads x seq elements per token of the layer recomputed
+    "full_layer_live": 0.0,  # remat=full: share of one layer's none-policy residuals live
     "update_live": 0.144,  # fp32 parameter-sized temporaries of the update, per optimizer shard
     "ring_saved_qkv": 0.0,  # ring attention: elements of the q/k/v width saved per token/layer
     "ring_working_qkv": 1.729,  # ... live once (one layer's ring working set)
