@@ -8,7 +8,19 @@ probes recovers them: ``python -m shardlib.planner.calibration`` compiles ``PROB
 simulated CPU devices (abstract shapes: nothing allocated), fits, and prints the table to
 paste into ``shardlib/planner/coefficients.py``. Validation (``planner.validate``,
 ``benchmarks/planner_validation.py``) checks the fitted model on *other* plans, models and
-device counts.
+device counts (``benchmarks/planner_scale_validation.py``: full-depth models on up to 2048).
+
+Where a policy keeps buffers by definition, those are counted as such (``terms.remat.KEPT``)
+and the coefficients are what XLA keeps on top, fitted non-negative. The measurements of
+the remat and published-width probes are kept in ``REMAT_RECORDS`` (JSON lines), so a
+change to those terms refits without compiling anything:
+
+    python -m shardlib.planner.calibration --records shardlib/planner/remat_probes.jsonl \
+        --free remat
+    # regenerate the records (8 simulated devices; minutes):
+    python -m shardlib.planner.calibration --group remat --save /tmp/remat.jsonl
+    python -m shardlib.planner.calibration --group scale --save /tmp/scale.jsonl
+    cat /tmp/remat.jsonl /tmp/scale.jsonl > shardlib/planner/remat_probes.jsonl
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ from shardlib.planner.candidate import candidate
 from shardlib.planner.coefficients import COEFFICIENTS
 
 FREE = tuple(COEFFICIENTS)
+REMAT_RECORDS = "shardlib/planner/remat_probes.jsonl"
+"""The compiled ``remat`` and ``scale`` probe groups (jax 0.10.2, CPU, fp32)."""
 FREE_SETS: dict[str, tuple[str, ...]] = {
     "remat": tuple(k for k in FREE if k.startswith(("selective_", "full_", "remat_"))),
 }
@@ -162,6 +176,9 @@ _W175 = (
     "model.vocab=51200 seq=2048"
 )
 SCALE_PROBES: tuple[Probe, ...] = (
+    # activations outweigh the parameters here (the rest are weight-heavy at 2 layers)
+    (candidate(tensor=8, remat="selective"), f"{_W7} batch=8 model.layers=4"),
+    (candidate(tensor=8, remat="full"), f"{_W7} batch=8 model.layers=4"),
     (candidate(tensor=8, remat="selective"), f"{_W7} batch=2 model.layers=2"),
     (candidate(tensor=8, remat="selective"), f"{_W175} batch=1 model.layers=2"),
     (candidate(fsdp=2, tensor=4, remat="selective"), f"{_W39} batch=2 model.layers=2"),
@@ -258,6 +275,8 @@ def fit(records: list[dict], rounds: int = 60, free: tuple[str, ...] = FREE) -> 
     for r in records:
         base = predicted_memory(r, zero)
         cols = [predicted_memory(r, {**zero, k: 1.0}) - base for k in free]
+        if not any(cols):  # no coefficient being fitted reaches this probe
+            continue
         rows.append([c / r["memory"] for c in cols])
         target.append((r["memory"] - base) / r["memory"])
     a, b = np.array(rows), np.array(target)
