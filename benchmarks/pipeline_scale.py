@@ -266,7 +266,10 @@ def main() -> None:
     console.print(
         "planner: cost.estimate(backend='cpu') of the same plan and precision; bubble: "
         "compiled FLOPs per device / (single-stage FLOPs / p) - 1 (the head and embedding run "
-        "on every stage, so this includes their repeat)."
+        "on every stage, so this includes their repeat). Tensor and stage bytes: the planner "
+        "counts the compute dtype; the CPU backend upcasts bf16 activations' collectives to "
+        "fp32 (2x). Tensor: the 1F1B loop runs m + 2(p-1) trips and recomputes each stage's "
+        "forward (+2 all-reduces per layer), beyond Megatron's 5 per layer and micro-batch."
     )
 
 
