@@ -8,7 +8,19 @@ probes recovers them: ``python -m shardlib.planner.calibration`` compiles ``PROB
 simulated CPU devices (abstract shapes: nothing allocated), fits, and prints the table to
 paste into ``shardlib/planner/coefficients.py``. Validation (``planner.validate``,
 ``benchmarks/planner_validation.py``) checks the fitted model on *other* plans, models and
-device counts.
+device counts (``benchmarks/planner_scale_validation.py``: full-depth models on up to 2048).
+
+Where a policy keeps buffers by definition, those are counted as such (``terms.remat.KEPT``)
+and the coefficients are what XLA keeps on top, fitted non-negative. The measurements of
+the remat and published-width probes are kept in ``REMAT_RECORDS`` (JSON lines), so a
+change to those terms refits without compiling anything:
+
+    python -m shardlib.planner.calibration --records shardlib/planner/remat_probes.jsonl \
+        --free remat
+    # regenerate the records (8 simulated devices; minutes):
+    python -m shardlib.planner.calibration --group remat --save /tmp/remat.jsonl
+    python -m shardlib.planner.calibration --group scale --save /tmp/scale.jsonl
+    cat /tmp/remat.jsonl /tmp/scale.jsonl > shardlib/planner/remat_probes.jsonl
 """
 
 from __future__ import annotations
@@ -25,6 +37,13 @@ from shardlib.planner.candidate import candidate
 from shardlib.planner.coefficients import COEFFICIENTS
 
 FREE = tuple(COEFFICIENTS)
+REMAT_RECORDS = "shardlib/planner/remat_probes.jsonl"
+"""The compiled ``remat`` and ``scale`` probe groups (jax 0.10.2, CPU, fp32)."""
+FREE_SETS: dict[str, tuple[str, ...]] = {
+    "remat": tuple(k for k in FREE if k.startswith(("selective_", "full_", "remat_"))),
+}
+"""Coefficient subsets ``--free`` refits alone (on ``--group remat`` and ``scale`` records):
+a change to one policy's buffers needs no recompile of the other probes."""
 
 Probe = tuple[ParallelPlan, str]
 """A plan and the workload it is compiled on (``TrainConfig`` words: model, batch, seq and
@@ -145,7 +164,58 @@ PIPELINE_PROBES: tuple[Probe, ...] = (
         "batch=16 model.layers=8",
     ),
 )
-PROBES += CONTEXT_PROBES + MOE_PROBES + PIPELINE_PROBES
+# Published widths at tensor 1-8, with the buffers that grow with them (issue 15): 7B-class
+# (h 4096), 39B-class (h 8192) and 175B-class (h 12288) layers, seq 2048, a few layers each
+# (the per-layer parts scale with the count; held-out validation runs the full depth:
+# ``benchmarks/planner_scale_validation.py``). Every remat policy, ZeRO-1/2, 1F1B and
+# interleaved pipelines; 8 devices, so the fit never needs a large simulated mesh.
+_W7 = "model=llama-7b seq=2048"
+_W39 = "model=llama-70b model.kv_heads=64 model.mlp=21760 model.vocab=51200 seq=2048"
+_W175 = (
+    "model=llama-70b model.embed=12288 model.heads=96 model.kv_heads=96 model.mlp=32768 "
+    "model.vocab=51200 seq=2048"
+)
+SCALE_PROBES: tuple[Probe, ...] = (
+    # activations outweigh the parameters here (the rest are weight-heavy at 2 layers)
+    (candidate(tensor=8, remat="selective"), f"{_W7} batch=8 model.layers=4"),
+    (candidate(tensor=8, remat="full"), f"{_W7} batch=8 model.layers=4"),
+    (candidate(tensor=8, remat="selective"), f"{_W7} batch=2 model.layers=2"),
+    (candidate(tensor=8, remat="selective"), f"{_W175} batch=1 model.layers=2"),
+    (candidate(fsdp=2, tensor=4, remat="selective"), f"{_W39} batch=2 model.layers=2"),
+    (candidate(fsdp=4, tensor=2, remat="selective"), f"{_W175} batch=4 model.layers=2"),
+    (candidate(tensor=8, remat="full"), f"{_W175} batch=2 model.layers=4"),
+    (candidate(fsdp=2, tensor=4, remat="full"), f"{_W7} batch=4 model.layers=4"),
+    (candidate(tensor=8), f"{_W39} batch=1 model.layers=2"),
+    (
+        candidate(data=2, tensor=4, zero=1, microbatches=2, remat="selective"),
+        f"{_W39} batch=4 model.layers=2",
+    ),
+    (
+        candidate(data=2, tensor=4, zero=2, microbatches=2, remat="full"),
+        f"{_W7} batch=4 model.layers=2",
+    ),
+    (
+        candidate(stage=2, tensor=4, schedule="bounded", microbatches=4, remat="full"),
+        f"{_W39} batch=4 model.layers=4",
+    ),
+    (
+        candidate(stage=2, tensor=4, schedule="bounded", microbatches=2, remat="selective"),
+        f"{_W7} batch=4 model.layers=4",
+    ),
+    (
+        candidate(stage=2, tensor=4, schedule="circular", virtual=2, microbatches=2, remat="full"),
+        f"{_W39} batch=2 model.layers=4",
+    ),
+)
+GROUPS: dict[str, tuple[Probe, ...]] = {
+    "small": PROBES + CONTEXT_PROBES + MOE_PROBES + PIPELINE_PROBES,
+    "scale": SCALE_PROBES,
+}
+GROUPS["remat"] = tuple(
+    (plan, words) for plan, words in GROUPS["small"] if plan.remat.policy != "none"
+)
+"""The small probes with a remat policy: what ``--free remat`` refits besides ``scale``."""
+PROBES = GROUPS["small"] + SCALE_PROBES
 PROBE_BASE = "model=llama-small seq=128"
 
 
@@ -192,7 +262,7 @@ def predicted_memory(record: dict, calib) -> float:
     return estimate(workload, plan, backend="cpu", calib=calib).memory_bytes
 
 
-def fit(records: list[dict], rounds: int = 60) -> dict[str, float]:
+def fit(records: list[dict], rounds: int = 60, free: tuple[str, ...] = FREE) -> dict[str, float]:
     """Fit the free coefficients to compiled memory, minimising the *worst* relative error.
 
     The target is a bound on every plan (the issue's "within 10%"), not a good average, so
@@ -200,11 +270,13 @@ def fit(records: list[dict], rounds: int = 60) -> dict[str, float]:
     solution: each round multiplies a probe's weight by its current error, so the probes
     the fit serves worst pull hardest in the next round.
     """
-    zero = dict.fromkeys(FREE, 0.0)
+    zero = {**COEFFICIENTS, **dict.fromkeys(free, 0.0)}  # the rest stay as they are
     rows, target = [], []
     for r in records:
         base = predicted_memory(r, zero)
-        cols = [predicted_memory(r, {**zero, k: 1.0}) - base for k in FREE]
+        cols = [predicted_memory(r, {**zero, k: 1.0}) - base for k in free]
+        if not any(cols):  # no coefficient being fitted reaches this probe
+            continue
         rows.append([c / r["memory"] for c in cols])
         target.append((r["memory"] - base) / r["memory"])
     a, b = np.array(rows), np.array(target)
@@ -218,7 +290,8 @@ def fit(records: list[dict], rounds: int = 60) -> dict[str, float]:
             best, best_err = coef, err.max()
         weights = weights * np.maximum(err, 1e-9)
         weights /= weights.sum()
-    return {k: round(float(v), 3) for k, v in zip(FREE, best, strict=True)}
+    fitted = {k: round(float(v), 3) for k, v in zip(free, best, strict=True)}
+    return {**COEFFICIENTS, **fitted}
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -239,24 +312,32 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description="fit the planner's memory coefficients")
-    parser.add_argument("--records", help="JSON lines of earlier measurements: fit only")
+    parser.add_argument("--records", nargs="*", help="JSON lines of earlier measurements: fit only")
     parser.add_argument("--save", help="write the measurements here (JSON lines)")
+    parser.add_argument("--group", choices=tuple(GROUPS), help="compile only these probes")
+    parser.add_argument(
+        "--free",
+        choices=tuple(FREE_SETS),
+        help="refit only these coefficients (the rest keep coefficients.py's values)",
+    )
     args = parser.parse_args(argv)
     if args.records:
-        with open(args.records) as f:
-            records = [json.loads(line) for line in f if line.startswith("{")]
+        records = []
+        for path in args.records:
+            with open(path) as f:
+                records += [json.loads(line) for line in f if line.startswith("{")]
     else:
         import shardlib
 
         shardlib.simulate_cpu_devices(8)
         records = []
-        for plan, words in PROBES:
+        for plan, words in GROUPS[args.group] if args.group else PROBES:
             records.append(measure(plan, f"{PROBE_BASE} {words}"))
             print(json.dumps(records[-1]), file=sys.stderr, flush=True)
     if args.save:
         with open(args.save, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    coefficients = fit(records)
+    coefficients = fit(records, free=FREE_SETS[args.free] if args.free else FREE)
     worst = 0.0
     for r in records:
         ratio = predicted_memory(r, coefficients) / r["memory"]

@@ -29,12 +29,17 @@ def flops(ctx: Context) -> Contribution:
     return Contribution(flops=3 * forward + extra)
 
 
-def layer_activation_bytes(ctx: Context, micro_batch: int, policy: str | None = None) -> float:
-    """Bytes one layer saves for backward on one device, for one micro-batch."""
+def layer_activation_bytes(
+    ctx: Context, micro_batch: int, policy: str | None = None, *, scores: bool = True
+) -> float:
+    """Bytes one layer saves for backward on one device, for one micro-batch (``scores``:
+    with the attention scores' part)."""
     w, p, c = ctx.w, ctx.p, ctx.calib
     tokens = micro_batch * ctx.local_seq
     policy = p.remat if policy is None else policy
     k = remat.saved_coefficients(policy, c)
+    if not scores:
+        k["scores"] = 0.0
     qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
     if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
         attention = c["ring_saved_qkv"] * qkv / p.tensor if policy == "none" else 0.0
@@ -68,11 +73,13 @@ def activations(ctx: Context, in_flight: float = 1, head_batch: int | None = Non
     per_layer = layer_activation_bytes(ctx, b)
     saved = per_layer * ctx.layers_per_device * in_flight
     working = 0.0
-    if ctx.p.remat != "none" and ctx.p.context == 1:  # the recomputed probabilities
+    w, p, c = ctx.w, ctx.p, ctx.calib
+    if p.remat != "none" and p.context == 1:  # the recomputed probabilities
         # of one layer are live again (ring attention keeps no score matrix)
-        w, p = ctx.w, ctx.p
         scores = w.heads * ctx.local_seq / p.tensor
-        working = ctx.calib["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
+        working = c["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
+    if p.remat == "full":  # and the rest of the recomputed layer: part of the none set
+        working += c["full_layer_live"] * layer_activation_bytes(ctx, b, "none", scores=False)
     working += context.ring_working_bytes(ctx, b) + expert.moe_working_bytes(ctx, b)
     return Contribution(
         memory={

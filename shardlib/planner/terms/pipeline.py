@@ -119,6 +119,19 @@ def layer_sets_saved(ctx: Context) -> float:
     return ctx.trips / v
 
 
+def stage_inputs_saved(ctx: Context) -> int:
+    """Stage inputs (b·s·h each) the 1F1B ring keeps per device: 2·v·p - 1.
+
+    A micro-batch's input waits on its stage from its forward until its backward, 2(p-1)
+    trips later for v = 1 (the lockstep schedule); with v virtual stages per device each of
+    the v chunks holds its own (Narayanan et al. 2021). The one parameter an interleaved
+    1F1B schedule changes in the memory model: the residuals of one stage at a time and the
+    accumulated gradients do not grow with v or m.
+    """
+    p = ctx.p
+    return 2 * p.virtual * p.stage - 1
+
+
 def gradient_reductions(ctx: Context, *, per_replica: bool = False) -> tuple[float, float]:
     """Times per step (per-layer gradients: per layer; the rest) gradients are reduced.
 
@@ -195,10 +208,10 @@ def pipeline(ctx: Context) -> Contribution:
                     )
                 )
     bubble, recompute = extra_flops(ctx)
-    # 1F1B keeps its ring of 2p-1 saved stage inputs (its accumulated gradients: ``state``);
+    # 1F1B keeps its ring of saved stage inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
     if p.schedule == "bounded":
-        buffers = (2 * p.stage - 1) * bsh
+        buffers = stage_inputs_saved(ctx) * bsh
     else:
         c = ctx.calib
         tokens = head_batch(ctx) * ctx.local_seq

@@ -19,6 +19,8 @@ from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
+RECOMPUTED_PER_LAYER = 1
+"""Under full remat: the attention output's all-reduce, recomputed before the backward."""
 
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
@@ -47,12 +49,14 @@ def tensor(ctx: Context) -> Contribution:
         m = ctx.trips
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
-    # all-reduce is not needed for the backward pass)
+    # all-reduce is not needed for the backward pass). Both at once compose: the 1F1B
+    # stage's recomputed forward, then each layer's own recompute inside its backward
+    # (compiled, 39B/146B-class layouts: 7 all-reduces per layer and loop trip; issue 15)
     forward = FORWARD_PER_LAYER
     if p.stage > 1 and p.schedule == "bounded":
         forward += FORWARD_PER_LAYER
-    elif p.remat == "full":
-        forward += 1
+    if p.remat == "full":
+        forward += RECOMPUTED_PER_LAYER
     per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
     if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
         per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
