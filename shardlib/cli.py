@@ -58,7 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         )
         return c
 
-    command("train", "train on the mesh")
+    t = command("train", "train on the mesh")
+    t.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="DS_CONFIG_JSON",
+        help="a DeepSpeed config: its batch, ZeRO, precision, optimizer and scheduler become "
+        "settings (NAME=VALUE words still override); --mesh then only sets the device count",
+    )
     e = command("explain", "compile the train step and report its layout; runs nothing")
     e.add_argument("--json", default=None, help="also write the report as JSON here")
     par = command("parity", "compare losses and gradients with a one-device run")
@@ -106,12 +113,33 @@ def _prepare(args) -> tuple:
     # [mesh] and [parallel.*] make the plan; [train] holds typed settings (the planner's too)
     plan = ParallelPlan.from_mesh_spec(spec)
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
+    if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
+        base = _deepspeed_base(args.deepspeed, len(jax.devices()), spec)
     overrides = list(args.overrides)
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
     cfg = parse_overrides(overrides, base)
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
+
+
+def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
+    """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
+    command and what needed no counterpart."""
+    import dataclasses
+
+    from shardlib.mesh import mesh_spec
+    from shardlib.parallel import ParallelPlan
+    from shardlib.train.config import TrainConfig, override
+    from shardlib.train.deepspeed import load_deepspeed
+
+    ds = load_deepspeed(path, devices)
+    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=spec.platform, source=path)
+    console = Console(stderr=True)
+    console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
+    for note in ds.notes:
+        console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
+    return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
 
 
 def cmd_train(args, console: Console) -> int:
