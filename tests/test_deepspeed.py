@@ -143,8 +143,14 @@ def test_every_unsupported_key_is_named_in_one_error():
     with pytest.raises(ShardingError) as err:
         from_deepspeed(bad, devices=8)
     text = str(err.value)
-    for key in ("optimizer.type", "flops_profiler", "fp16.loss_scale", "prescale_gradients",
-                "zero_optimization.offload_param.device", "train_micro_batch_size_per_gpu"):
+    for key in (
+        "optimizer.type",
+        "flops_profiler",
+        "fp16.loss_scale",
+        "prescale_gradients",
+        "zero_optimization.offload_param.device",
+        "train_micro_batch_size_per_gpu",
+    ):
         assert key in text, key
     assert "0/1 Adam" in text and "6 unsupported" in text
 

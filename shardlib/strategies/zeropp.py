@@ -75,7 +75,6 @@ def _gather_fwd(x_N, axes, weight_bits, grad_bits):
 def _gather_bwd(axes, weight_bits, grad_bits, _, ct_GN):
     if not grad_bits:
         return (jax.lax.psum_scatter(ct_GN, axes, scatter_dimension=0),)
-    g = ct_GN.shape[0]
     ct_GBK = jax.vmap(lambda row: _blocks(row)[0])(ct_GN.astype(jnp.float32))
     codes, scale = quantize_blocks(ct_GBK, grad_bits)  # row j: my part of device j's chunk
     got = jax.lax.all_to_all(codes, axes, 0, 0, tiled=True)  # [G, blocks, K or K/2] int
@@ -102,14 +101,22 @@ def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
 
 
 def gather_leaf(x, spec: P, *, axes, hpz: bool, weight_bits: int, grad_bits: int, dtype):
-    """One parameter from its ZeRO-3 shard to its full shape (hpZ: in two hops)."""
+    """One parameter from its ZeRO-3 shard to its full shape.
+
+    On a ``data x fsdp`` mesh the gather runs in two hops, across nodes (``data``) then
+    inside them (``fsdp``), with or without hpZ: the bytes equal one flat gather's, and each
+    axis's share shows. hpZ only decides what the backward pass starts from: the secondary
+    partition (after the first hop) is kept, so only the intra-node hop runs again.
+    """
     d = _sharded_dim(spec, axes)
     if d is None:
         return x.astype(dtype)
     x0 = jnp.moveaxis(x, d, 0).astype(dtype)  # [s_d / G, ...rest]
     flat = x0.reshape(-1)
-    if hpz:  # axes = (data, fsdp): cross-node hop, keep, intra-node hop
-        secondary_DN = gather(flat, axes[:1], weight_bits, grad_bits)  # kept for backward
+    if len(axes) == 2:  # (data, fsdp): cross-node hop, then intra-node hop
+        secondary_DN = gather(flat, axes[:1], weight_bits, grad_bits)  # [D, n]
+        if not hpz:  # plain ZeRO-3: the backward pass gathers across nodes again
+            secondary_DN = jax.ad_checkpoint.checkpoint_name(secondary_DN, GATHERED)
         inner_FDN = gather(secondary_DN.reshape(-1), axes[1:], weight_bits, grad_bits)
         f, dn = inner_FDN.shape
         full_GN = inner_FDN.reshape(f, dn // flat.size, flat.size).swapaxes(0, 1)

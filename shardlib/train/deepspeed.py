@@ -293,7 +293,8 @@ def from_deepspeed(config: Mapping, devices: int) -> DeepSpeedPlan:
     r.leftovers()
     if r.refused:
         raise ShardingError(
-            f"ds_config: {len(r.refused)} unsupported setting(s): " + "; ".join(r.refused)
+            f"ds_config: {len(r.refused)} unsupported setting(s): "
+            + "; ".join(r.refused)
             + ". Fix: remove or change them (shardlib README, 'DeepSpeed users')."
         )
     return DeepSpeedPlan(settings=settings, mesh=mesh, notes=tuple(r.notes))
