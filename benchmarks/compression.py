@@ -1,6 +1,6 @@
 """1-bit Adam and ZeRO++: wire bytes per device per step against the papers, and loss curves.
 
-    python benchmarks/compression.py            # bytes (compile only) + 150-step curves
+    python benchmarks/compression.py            # bytes (compile only) + 120-step curves
     python benchmarks/compression.py --steps 0  # bytes only
 
 Bytes: each program is compiled on 8 simulated CPU devices from abstract shapes (nothing
@@ -13,7 +13,9 @@ runs) and its optimized HLO's collectives are summed by kind, dtype and mesh axi
   bf16 collectives in fp32, so the baseline is measured in fp32 and the paper's fp16
   figure is half of it: qwZ's int8 gather ~ 1/2 of fp16 (1/4 of fp32), qgZ's int4
   all-to-all ~ 1/4 of the fp16 reduce-scatter, hpZ's cross-node backward gather -> 0; all
-  three: cross-node bytes 3Ψ (fp16) -> 0.75Ψ.
+  three: cross-node bytes 3Ψ (fp16) -> 0.75Ψ. On data=2 x fsdp=4 ("2 nodes of 4") every
+  gather runs in two hops (across, then inside nodes), so the cross-node share is the
+  ``data`` axis's bytes: (D-1)/N · Ψ elements per hop.
 
 Curves: the default data (the embedded stdlib corpus), llama-tiny, 8 simulated devices,
 the same steps and schedule for AdamW, 1-bit Adam (warm-up 20% of the steps) and ZeRO++
@@ -148,14 +150,15 @@ def wire_rows(model: str, console) -> list[tuple]:
         }
         axes = {k: collective_bytes(_grad_program(s), nodes) for k, s in two.items()}
         cross = total(axes["exact"], axis="data") / 2  # fp16 form of ZeRO-3's cross-node
-        half = psi / 2  # (D-1)/D · Ψ with D = 2 nodes, per fp16 collective: Ψ bytes
-        rows.append(("ZeRO-3 cross-node (data axis), all three (fp16 form)", cross, 3 * half * 2,
-                     "3 collectives · (D-1)/D · 2Ψ"))  # fmt: skip
-        rows.append(("hpZ: cross-node backward all-gather", total(axes["hpz"], "all-gather",
-                     axis="data") - total(axes["exact"], "all-gather", axis="data") / 2, 0.0,
+        hop = (2 - 1) / n * 2 * psi  # one data hop: (D-1)/N · Ψ elements of 2 bytes, D = 2
+        rows.append(("ZeRO-3 cross-node (data axis), 3 hops (fp16 form)", cross, 3 * hop,
+                     "3 · (D-1)/N · 2Ψ (fwd gather, bwd gather, grad)"))  # fmt: skip
+        bwd = total(axes["hpz"], "all-gather", axis="data") - total(
+            axes["exact"], "all-gather", axis="data") / 2  # fmt: skip
+        rows.append(("hpZ: cross-node backward all-gather", bwd, 0.0,
                      "-> 0 (the forward one stays)"))  # fmt: skip
         rows.append(("qwZ + hpZ + qgZ: cross-node total", total(axes["all"], axis="data"),
-                     0.25 * 3 * half * 2, "0.75Ψ of 3Ψ: 1/4 of ZeRO-3 (paper)"))  # fmt: skip
+                     0.75 * hop, "(1/2 + 0 + 1/4) of 3 hops (paper: 3Ψ -> 0.75Ψ)"))  # fmt: skip
     return rows, psi
 
 
@@ -183,8 +186,8 @@ def curves(steps: int, console) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150, help="curve length (0: bytes only)")
-    parser.add_argument("--model", default="llama-small", help="model for the byte counts")
+    parser.add_argument("--steps", type=int, default=120, help="curve length (0: bytes only)")
+    parser.add_argument("--model", default="llama-tiny", help="model for the byte counts")
     args = parser.parse_args()
     shardlib.simulate_cpu_devices(8)
     from rich.console import Console

@@ -21,6 +21,7 @@ from shardlib.compression import (
     quantize_blocks,
     unpack_signs,
 )
+from shardlib.errors import ShardingError
 from shardlib.parity import one_device, random_state, trace
 from shardlib.train.config import train_config
 from shardlib.train.onebit import compressed_allreduce, padded_size
@@ -33,17 +34,24 @@ BASE = dict(batch=16, seq=16, steps=3, schedule="constant", lr=1e-2, weight_deca
 
 
 def test_codes_round_trip_and_keep_what_they_lose():
+    @jax.jit  # one compile for every code
+    def codes(x):
+        packed, scale, err = onebit_compress(x)
+        q = {bits: quantize_blocks(x, bits) for bits in (8, 4)}
+        back = {bits: dequantize_blocks(*q[bits], bits) for bits in (8, 4)}
+        signs = unpack_signs(pack_signs(x))
+        return signs, packed, onebit_decompress(packed, scale) + err, q, back
+
     x = jax.random.normal(jax.random.key(0), (4, 64))
-    assert np.array_equal(unpack_signs(pack_signs(x)), np.where(x >= 0, 1.0, -1.0))
-    packed, scale, err = onebit_compress(x)
+    signs, packed, rebuilt, q, back = codes(x)
+    assert np.array_equal(signs, np.where(x >= 0, 1.0, -1.0))
     assert packed.dtype == jnp.uint8 and packed.shape == (4, 8)
-    np.testing.assert_allclose(onebit_decompress(packed, scale) + err, x, atol=1e-6)
+    np.testing.assert_allclose(rebuilt, x, atol=1e-6)  # code + error = input
     for bits, width in ((8, 64), (4, 32)):
-        codes, s = quantize_blocks(x, bits)
-        assert codes.shape == (4, width)  # int4: two codes per byte
-        top = 2 ** (bits - 1) - 1
-        assert np.all(np.abs(dequantize_blocks(codes, s, bits) - x) <= s[:, None] / 2 + 1e-6)
-        assert np.allclose(s, np.abs(x).max(-1) / top)
+        c, s = q[bits]
+        assert c.shape == (4, width)  # int4: two codes per byte
+        assert np.all(np.abs(back[bits] - x) <= s[:, None] / 2 + 1e-6)
+        assert np.allclose(s, np.abs(x).max(-1) / (2 ** (bits - 1) - 1))
 
 
 def test_compressed_allreduce_error_feedback_and_its_uint8_collectives():
@@ -60,6 +68,7 @@ def test_compressed_allreduce_error_feedback_and_its_uint8_collectives():
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))
     x = jax.random.normal(jax.random.key(1), (n, size))
     w, s = jnp.zeros((n, size)), jnp.zeros((size,))
+    step = step.lower(x, w, s).compile()
     exact = np.asarray(x.mean(0))
     outs = []
     for _ in range(30):
@@ -73,10 +82,19 @@ def test_compressed_allreduce_error_feedback_and_its_uint8_collectives():
         err(10),
         err(30),
     )
-    found = collective_bytes(step.lower(x, w, s).compile().as_text(), mesh)
+    found = collective_bytes(step.as_text(), mesh)
     assert found[("all-to-all", "u8")]["buffer_bytes"] == size // 8  # signs of P
     assert found[("all-gather", "u8")]["buffer_bytes"] == size // 8
     assert ("all-reduce", "f32") not in found  # no full-precision sum
+
+
+def test_layouts_the_compressed_paths_do_not_cover_are_refused():
+    with pytest.raises(ShardingError, match="onebit_adam.*zero=1.*Fix"):
+        make_setup(train_config(optimizer="onebit_adam", zero=1, **BASE),
+                   shardlib.mesh_spec(data=8).build(jax.devices()[:8]))  # fmt: skip
+    with pytest.raises(ShardingError, match="ZeRO\\+\\+.*hpz without a data x fsdp.*Fix"):
+        make_setup(train_config(zero=3, hpz=True, **BASE),
+                   shardlib.mesh_spec(data=8).build(jax.devices()[:8]))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +130,8 @@ def test_onebit_adam_exact_warmup_then_uint8_momentum(one_device_adam):
 
 @pytest.mark.slow
 def test_zeropp_exact_parity_quantized_closeness_and_bytes():
-    """hpZ alone is exact: first-step gradients equal one device's. qwZ + qgZ (int4, summed
+    """hpZ alone is exact: first-step gradients equal one device's, and its backward pass
+    gathers inside nodes only. qwZ + qgZ (int4, summed
     over 8 devices after two quantized hops): within 35%;
     weights cross as int8 and gradients as packed int4, a quarter of fp32 bytes."""
     from shardlib.parity import first_grads
@@ -145,3 +164,8 @@ def test_zeropp_exact_parity_quantized_closeness_and_bytes():
     )
     for axis in ("data", "fsdp"):  # int8 + one fp32 scale per block vs fp32
         assert 0.2 < gathered(q, axis) / gathered(e, axis) < 0.3
+    # hpZ, exact: across nodes (data, D = 2) only the forward hop, (D-1)/D of Ψ/F fp32;
+    # inside a node (fsdp, F = 4) the forward and the backward gather, (F-1)/F of Ψ each
+    psi = 4 * sum(x.size for x in jax.tree.leaves(params))
+    assert gathered(e, "data") == pytest.approx(0.5 * psi / 4)
+    assert gathered(e, "fsdp") == pytest.approx(2 * 0.75 * psi)

@@ -5,11 +5,14 @@ ZeRO++ tutorial's and the 1-bit Adam tutorial's (BERT pre-training / SQuAD fine-
 Pure mapping: nothing is compiled.
 """
 
+import math
+
 import pytest
 
 from shardlib.errors import ShardingError
 from shardlib.train.config import TrainConfig, override
 from shardlib.train.deepspeed import from_deepspeed
+from shardlib.train.optim import schedule
 
 # deepspeed.ai/docs/config-json: the optimizer, scheduler, fp16 and ZeRO examples in one file
 CONFIG_JSON = {
@@ -160,3 +163,23 @@ def test_inconsistent_batch_is_refused_naming_the_three_values():
            "gradient_accumulation_steps": 1}  # fmt: skip
     with pytest.raises(ShardingError, match="train_micro_batch_size_per_gpu=3.*8 of 8"):
         from_deepspeed(bad, devices=8)
+
+
+def test_scheduler_examples_with_deepspeeds_log_warmup():
+    """WarmupLR's default warm-up is DeepSpeed's log ramp: lr * log(step + 1) / log(warmup);
+    WarmupDecayLR then decays linearly to 0 at total_num_steps."""
+    ds = from_deepspeed(
+        {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": 100, "warmup_max_lr": 0.01, "warmup_num_steps": 10}}},
+        devices=8,
+    )  # fmt: skip
+    cfg = override(TrainConfig(), ds.settings)
+    assert cfg.run.steps == 100 and cfg.optimizer.warmup_type == "log"
+    lr = schedule(cfg.optimizer, cfg.run.steps)
+    assert abs(float(lr(4)) - 0.01 * math.log(5) / math.log(10)) < 1e-7
+    assert abs(float(lr(55)) - 0.005) < 1e-6 and float(lr(100)) == 0.0
+    cos = from_deepspeed({"train_batch_size": 8, "scheduler": {"type": "WarmupCosineLR",
+                          "params": {"total_num_steps": 50, "warmup_num_steps": 5,
+                                     "warmup_type": "linear"}}}, devices=8)  # fmt: skip
+    assert cos.settings["optimizer.schedule"] == "warmup_cosine"
+    assert cos.settings["optimizer.min_lr_ratio"] == 0.0001

@@ -39,7 +39,6 @@ from shardlib.layout import suspend_layout
 from shardlib.mesh import Axis
 
 BLOCK = 256  # elements per quantization block (one fp32 scale each): 1.6% on int8
-GATHERED = "zeropp_gathered"  # checkpoint name of the rebuilt weights: never kept
 
 
 def _blocks(x_N: jax.Array) -> tuple[jax.Array, int]:
@@ -100,30 +99,34 @@ def _sharded_dim(spec: P, axes: tuple[str, ...]) -> int | None:
     return None
 
 
-def gather_leaf(x, spec: P, *, axes, hpz: bool, weight_bits: int, grad_bits: int, dtype):
-    """One parameter from its ZeRO-3 shard to its full shape.
+def _hops(spec: P, shape: tuple, *, axes, weight_bits: int, grad_bits: int, dtype):
+    """One parameter's gather as two functions, shard -> secondary -> full.
 
-    On a ``data x fsdp`` mesh the gather runs in two hops, across nodes (``data``) then
-    inside them (``fsdp``), with or without hpZ: the bytes equal one flat gather's, and each
-    axis's share shows. hpZ only decides what the backward pass starts from: the secondary
-    partition (after the first hop) is kept, so only the intra-node hop runs again.
+    On a ``data x fsdp`` mesh the first hop gathers across nodes (``data``): its result,
+    the weight split over ``fsdp`` only, is hpZ's secondary partition; the second hop
+    gathers inside the node. On a single axis the first hop is a cast and the second the
+    whole gather. A replicated parameter (no split dim) needs neither.
     """
     d = _sharded_dim(spec, axes)
     if d is None:
-        return x.astype(dtype)
-    x0 = jnp.moveaxis(x, d, 0).astype(dtype)  # [s_d / G, ...rest]
-    flat = x0.reshape(-1)
-    if len(axes) == 2:  # (data, fsdp): cross-node hop, then intra-node hop
-        secondary_DN = gather(flat, axes[:1], weight_bits, grad_bits)  # [D, n]
-        if not hpz:  # plain ZeRO-3: the backward pass gathers across nodes again
-            secondary_DN = jax.ad_checkpoint.checkpoint_name(secondary_DN, GATHERED)
-        inner_FDN = gather(secondary_DN.reshape(-1), axes[1:], weight_bits, grad_bits)
-        f, dn = inner_FDN.shape
-        full_GN = inner_FDN.reshape(f, dn // flat.size, flat.size).swapaxes(0, 1)
-    else:
-        full_GN = gather(flat, axes, weight_bits, grad_bits)
-    full = full_GN.reshape(-1, *x0.shape[1:])
-    return jax.ad_checkpoint.checkpoint_name(jnp.moveaxis(full, 0, d), GATHERED)
+        return (lambda x: x.astype(dtype)), (lambda a: a)
+    moved = (shape[d], *shape[:d], *shape[d + 1 :])  # [s_d / G, ...rest]
+    two = len(axes) == 2
+
+    def first(x):
+        flat = jnp.moveaxis(x, d, 0).astype(dtype).reshape(-1)
+        return gather(flat, axes[:1], weight_bits, grad_bits) if two else flat  # [D, n] | [n]
+
+    def second(a):
+        if two:  # [D, n] -> [F, D n] -> [D, F, n]: data-major order of the shards
+            d_, n = a.shape
+            full_FDN = gather(a.reshape(-1), axes[1:], weight_bits, grad_bits)
+            full_GN = full_FDN.reshape(-1, d_, n).swapaxes(0, 1)
+        else:
+            full_GN = gather(a, axes, weight_bits, grad_bits)
+        return jnp.moveaxis(full_GN.reshape(-1, *moved[1:]), 0, d)
+
+    return first, second
 
 
 def batch_axes(setup) -> tuple[str, ...]:
@@ -153,28 +156,59 @@ def value_and_grad(setup, loss_fn):
 
     ``loss_fn(params, tokens) -> (loss, metrics)`` is the full-model loss; parameters and
     gradients are in their ZeRO-3 layouts (``setup.param_specs``).
+
+    ZeRO-3 frees gathered weights after forward and gathers them again for backward. Here
+    the loss is a ``custom_vjp`` that keeps only the shards (hpZ: the secondary partition)
+    and whose backward gathers again and runs the model's forward and backward from there
+    (a full recompute: +1 forward of FLOPs). The backward's input is tied to the forward's loss
+    by adding ``0 * loss``; XLA would otherwise merge the two identical gathers (it does
+    so through ``jax.checkpoint``'s and optimization barriers on CPU, seen with jax 0.10.2).
     """
     data, axes = setup.plan.data, batch_axes(setup)
     n = math.prod(setup.plan.mesh_axes[a] for a in axes)
-    w_bits = 8 if data.quantized_weights else 0
-    g_bits = data.gradient_bits if data.quantized_gradients else 0
-    specs = setup.param_specs
-    leaf = partial(
-        gather_leaf, axes=axes, hpz=data.hpz, weight_bits=w_bits, grad_bits=g_bits,
+    opts = dict(
+        axes=axes, weight_bits=8 if data.quantized_weights else 0,
+        grad_bits=data.gradient_bits if data.quantized_gradients else 0,
         dtype=setup.compute_dtype,
     )  # fmt: skip
-    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    specs, is_spec = setup.param_specs, (lambda s: isinstance(s, P))
+    hpz = data.hpz
 
     def body(params, tokens_BL1):
-        def local(p):
-            full = jax.tree.map(lambda s, x: leaf(x, s), specs, p, is_leaf=is_spec)
+        hops = jax.tree.map(lambda s, x: _hops(s, x.shape, **opts), specs, params, is_leaf=is_spec)
+        is_hop = lambda h: isinstance(h, tuple) and callable(h[0])  # noqa: E731
+        first = lambda p: jax.tree.map(lambda h, x: h[0](x), hops, p, is_leaf=is_hop)  # noqa: E731
+        second = lambda a: jax.tree.map(lambda h, x: h[1](x), hops, a, is_leaf=is_hop)  # noqa: E731
+
+        def model(full):
             with suspend_layout():
                 loss, extra = loss_fn(full, tokens_BL1)
             return loss / n, extra  # the reduce-scatters sum: a mean over devices
 
-        policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-        grad_fn = jax.value_and_grad(jax.checkpoint(local, policy=policy), has_aux=True)
-        (loss, extra), grads = grad_fn(params)
+        @jax.custom_vjp
+        def loss_of_shards(p):
+            return model(second(first(p)))
+
+        def fwd(p):
+            a = first(p)  # forward gathers (cross-node hop first)
+            out = model(second(a))
+            return out, (a if hpz else p, out[0])  # hpZ keeps the secondary partition
+
+        def bwd(res, ct):
+            kept, loss = res
+            # + 0 * loss: a data dependence XLA cannot fold (the loss is only known at run
+            # time), so these gathers run after the forward pass instead of being merged
+            zero = loss * 0.0
+            kept = jax.tree.map(lambda k: k + zero.astype(k.dtype), kept)
+            if hpz:  # intra-node gather again, then the cross-node hop's reduce-scatter
+                _, vjp_second = jax.vjp(lambda a: model(second(a)), kept)
+                _, vjp_first = jax.vjp(first, params)  # primal unused: only its transpose
+                return vjp_first(*vjp_second(ct))
+            _, vjp = jax.vjp(lambda p: model(second(first(p))), kept)
+            return vjp(ct)
+
+        loss_of_shards.defvjp(fwd, bwd)
+        (loss, extra), grads = jax.value_and_grad(loss_of_shards, has_aux=True)(params)
 
         def replicated(s, g):  # no sharded dim: an ordinary all-reduce
             return g if _sharded_dim(s, axes) is not None else jax.lax.psum(g, axes)

@@ -226,7 +226,7 @@ def _optimizer(r: _Reader) -> dict[str, Any]:
     return out
 
 
-def _scheduler(r: _Reader, lr: float | None) -> dict[str, Any]:
+def _scheduler(r: _Reader) -> dict[str, Any]:
     kind = r.get("scheduler.type")
     if kind is None:
         return {"optimizer.schedule": "constant"}
@@ -289,7 +289,7 @@ def from_deepspeed(config: Mapping, devices: int) -> DeepSpeedPlan:
     settings.update(_precision(r))
     opt = _optimizer(r)
     settings.update(opt)
-    settings.update(_scheduler(r, opt.get("optimizer.lr")))
+    settings.update(_scheduler(r))
     r.leftovers()
     if r.refused:
         raise ShardingError(
