@@ -161,7 +161,8 @@ def test_every_unsupported_key_is_named_in_one_error():
 def test_inconsistent_batch_is_refused_naming_the_three_values():
     bad = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
            "gradient_accumulation_steps": 1}  # fmt: skip
-    with pytest.raises(ShardingError, match="train_micro_batch_size_per_gpu=3.*8 of 8"):
+    bad["flops_profiler"] = {"enabled": True}  # one error names both
+    with pytest.raises(ShardingError, match="per_gpu=3.*8 of 8.*=24.*flops_profiler.enabled"):
         from_deepspeed(bad, devices=8)
 
 

@@ -164,12 +164,14 @@ def _batch(r: _Reader, devices: int, dp: int) -> dict[str, Any]:
         accum = total // (micro * dp)
     if micro * accum * dp != total or min(micro, accum) < 1:
         named = ", ".join(f"{k}={v}" for k, v in given.items())
-        raise ShardingError(
-            f"ds_config: {named} break DeepSpeed's identity train_batch_size = "
+        r.refuse(
+            "train_batch_size",
+            f"{named} break DeepSpeed's identity train_batch_size = "
             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel "
-            f"size ({dp} of {devices} devices). Fix: e.g. train_batch_size="
-            f"{(micro or 1) * (accum or 1) * dp}, or give two of the three."
+            f"size ({dp} of {devices} devices); e.g. train_batch_size="
+            f"{max(micro, 1) * max(accum, 1) * dp}, or give two of the three",
         )
+        return {}
     return {"data.batch": total, "parallel.data.microbatches": accum}
 
 
