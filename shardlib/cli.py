@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
         help="start from these parameters (a checkpoint_dir or a Hugging Face Llama "
         "directory) with a fresh optimizer: checkpoint.init_from=DIR",
     )
+    t.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="DS_CONFIG_JSON",
+        help="a DeepSpeed config: its batch, ZeRO, precision, optimizer and scheduler become "
+        "settings (NAME=VALUE words still override); --mesh then only sets the device count",
+    )
     g = command("generate", "continue a prompt with a KV cache on the mesh")
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a run's checkpoint_dir (latest step)")
@@ -142,6 +149,8 @@ def _prepare(args) -> tuple:
     # [mesh] and [parallel.*] make the plan; [train] holds typed settings (the planner's too)
     plan = ParallelPlan.from_mesh_spec(spec)
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
+    if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
+        base = _deepspeed_base(args.deepspeed, len(jax.devices()), spec)
     overrides = list(args.overrides)
     if getattr(args, "load_params", None):
         overrides.append(f"checkpoint.init_from={args.load_params}")
@@ -150,6 +159,25 @@ def _prepare(args) -> tuple:
     cfg = parse_overrides(overrides, base)
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
+
+
+def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
+    """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
+    command and what needed no counterpart."""
+    import dataclasses
+
+    from shardlib.mesh import mesh_spec
+    from shardlib.parallel import ParallelPlan
+    from shardlib.train.config import TrainConfig, override
+    from shardlib.train.deepspeed import load_deepspeed
+
+    ds = load_deepspeed(path, devices)
+    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=spec.platform, source=path)
+    console = Console(stderr=True)
+    console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
+    for note in ds.notes:
+        console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
+    return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
 
 
 def cmd_train(args, console: Console) -> int:

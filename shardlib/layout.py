@@ -47,6 +47,17 @@ def use_layout(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspend_layout() -> Iterator[None]:
+    """``constrain`` is a no-op inside: for code in a ``shard_map`` body, where arrays are
+    per-device blocks and a mesh-wide layout has no meaning."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def active_layout() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 

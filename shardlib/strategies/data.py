@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from shardlib.compression import check_bits
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
+from shardlib.strategies import zeropp
 from shardlib.strategies.fsdp import fsdp
 
 
@@ -37,15 +39,32 @@ class DataParallel:
     microbatches: int = 1
     """Gradient accumulation: the batch is split into this many sequential micro-batches
     (under a pipeline, each of them is split again into the pipeline's micro-batches)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ: ZeRO-3's weight all-gathers carry int8 blocks (``strategies/zeropp.py``)."""
+    hpz: bool = False
+    """ZeRO++ hpZ: on a ``data x fsdp`` mesh (nodes x devices per node) the backward weight
+    all-gather runs over ``fsdp`` alone, from a secondary partition kept after forward."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ: the gradient reduce-scatter is an all-to-all of quantized blocks."""
+    gradient_bits: int = 4
+    """qgZ code width: 4 (the paper's) or 8."""
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ShardingError(f"zero={self.zero}. Fix: use a ZeRO stage 0, 1, 2 or 3.")
         if self.microbatches < 1:
             raise ShardingError(f"microbatches={self.microbatches}. Fix: use 1 or more.")
+        check_bits(self.gradient_bits, "gradient_bits")
+
+    @property
+    def zeropp(self) -> bool:
+        """Whether any ZeRO++ part is on (the gradient then comes from ``zeropp``)."""
+        return self.quantized_weights or self.hpz or self.quantized_gradients
 
     def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
         """The batch splits into micro-batches, and each one over the batch's mesh axes."""
+        if self.zeropp:
+            zeropp.check(self, mesh_axes, rules)
         if target.batch % self.microbatches:
             raise ShardingError(
                 f"batch={target.batch} is not divisible by microbatches={self.microbatches}. "

@@ -112,13 +112,16 @@ class Optimizer:
     """The optax optimizer and its learning-rate schedule (``shardlib.train.optim``)."""
 
     name: str = "adamw"
-    """adamw, adam, sgd (momentum), lamb, lars or adafactor (all from optax)."""
+    """adamw, adam, sgd (momentum), lamb, lars or adafactor (all from optax), or onebit_adam
+    (1-bit Adam: compressed momentum communication after ``freeze_step``)."""
     lr: float = 3e-3
     """Peak learning rate."""
     schedule: str = "warmup_cosine"
     """Learning-rate schedule: constant, warmup_cosine, warmup_linear or inverse_sqrt."""
     warmup: int = 10
-    """Linear warm-up steps before the decay."""
+    """Warm-up steps before the decay."""
+    warmup_type: str = "linear"
+    """Warm-up shape: linear from 0, or log (DeepSpeed's WarmupLR default)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
     weight_decay: float = 0.1
@@ -127,6 +130,13 @@ class Optimizer:
     """Adam beta1."""
     b2: float = 0.95
     """Adam beta2."""
+    eps: float = 0.0
+    """Adam/LAMB epsilon; 0: the optimizer's own default (optax: 1e-8, LAMB 1e-6)."""
+    freeze_step: int = 20
+    """onebit_adam: full-precision Adam steps before the variance freezes and the momentum
+    is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
+    bias_correction: bool = True
+    """onebit_adam: Adam's bias correction (DeepSpeed's 1-bit Adam examples turn it off)."""
     clip_norm: float = 1.0
     """Global gradient-norm clipping threshold (0 disables it)."""
     momentum: float = 0.9

@@ -14,7 +14,8 @@ import optax
 from shardlib.errors import ShardingError
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam")
+WARMUPS = ("linear", "log")
 
 
 def check_optimizer(opt) -> None:
@@ -27,6 +28,15 @@ def check_optimizer(opt) -> None:
         raise ShardingError(
             f"config: schedule={opt.schedule!r}. Fix: use one of {', '.join(SCHEDULES)}."
         )
+    if opt.warmup_type not in WARMUPS:
+        raise ShardingError(
+            f"config: warmup_type={opt.warmup_type!r}. Fix: use one of {', '.join(WARMUPS)}."
+        )
+    if opt.freeze_step < 0 or opt.eps < 0:
+        raise ShardingError(
+            f"config: freeze_step={opt.freeze_step}, eps={opt.eps} must be >= 0. "
+            "Fix: e.g. freeze_step=20 (about 15-25% of the steps) and eps=1e-8."
+        )
 
 
 def schedule(cfg, steps: int) -> optax.Schedule:
@@ -37,8 +47,12 @@ def schedule(cfg, steps: int) -> optax.Schedule:
     """
     warmup = min(cfg.warmup, max(steps - 1, 0))
     end = cfg.lr * cfg.min_lr_ratio
+    ramp = _warmup_ramp(cfg.warmup_type, cfg.lr, warmup)
     if cfg.schedule == "constant":
         return optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "warmup_cosine" and cfg.warmup_type == "log" and warmup:
+        cosine = optax.cosine_decay_schedule(cfg.lr, max(steps - warmup, 1), cfg.min_lr_ratio)
+        return optax.join_schedules([ramp, cosine], [warmup])
     if cfg.schedule == "warmup_cosine":
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0 if warmup else cfg.lr,
@@ -58,7 +72,15 @@ def schedule(cfg, steps: int) -> optax.Schedule:
 
     if not warmup:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+    return optax.join_schedules([ramp, after], [warmup])
+
+
+def _warmup_ramp(kind: str, lr: float, warmup: int) -> optax.Schedule:
+    """0 -> lr over ``warmup`` steps: linear, or DeepSpeed's ``log`` warm-up
+    (``lr * log(step + 1) / log(warmup)``, WarmupLR's default ``warmup_type``)."""
+    if kind == "linear" or warmup < 2:
+        return optax.linear_schedule(0.0, lr, warmup)
+    return lambda count: lr * jnp.log(count + 1.0) / jnp.log(float(warmup))
 
 
 def decay_mask(params):
@@ -75,17 +97,27 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
+def _optimizer(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
     wd, mask = cfg.weight_decay, decay_mask
+    eps = {"eps": cfg.eps} if cfg.eps else {}  # 0: the optimizer's own default
     if cfg.name == "adamw":
-        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
+        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
     if cfg.name == "adam":  # no decay at all: that is what distinguishes it from adamw
-        return optax.adam(lr, b1=cfg.b1, b2=cfg.b2)
+        return optax.adam(lr, b1=cfg.b1, b2=cfg.b2, **eps)
+    if cfg.name == "onebit_adam":  # decoupled decay after the direction, as DeepSpeed's
+        from shardlib.train.onebit import scale_by_onebit_adam
+
+        direction = scale_by_onebit_adam(
+            b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-8, freeze_step=cfg.freeze_step, n=n,
+            steps=steps, bias_correction=cfg.bias_correction,
+        )  # fmt: skip
+        decay = [optax.add_decayed_weights(wd, mask)] if wd else []
+        return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
     if cfg.name == "sgd":
         sgd = optax.sgd(lr, momentum=cfg.momentum)
         return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
     if cfg.name == "lamb":
-        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
+        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
     if cfg.name == "lars":
         # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
         return optax.lars(
@@ -100,12 +132,17 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     )
 
 
-def build_optimizer(cfg, steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping (if set), then the named optimizer with the named schedule."""
+def build_optimizer(cfg, steps: int, data_devices: int = 1) -> optax.GradientTransformation:
+    """Global-norm clipping (if set), then the named optimizer with the named schedule.
+
+    ``data_devices``: the data axis 1-bit Adam compresses over. Its update sees each
+    device's local gradient, so its clipping uses the local norm (the averaged gradient is
+    never formed after warm-up).
+    """
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(_optimizer(cfg, schedule(cfg, steps)))
+    parts.append(_optimizer(cfg, schedule(cfg, steps), steps, data_devices))
     return optax.chain(*parts)
 
 

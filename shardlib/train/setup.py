@@ -120,6 +120,10 @@ class TrainSetup:
             self.mesh,
             self.plan.state_rules.opt_state,
         )
+        if self.cfg.optimizer.name == "onebit_adam":  # error buffers: one per device
+            from shardlib.train.onebit import error_specs
+
+            specs = error_specs(specs, self._abstract_opt_state)
         kind = HOST_MEMORY if self.plan.offload.optimizer else None
         return layouts.shardings(specs, self.mesh, kind)
 
@@ -237,6 +241,10 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     )
     plan = plan.for_target(target)
     plan.check(target)
+    if cfg.optimizer.name == "onebit_adam":
+        from shardlib.train.onebit import check_layout
+
+        check_layout(plan)
     with suggest_presets(batch=target.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(
@@ -247,5 +255,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         target=target,
         mesh=mesh,
         param_specs=specs,
-        tx=freeze_base(build_optimizer(cfg.optimizer, cfg.run.steps), cfg.lora.rank),
+        tx=freeze_base(
+            build_optimizer(cfg.optimizer, cfg.run.steps, plan.mesh_axes.get("data", 1)),
+            cfg.lora.rank,
+        ),
     )

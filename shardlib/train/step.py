@@ -17,6 +17,7 @@ from flax import nnx
 from shardlib.layout import constrain, use_layout
 from shardlib.ops import Packed, run_blocks
 from shardlib.staging import cast_params, master_blocks, on_device
+from shardlib.strategies import zeropp
 from shardlib.strategies.offload import DEVICE_MEMORY
 from shardlib.strategies.pipeline_stats import stats_tokens
 from shardlib.train import layouts, precision
@@ -185,6 +186,10 @@ def build_train_step(setup: TrainSetup):
     to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
     step with non-finite gradients changes neither parameters nor optimizer state.
     """
+    if setup.cfg.optimizer.name == "onebit_adam":  # its update communicates: shard_map
+        from shardlib.train.onebit import build_onebit_step
+
+        return build_onebit_step(setup)
     loss_fn = stop_base_gradients(make_loss_fn(setup, with_metrics=True), setup.cfg.lora.rank)
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
@@ -200,7 +205,10 @@ def build_train_step(setup: TrainSetup):
                 loss, extra = loss_fn(p, t)
                 return (loss * scale if scaled else loss), extra
 
-            grad_fn = grad_function(setup, fn, has_aux=True)  # bounded pipeline: its own
+            if plan.data.zeropp:  # quantized / hierarchical ZeRO-3 collectives
+                grad_fn = zeropp.value_and_grad(setup, fn)
+            else:
+                grad_fn = grad_function(setup, fn, has_aux=True)  # bounded pipeline: its own
             (loss, extra), grads = accumulate_grads(
                 fn,
                 params,
