@@ -63,8 +63,11 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     return loss_fn
 
 
-def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False):
-    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout."""
+def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None):
+    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout.
+
+    ``loss_scale``: the fp16 scale ``loss_fn`` multiplies its loss by (the bounded pipeline,
+    which computes its own gradients, applies it itself)."""
     rest = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
     return setup.plan.value_and_grad(
         loss_fn,
@@ -73,6 +76,7 @@ def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False):
         target=setup.target,
         rest_shardings=rest,
         has_aux=has_aux,
+        loss_scale=loss_scale,
     )
 
 
@@ -136,7 +140,8 @@ def build_train_step(setup: TrainSetup):
                 loss, extra = loss_fn(p, t)
                 return (loss * scale if scaled else loss), extra
 
-            grad_fn = grad_function(setup, fn, has_aux=True)  # bounded pipeline: its own
+            # the bounded pipeline computes its own (scaled) gradients
+            grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale)
             (loss, extra), grads = accumulate_grads(
                 fn,
                 params,
