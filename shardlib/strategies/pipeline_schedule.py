@@ -62,22 +62,23 @@ class Schedule:
         """Chunk forwards (and backwards) each device executes: vm + p - 1, for vm useful."""
         return self.steady + self.warmup
 
-    def _split(self, u):
+    def _split(self, u, xp):
         vp = self.v * self.p
-        uc = jnp.clip(u, 0, self.v * self.m - 1)
+        uc = xp.clip(u, 0, self.v * self.m - 1)
         return (u >= 0) & (u < self.v * self.m), uc // vp, (uc % vp) // self.p, uc % self.p
 
-    def forward(self, t) -> Items:
-        """Forward items at iteration t; ``slot`` is where the stage input is saved."""
-        s = jnp.arange(self.p)
-        live, g, r, j = self._split(t - s)
-        return Items(live, r, g * self.p + j, jnp.full_like(s, t % self.ring_slots))
+    def forward(self, t, xp=jnp) -> Items:
+        """Forward items at iteration t; ``slot`` is where the stage input is saved.
+        ``xp``: ``jax.numpy`` for the loop's traced t, ``numpy`` to simulate the schedule."""
+        s = xp.arange(self.p)
+        live, g, r, j = self._split(t - s, xp)
+        return Items(live, r, g * self.p + j, xp.full_like(s, t % self.ring_slots))
 
-    def backward(self, t) -> Items:
+    def backward(self, t, xp=jnp) -> Items:
         """Backward items at iteration t; ``slot`` is where their forward saved the input."""
         p, vp = self.p, self.v * self.p
-        s = jnp.arange(p)
-        live, g, back, j = self._split(t - (vp - 1) - (p - 1 - s))
+        s = xp.arange(p)
+        live, g, back, j = self._split(t - (vp - 1) - (p - 1 - s), xp)
         r = self.v - 1 - back
         t_forward = s + g * vp + r * p + j
         return Items(live, r, g * p + j, t_forward % self.ring_slots)
