@@ -61,6 +61,7 @@ from shardlib.strategies.pipeline_schedule import Schedule
 
 RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]
 ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carry
+STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work: its FLOPs show the bubble
 
 
 def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
@@ -176,7 +177,8 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
                 ring = jax.lax.dynamic_update_index_in_dim(ring, x, t % sched.ring_slots, 1)
                 ring = constrain(ring, RING_NAMES)
                 w_pk, keep_pk = chunks(fi.round)
-                y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
+                with jax.named_scope(STAGE_SCOPE):
+                    y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
                 fwd = constrain(jnp.roll(y, 1, axis=0), STATE_NAMES)
             if head_on:  # device p-1 has just finished round v-1 of micro-batch i
                 target = micro(targets_MBL, fi.micro[p - 1])
@@ -198,7 +200,8 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
                 dy = jnp.where(bi.live.reshape(p, 1, 1, 1), dy, 0)
                 x_saved = pick(ring, bi.slot)  # the input saved by its forward
                 w_pk, keep_pk = chunks(bi.round)
-                g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
+                with jax.named_scope(STAGE_SCOPE):
+                    g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
                 g_w = pin(
                     [add_chunk(a, b, bi.round) for a, b in zip(g_w, g_w_t, strict=True)],
                     pvk_names,
