@@ -111,14 +111,15 @@ def layer_sets_saved(ctx: Context) -> float:
     """How many times its L/p blocks' residuals a device keeps for the backward pass.
 
     GPipe and circular differentiate the whole loop: every iteration's residuals stay, i.e.
-    (m+p-1) and (v·m+p-1)/v sets of L/p blocks. Bounded recomputes a stage inside its
-    backward: one stage's residuals at a time (its ring of saved inputs is ``pipeline``'s).
+    (m+p-1) and (v·m+p-1)/v sets of L/p blocks. Bounded recomputes a chunk inside its
+    backward: one chunk's residuals (L/(p·v) blocks) at a time (its ring of saved inputs is
+    ``pipeline``'s).
     """
     p = ctx.p
     if p.stage == 1:
         return 1.0
     if p.schedule == "bounded":
-        return 1.0
+        return 1.0 / p.virtual
     v = p.virtual if p.schedule == "circular" else 1
     return ctx.trips / v
 
