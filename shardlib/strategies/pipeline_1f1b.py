@@ -61,7 +61,7 @@ from shardlib.strategies.pipeline_schedule import Schedule
 
 RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]
 ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carry
-STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work: its FLOPs show the bubble
+STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work (in profiles and op names)
 
 
 def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
