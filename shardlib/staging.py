@@ -89,18 +89,32 @@ def on_device(tree):
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
-def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None, has_aux=False):
+def make_grad_fn(
+    plan,
+    loss_fn,
+    *,
+    graphdef,
+    dtype,
+    target,
+    rest_shardings=None,
+    has_aux=False,
+    loss_scale=None,
+):
     """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the bounded pipeline.
 
     The bounded schedule computes its own gradients from the model's parts (``graphdef``:
     embed, blocks, head); ``rest_shardings`` pins the layout of the parameters outside the
     blocks. With ``has_aux`` the loss is ``(loss, metrics)``; the bounded schedule reports none.
+    ``loss_scale`` (fp16): ``loss_fn`` already returns the scaled loss, which
+    ``jax.value_and_grad`` differentiates as it is; the bounded schedule never calls
+    ``loss_fn``, so it seeds its cotangents with the scale itself and returns the scaled
+    loss and gradients the same way (the trainer unscales and checks them).
     """
     spec = plan.pipeline_spec()
     if spec is None or spec.schedule != "bounded":
         return jax.value_and_grad(loss_fn, has_aux=has_aux)
     remat = plan.remat.spec(target)
-    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, rest_shardings)
+    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, rest_shardings, loss_scale)
     if not has_aux:
         return bounded
 
@@ -111,7 +125,7 @@ def make_grad_fn(plan, loss_fn, *, graphdef, dtype, target, rest_shardings=None,
     return with_aux
 
 
-def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings):
+def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings, loss_scale):
     def value_and_grad(params, tokens_BL1):
         cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per stage
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
@@ -137,7 +151,7 @@ def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings)
             embed=embed,
             head_loss=head_loss,
         )
-        loss, g_rest, g_blocks = run(rest, blocks_state, tokens_BL1, rest_shardings)
+        loss, g_rest, g_blocks = run(rest, blocks_state, tokens_BL1, rest_shardings, loss_scale)
         grads = {**g_rest, "blocks": nnx.to_pure_dict(g_blocks)}
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 

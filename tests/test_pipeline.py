@@ -40,15 +40,18 @@ CASES = {  # name: (mesh axes, config overrides)
     "bounded-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
     "bounded-p4-tp2-remat": ({"stage": 4, "tensor": 2}, {"remat": "names:mlp_hidden"}),
     "bounded-p8": ({"stage": 8}, {}),
+    # interleaved 1F1B: v = 2 virtual stages per device
+    "bounded-p2-v2-fsdp2-tp2": (
+        {"stage": 2, "fsdp": 2, "tensor": 2},
+        {"virtual_stages": 2, "pipeline_microbatches": 4},
+    ),
+    "bounded-p4-v2-tp2": ({"stage": 4, "tensor": 2}, {"virtual_stages": 2}),
 }
 
 
 def _cfg(name: str, **extra) -> TrainConfig:
     overrides = {**CASES[name][1], **extra}
-    if "virtual_stages" in overrides:
-        overrides.setdefault("pipeline_schedule", "circular")
-    else:
-        overrides.setdefault("pipeline_schedule", name.split("-")[0])
+    overrides.setdefault("pipeline_schedule", name.split("-")[0])
     return override(BASE, overrides)
 
 

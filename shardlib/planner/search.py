@@ -50,9 +50,10 @@ class Space:
     """ZeRO stages over the data axis (only 0 when data = 1)."""
     schedules: tuple[str, ...] = ("gpipe", "bounded", "circular")
     """Pipeline schedules when stage > 1 (``PipelineParallel.schedule``; bounded is 1F1B,
-    circular the interleaved schedule)."""
+    interleaved with virtual stages; circular the interleaved GPipe)."""
     virtual: tuple[int, ...] = (2, 4)
-    """Virtual stages per device for the circular schedule."""
+    """Virtual stages per device for the circular and bounded schedules (besides v = 1 for
+    bounded)."""
     remat: tuple[str, ...] = REMAT
     """Remat policies, lightest first."""
     offload: tuple[bool, ...] = (False, True)
@@ -88,12 +89,12 @@ class Space:
         changes: dict = {k: (v,) for k, v in settings.items() if k in menus}
         changes = {menus[k]: v for k, v in changes.items()}
         virtual, schedule = settings.get("virtual"), settings.get("schedule")
-        if virtual is not None:  # v > 1 is the circular schedule's, v = 1 the others'
-            circular = ("circular",) if virtual > 1 else ("gpipe", "bounded")
+        if virtual is not None:  # v > 1: circular or interleaved 1F1B; v = 1 the others'
+            circular = ("circular", "bounded") if virtual > 1 else ("gpipe", "bounded")
             if schedule is not None and schedule not in circular:
                 raise ShardingError(
                     f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
-                    "the circular schedule only. Fix: fix one of the two."
+                    "the circular or bounded schedule only. Fix: fix one of the two."
                 )
             changes["schedules"] = (schedule,) if schedule else circular
             if virtual == 1:
@@ -162,8 +163,9 @@ def knob_groups(
     zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "circular"]
-        if "circular" in space.schedules:
-            scheds += [("circular", v) for v in space.virtual]
+        for interleaved in ("circular", "bounded"):
+            if interleaved in space.schedules:
+                scheds += [(interleaved, v) for v in space.virtual if v > 1]
     else:
         scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
     menu = microbatch_menu(space, per_replica)
@@ -178,6 +180,8 @@ def knob_groups(
         # residuals, measured at m = 1, fall outside the fitted range (0.90x)
         if mesh["stage"] > 1 and m < mesh["stage"]:
             continue
+        if schedule == "bounded" and virtual > 1 and m % mesh["stage"]:
+            continue  # interleaved 1F1B streams whole groups of p micro-batches
         knobs = dict(zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
         yield [
             candidate(**mesh, **knobs, remat=r, offload=o)

@@ -23,7 +23,8 @@ weights are regrouped once per step (an all-to-all over ``stage``, measured by e
 
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
-memory does not. Every schedule runs once per data replica under ``vmap``
+memory does not ((interleaved) 1F1B, bubble (p-1)/(m·v) too). Every schedule runs once per
+data replica under ``vmap``
 (``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
 over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
 only for circular). Layers that do not divide into p·v stages are padded with identity
@@ -82,7 +83,7 @@ class PipelineSpec:
     microbatches: int
     """m: micro-batches streamed through the stages per (accumulation) batch."""
     virtual_stages: int = 1
-    """v: layer groups per device (circular schedule); 1 for GPipe and bounded."""
+    """v: layer groups per device (circular, or interleaved 1F1B when bounded); 1 for GPipe."""
     schedule: str = "gpipe"
     """gpipe | circular | bounded (see the module docstrings)."""
     gather_weights: str = "microbatch"
@@ -92,13 +93,22 @@ class PipelineSpec:
     """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
 
     def iterations(self) -> int:
-        """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded (1F1B-like) m+2(p-1)."""
+        """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded ((interleaved) 1F1B)
+        v·m+v·p+p-2 over its three phases (``pipeline_schedule.Schedule``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
-        return m + 2 * (p - 1) if self.schedule == "bounded" else v * m + p - 1
+        return v * m + v * p + p - 2 if self.schedule == "bounded" else v * m + p - 1
+
+    def executed(self) -> int:
+        """Chunk forwards (each with its backward) a stage executes: the loop trips, but
+        bounded's warm-up runs only forwards and its cool-down only backwards: v·m+p-1."""
+        if self.schedule == "bounded":
+            return self.virtual_stages * self.microbatches + self.stages - 1
+        return self.iterations()
 
     def bubble_ratio(self) -> float:
-        """Executed over ideal stage work: (m+p-1)/m GPipe, 1 + (p-1)/(m·v) circular."""
-        return self.iterations() / (self.virtual_stages * self.microbatches)
+        """Executed over ideal stage work: 1 + (p-1)/(m·v) for all three schedules (v = 1
+        for GPipe), measured from FLOPs in ``tests/test_pipeline*.py``."""
+        return self.executed() / (self.virtual_stages * self.microbatches)
 
     def check(self, layers: int, batch: int) -> None:
         """Divisibility and schedule constraints, with the fix, before anything compiles."""
@@ -107,9 +117,10 @@ class PipelineSpec:
             raise ShardingError(
                 f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
             )
-        if v < 1 or (v > 1 and self.schedule != "circular"):
+        if v < 1 or (v > 1 and self.schedule == "gpipe"):
             raise ShardingError(
-                f"virtual_stages={v} needs pipeline_schedule=circular (got {self.schedule})."
+                f"virtual_stages={v} needs pipeline_schedule=circular or bounded (interleaved "
+                f"1F1B), got {self.schedule}."
             )
         if self.stage_layers:
             counts = self.stage_layers
@@ -136,6 +147,14 @@ class PipelineSpec:
                 f"batch {batch} is not divisible by pipeline_microbatches={m}. Fix: choose a "
                 "batch that is a multiple of the pipeline micro-batches."
             )
+        if v > 1 and self.schedule == "bounded" and m % p:
+            raise ShardingError(
+                f"interleaved 1F1B (pipeline_schedule=bounded, virtual_stages={v}) runs "
+                f"micro-batches in groups of the {p} stages; pipeline_microbatches={m} is not "
+                f"a multiple of {p} (Megatron-LM's rule). Fix: pipeline_microbatches="
+                f"{' or '.join(map(str, sorted({max(p, m - m % p), m + p - m % p})))}, or "
+                "virtual_stages=1."
+            )
         if v > 1 and m < p:
             raise ShardingError(
                 f"circular schedule with pipeline_microbatches={m} < {p} stages: a micro-batch "
@@ -154,11 +173,13 @@ class PipelineParallel:
     }
 
     schedule: str = "gpipe"
-    """gpipe | circular | bounded (1F1B-like); used when the mesh has a stage axis > 1."""
+    """gpipe | circular | bounded (1F1B; interleaved 1F1B with virtual_stages > 1); used when
+    the mesh has a stage axis > 1."""
     microbatches: int = 0
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
-    """Circular schedule: layer groups per device (v); the bubble falls to (p-1)/(m·v)."""
+    """Circular or bounded (interleaved 1F1B) schedule: layer groups per device (v); the
+    bubble falls to (p-1)/(m·v). Bounded with v > 1 needs micro-batches a multiple of p."""
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, first to last; () = L/(p·v) each, or, when that does
     not divide, ``pipeline_partition.balanced_stages`` (set by ``for_layers``). Uneven
@@ -229,12 +250,6 @@ class PipelineParallel:
             return
         if target.block_stats:  # an MoE router's losses: GPipe/circular carry them
             check_block_stats(spec.schedule, spec.gather_weights)
-        if target.precision == "fp16" and spec.schedule == "bounded":
-            raise ShardingError(
-                "precision=fp16 with pipeline_schedule=bounded: the bounded schedule computes "
-                "its own gradients and does not apply the loss scale. Fix: use precision=bf16, "
-                "or pipeline_schedule=gpipe or circular."
-            )
         spec.check(target.layers, target.micro_batch)
         b = target.micro_batch // spec.microbatches
         what = f"pipeline micro-batch ({target.micro_batch} sequences / {spec.microbatches})"

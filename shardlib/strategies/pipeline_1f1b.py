@@ -1,28 +1,37 @@
-"""A memory-bounded pipeline schedule in the spirit of 1F1B, as one jitted SPMD loop.
+"""Memory-bounded pipeline: (interleaved) 1F1B as one jitted SPMD program.
 
-GPipe under ``jax.grad`` runs every forward iteration before the first backward one, so it
-keeps the residuals of all m micro-batches. 1F1B bounds memory by starting a micro-batch's
-backward as soon as its forward has left the last stage. In one SPMD program that means
-writing forward and backward into the *same* loop instead of differentiating the loop:
+GPipe under ``jax.grad`` runs every forward before the first backward, so it keeps the
+residuals of all m micro-batches. 1F1B (Narayanan et al., SC21, sec. 2.2) bounds memory by
+starting a micro-batch's backward as soon as its forward has left the last stage. In one
+SPMD program that means writing forward and backward into the *same* loop instead of
+differentiating the loop. Device s holds v virtual stages (chunks) r·p + s, r = 0..v-1
+(``to_stages``' [p, v, k, ...] view, round-robin as the circular schedule's):
 
-* iteration t, stage s runs the forward of micro-batch ``t - s`` and the backward of
-  micro-batch ``t - 2(p-1) + s`` (all stages at once under ``vmap``);
-* the last stage applies the head and the loss to its forward output and turns it into a
-  cotangent in the same iteration (its backward starts right away);
-* forward activations shift up a stage (``roll +1``), cotangents shift down (``roll -1``):
-  two collective-permutes per iteration;
-* each stage keeps only the *inputs* of its in-flight micro-batches in a ring of
-  R = 2p - 1 slots (stage s needs 2(p-1-s) + 1 of them) and recomputes its forward
-  inside the backward (``jax.vjp`` of the stage at the saved input): so live activations
-  are R·b·seq·embed per device plus one stage's residuals, whatever m is;
-* parameter gradients are accumulated in fp32 in the loop carry, loss = mean over
-  micro-batches; the carry holds one data replica's gradients (``pipeline_replicas``), so
-  the data-parallel reduction runs once, after the loop.
+* forward work items in Megatron's order, groups of p micro-batches: at iteration t device
+  s runs item u = t - s (0 <= u < v·m): group g = u // vp, round r = (u mod vp) // p,
+  micro-batch i = g·p + u mod p, chunk r. Device p-1's output of round r is device 0's
+  input of round r+1 in the very next iteration, so one ``roll(+1)`` carries both;
+* backward mirrors it with offset D = vp - 1: device s runs item u' = t - D - (p-1-s),
+  round v-1 - (u' mod vp) // p, cotangents ``roll(-1)``. The last virtual stage's backward
+  runs in the iteration of its forward, after the head and the loss;
+* a stage keeps its *input* from forward to backward (at most 2vp - 2 iterations later) in
+  a ring of R = 2vp - 1 slots (slot = forward time mod R) and recomputes the chunk's
+  forward inside the backward (``jax.vjp`` at the saved input): live activations are
+  R·b·seq·embed per device plus one chunk's residuals, whatever m is;
+* three static phases, so no iteration executes work that is never used: warm-up
+  (vp - 1 iterations, forward only), steady (vm + p - vp, forward and backward), cool-down
+  (vp - 1, backward only). Each device executes (vm + p - 1) chunk forwards and backwards
+  for vm useful ones: bubble (p-1)/(v·m), exactly; the head and loss run only in the p of
+  every vp steady iterations in which device p-1 finishes round v-1 (a nested scan with a
+  static flag: its FLOPs are those of m micro-batches, not v·m + ... iterations);
+* parameter gradients accumulate in fp32 in the loop carry; the carry holds one data
+  replica's gradients (``pipeline_replicas``), so the data-parallel reduction runs once,
+  after the loop. With fp16 the loss cotangent is seeded with loss_scale/m and the
+  returned loss and gradients are scaled, as ``jax.value_and_grad`` of the scaled loss
+  would be: the trainer unscales them and skips a non-finite step (``train/precision.py``).
 
-Costs, by construction: m + 2(p-1) iterations of one forward plus one backward
-(bubble 2(p-1)/m, twice GPipe's in this lockstep form) and one recomputed forward per
-stage and micro-batch (~1.33x the FLOPs of the step without remat). Only p stages
-(v = 1) are supported.
+Needs m % p == 0 when v > 1 (Megatron's rule); v = 1 takes any m. Costs one recomputed
+chunk forward per micro-batch (~1.33x the FLOPs of the step without remat).
 """
 
 from __future__ import annotations
@@ -41,26 +50,30 @@ from shardlib.strategies.pipeline import (
     split_microbatches,
     stage_axes,
     stage_mask,
+    staged_names,
     to_replicas,
     to_stages,
     variable_names,
 )
 from shardlib.strategies.pipeline_partition import masked, pad_stages, unpad_stages
 from shardlib.strategies.pipeline_replicas import replicas
+from shardlib.strategies.pipeline_schedule import Schedule
 
 RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]
 ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carry
+STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work (in profiles and op names)
 
 
 def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
-    """``vg(rest, blocks_state, tokens_BL1) -> (loss, grads_rest, grads_blocks_state)``.
+    """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
+    grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
 
     ``embed(rest, tokens_bl) -> x_bld`` runs before the blocks, ``head_loss(rest, x_bld,
     targets_bl) -> scalar mean loss`` after them; ``stage_layers(block_fn, w_k, x)`` applies
-    one stage's k stacked blocks. ``rest`` are all parameters but the stacked blocks.
+    one chunk's k stacked blocks. ``rest`` are all parameters but the stacked blocks.
     """
-    p, m = spec.stages, spec.microbatches
-    ring_slots = 2 * p - 1
+    sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
+    p, m, v = sched.p, sched.m, sched.v
 
     def stage(w_k, keep_k, x):
         # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
@@ -73,17 +86,18 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
         _, pullback = jax.vjp(lambda w, x: stage(w, keep_k, x), w_k, x)
         return pullback(dy)
 
-    def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None):
+    def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None):
         """Per data replica (one gradient reduction per step, after the loop), then the mean."""
+        scale = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         reps = replicas(gather_weights=spec.gather_weights)
         if reps is None:
-            return run(rest, blocks_state, tokens_BL1, rest_shardings)
+            return run(rest, blocks_state, tokens_BL1, rest_shardings, scale)
         if rest_shardings is None:  # replicated: what the propagation would pick anyway
             rest_shardings = jax.tree.map(lambda _: NamedSharding(reps.mesh, P()), rest)
         rest_R = jax.tree.map(lambda w, s: reps.broadcast(w, s.spec), rest, rest_shardings)
         inner = jax.tree.map(reps.inner_sharding, rest_shardings)
         tokens_R = reps.split_batch(tokens_BL1, reps.outer.spec(("batch", None)))
-        loss_R, g_rest_R, g_blocks_R = reps.vmap(lambda r, b, t: run(r, b, t, inner))(
+        loss_R, g_rest_R, g_blocks_R = reps.vmap(lambda r, b, t: run(r, b, t, inner, scale))(
             rest_R, to_replicas(reps, blocks_state), tokens_R
         )
         g_rest = jax.tree.map(lambda g: jnp.mean(g, 0), g_rest_R)
@@ -96,25 +110,42 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
         ]
         return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks)
 
-    def run(rest, blocks_state, tokens_BL1, rest_shardings):
+    def run(rest, blocks_state, tokens_BL1, rest_shardings, scale):
         blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)  # [G·k, ...]
-        keep_pk = None if keep is None else to_stages(keep, None, p, 1)[:, 0]
+        keep_pvk = None if keep is None else to_stages(keep, None, p, v)
         names = variable_names(blocks_state)
         leaves, treedef = jax.tree.flatten(blocks_state)
-        w_pk = [to_stages(w, n, p, 1)[:, 0] for w, n in zip(leaves, names, strict=True)]
-        pk_names = [None if n is None else ("stage", None, *n[1:]) for n in names]
+        w_pvk = [to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)]
+        pvk_names = [staged_names(n) for n in names]
+        pk_names = [None if n is None else (n[0], *n[2:]) for n in pvk_names]
+        axes = stage_axes()
 
-        def pin_w(ws):
-            return [
-                constrain_param(w, n, "stage gradient") for w, n in zip(ws, pk_names, strict=True)
-            ]
+        def pin(ws, ns, what):
+            return [constrain_param(w, n, what) for w, n in zip(ws, ns, strict=True)]
 
         def pin_rest(tree):
             if rest_shardings is None:
                 return tree
             return jax.lax.with_sharding_constraint(tree, rest_shardings)
 
-        axes = stage_axes()
+        pick = jax.vmap(lambda a, j: jax.lax.dynamic_index_in_dim(a, j, 0, False))
+
+        def put(a, x, j):
+            return jax.lax.dynamic_update_index_in_dim(a, x, j, 0)
+
+        def chunks(r_P):
+            """Each device's chunk r_P[s] of [p, v, k, ...] as [p, k, ...] (static: v = 1)."""
+            ws = [w[:, 0] if v == 1 else pick(w, r_P) for w in w_pvk]
+            kp = None if keep_pvk is None else keep_pvk[:, 0] if v == 1 else pick(keep_pvk, r_P)
+            return pin(ws, pk_names, "stage weights"), kp
+
+        def add_chunk(g_pvk, g_pk, r_P):
+            """Accumulate one chunk's gradient into device s's chunk r_P[s] (fp32)."""
+            g_pk = g_pk.astype(ACCUMULATE)
+            if v == 1:
+                return g_pvk + g_pk[:, None]
+            return jax.vmap(put)(g_pvk, pick(g_pvk, r_P) + g_pk, r_P)
+
         fwd_all = jax.vmap(lambda w, kp, x: stage(treedef.unflatten(w), kp, x), spmd_axis_name=axes)
 
         def bwd_one(w, kp, x, dy):
@@ -122,73 +153,116 @@ def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed,
             return jax.tree.leaves(g_w), dx
 
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
-        pick = jax.vmap(lambda ring, j: jax.lax.dynamic_index_in_dim(ring, j, 0, False))
 
         micro_MBL1 = constrain(split_microbatches(tokens_BL1, m), (None, "batch", None))
         inputs_MBL, targets_MBL = micro_MBL1[:, :, :-1], micro_MBL1[:, :, 1:]
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
         zeros_PBLD = jnp.zeros((p, *x_aval.shape), x_aval.dtype)
-        ring = jnp.zeros((p, ring_slots, *x_aval.shape), x_aval.dtype)
-        stage_ids = jnp.arange(p)
+        ring = jnp.zeros((p, sched.ring_slots, *x_aval.shape), x_aval.dtype)
         first, last = stage_mask(p, 4) == 0, stage_mask(p, 4) == p - 1
+        seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
 
         def micro(tokens_M, i):
             return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)
 
-        def body(carry, t):
+        def body(carry, t, *, fwd_on: bool, bwd_on: bool, head_on: bool):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
-            # forward: stage s runs micro-batch t - s; stage 0 embeds micro-batch t
-            x = jnp.where(first, embed(rest, micro(inputs_MBL, t))[None], fwd)
-            x = constrain(x, STATE_NAMES)
-            ring = jax.lax.dynamic_update_index_in_dim(ring, x, t % ring_slots, 1)
-            ring = constrain(ring, RING_NAMES)
-            y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
-            # the last stage's output goes through head and loss now: micro-batch t - p + 1
-            i_last = t - (p - 1)
-            on_last = (i_last >= 0) & (i_last < m)
-            target = micro(targets_MBL, i_last)
-            y_last = constrain(y[p - 1], STATE_NAMES[1:])
-            loss, head_pull = jax.vjp(lambda r, h: head_loss(r, h, target), rest, y_last)
-            g_head, dy_last = head_pull(jnp.where(on_last, 1.0 / m, 0.0).astype(loss.dtype))
-            # backward: stage s runs micro-batch t - 2(p-1) + s from its saved input
-            i_back = t - 2 * (p - 1) + stage_ids
-            live = ((i_back >= 0) & (i_back < m)).reshape(p, 1, 1, 1)
-            dy_last = constrain(dy_last, STATE_NAMES[1:])
-            dy = jnp.where(live, jnp.where(last, dy_last[None], bwd), 0)
-            x_saved = pick(ring, (i_back + stage_ids) % ring_slots)  # its forward slot
-            g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
-            # stage 0's input cotangent flows into the embedding: micro-batch t - 2(p-1)
-            _, embed_pull = jax.vjp(lambda r: embed(r, micro(inputs_MBL, i_back[0])), rest)
-            (g_embed,) = embed_pull(dx[0])
-            g_w = pin_w([a + b.astype(ACCUMULATE) for a, b in zip(g_w, g_w_t, strict=True)])
-            g_rest = pin_rest(
-                jax.tree.map(
-                    lambda a, b, c: a + b.astype(ACCUMULATE) + c.astype(ACCUMULATE),
-                    g_rest,
-                    g_head,
-                    g_embed,
+            g_rest_t = []
+            if fwd_on:
+                fi = sched.forward(t)
+                # device 0 embeds in round 0; in later rounds it takes device p-1's output
+                x0 = embed(rest, micro(inputs_MBL, fi.micro[0]))[None]
+                x = jnp.where(first & (fi.round == 0).reshape(p, 1, 1, 1), x0, fwd)
+                x = constrain(x, STATE_NAMES)
+                ring = jax.lax.dynamic_update_index_in_dim(ring, x, t % sched.ring_slots, 1)
+                ring = constrain(ring, RING_NAMES)
+                w_pk, keep_pk = chunks(fi.round)
+                with jax.named_scope(STAGE_SCOPE):
+                    y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
+                fwd = constrain(jnp.roll(y, 1, axis=0), STATE_NAMES)
+            if head_on:  # device p-1 has just finished round v-1 of micro-batch i
+                target = micro(targets_MBL, fi.micro[p - 1])
+                y_last = constrain(y[p - 1], STATE_NAMES[1:])
+
+                def scaled_loss(r, h):
+                    loss = head_loss(r, h, target).astype(jnp.float32)
+                    return loss * seed, loss
+
+                _, head_pull, loss = jax.vjp(scaled_loss, rest, y_last, has_aux=True)
+                g_head, dy_last = head_pull(jnp.ones((), jnp.float32))
+                g_rest_t.append(g_head)
+                loss_sum = loss_sum + loss
+            if bwd_on:
+                bi = sched.backward(t)
+                dy = bwd
+                if head_on:  # device p-1 is in round v-1: the head's cotangent
+                    dy = jnp.where(last, constrain(dy_last, STATE_NAMES[1:])[None], dy)
+                dy = jnp.where(bi.live.reshape(p, 1, 1, 1), dy, 0)
+                x_saved = pick(ring, bi.slot)  # the input saved by its forward
+                w_pk, keep_pk = chunks(bi.round)
+                with jax.named_scope(STAGE_SCOPE):
+                    g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
+                g_w = pin(
+                    [add_chunk(a, b, bi.round) for a, b in zip(g_w, g_w_t, strict=True)],
+                    pvk_names,
+                    "stage gradient",
                 )
-            )
-            loss_sum = loss_sum + jnp.where(on_last, loss, 0.0)
-            fwd = constrain(jnp.roll(y, 1, axis=0), STATE_NAMES)
-            bwd = constrain(jnp.roll(dx, -1, axis=0), STATE_NAMES)
+                # device 0's round-0 input cotangent flows into the embedding
+                to_embed = (bi.live[0] & (bi.round[0] == 0)).astype(dx.dtype)
+                _, embed_pull = jax.vjp(lambda r: embed(r, micro(inputs_MBL, bi.micro[0])), rest)
+                g_rest_t.append(embed_pull(dx[0] * to_embed)[0])
+                bwd = constrain(jnp.roll(dx, -1, axis=0), STATE_NAMES)
+            if g_rest_t:
+                g_rest = pin_rest(
+                    jax.tree.map(
+                        lambda a, *b: a + sum(x.astype(ACCUMULATE) for x in b), g_rest, *g_rest_t
+                    )
+                )
             return (fwd, bwd, ring, g_w, g_rest, loss_sum), None
+
+        def phase(carry, start, length, **flags):
+            if length == 0:
+                return carry
+            step = lambda c, t: body(c, t, **flags)  # noqa: E731
+            return jax.lax.scan(step, carry, start + jnp.arange(length, dtype=jnp.int32))[0]
+
+        def steady(carry):
+            """Head in p of every vp iterations (device p-1 finishing round v-1)."""
+            start = sched.warmup
+            if v == 1:
+                return phase(carry, start, m, fwd_on=True, bwd_on=True, head_on=True)
+            vp = v * p
+
+            def group(c, g):
+                t0 = start + g * vp
+                c = phase(c, t0, p, fwd_on=True, bwd_on=True, head_on=True)
+                return phase(c, t0 + p, vp - p, fwd_on=True, bwd_on=True, head_on=False), None
+
+            groups = m // p
+            if groups > 1:
+                carry = jax.lax.scan(group, carry, jnp.arange(groups - 1, dtype=jnp.int32))[0]
+            return phase(
+                carry, start + (groups - 1) * vp, p, fwd_on=True, bwd_on=True, head_on=True
+            )
 
         carry = (
             zeros_PBLD,
             zeros_PBLD,
             ring,
-            pin_w([jnp.zeros(w.shape, ACCUMULATE) for w in w_pk]),
+            pin([jnp.zeros(w.shape, ACCUMULATE) for w in w_pvk], pvk_names, "stage gradient"),
             pin_rest(jax.tree.map(lambda r: jnp.zeros(r.shape, ACCUMULATE), rest)),
             jnp.zeros((), jnp.float32),
         )
-        (_, _, _, g_w, g_rest, loss_sum), _ = jax.lax.scan(
-            body, carry, jnp.arange(spec.iterations())
+        carry = phase(carry, 0, sched.warmup, fwd_on=True, bwd_on=False, head_on=False)
+        carry = steady(carry)
+        carry = phase(
+            carry, sched.cooldown_start, sched.warmup, fwd_on=False, bwd_on=True, head_on=False
         )
+        _, _, _, g_w, g_rest, loss_sum = carry
         g_blocks = [
-            constrain_param(unpad_stages(from_stages(g[:, None], n), spec.stage_layers), n, "grad")
+            constrain_param(unpad_stages(from_stages(g, n), spec.stage_layers), n, "grad")
             for g, n in zip(g_w, names, strict=True)
         ]
-        return loss_sum / m, g_rest, treedef.unflatten(g_blocks)
+        return loss_sum / m * scale, g_rest, treedef.unflatten(g_blocks)
 
     return value_and_grad

@@ -100,8 +100,11 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     return loss_fn
 
 
-def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False):
-    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout."""
+def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None):
+    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout.
+
+    ``loss_scale``: the fp16 scale ``loss_fn`` multiplies its loss by (the bounded pipeline,
+    which computes its own gradients, applies it itself)."""
     rest = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
     return setup.plan.value_and_grad(
         loss_fn,
@@ -110,6 +113,7 @@ def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False):
         target=setup.target,
         rest_shardings=rest,
         has_aux=has_aux,
+        loss_scale=loss_scale,
     )
 
 
@@ -207,8 +211,8 @@ def build_train_step(setup: TrainSetup):
 
             if plan.data.zeropp:  # quantized / hierarchical ZeRO-3 collectives
                 grad_fn = zeropp.value_and_grad(setup, fn)
-            else:
-                grad_fn = grad_function(setup, fn, has_aux=True)  # bounded pipeline: its own
+            else:  # the bounded pipeline computes its own (scaled) gradients
+                grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale)
             (loss, extra), grads = accumulate_grads(
                 fn,
                 params,

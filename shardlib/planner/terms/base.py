@@ -174,6 +174,17 @@ class Context:
         p = self.p
         return iterations(p.schedule, p.stage, p.microbatches, p.virtual)
 
+    @cached_property
+    def executed(self) -> int:
+        """Chunk forwards (and backwards) a stage executes per step: the trips, except for
+        bounded, whose warm-up trips run only forwards and cool-down only backwards
+        (``PipelineSpec.executed``: v·m+p-1); 1 without stages."""
+        p = self.p
+        if p.stage == 1:
+            return 1
+        v = p.virtual if p.schedule in VIRTUAL_SCHEDULES else 1
+        return PipelineSpec(p.stage, p.microbatches, v, p.schedule).executed()
+
     def param_copies(self, param: ParamInfo) -> int:
         """How many copies of a per-layer parameter one device's program holds (its layers)."""
         return self.layers_per_device if param.per_layer else 1
@@ -192,14 +203,14 @@ class Context:
     def layer_runs(self) -> float:
         """Block executions on one micro-batch per device and step (forward, say).
 
-        L·m without stages; with them the pipeline loop's trips times the L/(p·v) blocks a
-        trip runs (``terms.pipeline.iterations``): the bubble's trips compute too.
+        L·m without stages; with them the pipeline loop's executed chunks times the
+        L/(p·v) blocks of one (``executed``): the bubble's trips compute too.
         """
         p = self.p
         if p.stage == 1:
             return self.layers_per_device * p.microbatches
-        v = p.virtual if p.schedule == "circular" else 1
-        return self.layers_per_device / v * self.trips
+        v = p.virtual if p.schedule in VIRTUAL_SCHEDULES else 1
+        return self.layers_per_device / v * self.executed
 
     @property
     def micro_batch(self) -> int:
@@ -252,10 +263,13 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
     return out
 
 
+VIRTUAL_SCHEDULES = ("circular", "bounded")  # schedules with v virtual stages per device
+
+
 def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
     """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
-    v·m+p-1 circular, m+2(p-1) bounded); 1 without stages."""
+    v·m+p-1 circular, v·m+v·p+p-2 bounded, (interleaved) 1F1B); 1 without stages."""
     if stages == 1:
         return 1
-    v = virtual if schedule == "circular" else 1
+    v = virtual if schedule in VIRTUAL_SCHEDULES else 1
     return PipelineSpec(stages, microbatches, v, schedule).iterations()

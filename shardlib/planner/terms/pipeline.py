@@ -10,19 +10,24 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
 * the pipeline is one SPMD loop in which every stage computes every iteration, so the
   bubble is real compute: GPipe runs m+p-1 iterations of L/p blocks (FLOPs x (m+p-1)/m),
   circular v·m+p-1 iterations of L/(p·v) blocks (x (v·m+p-1)/(v·m): REFERENCE.md's
-  (p-1)/(m·v) bubble, Narayanan et al. 2021), the bounded (1F1B-like) schedule m+2(p-1)
-  iterations of one forward, one recomputed forward and one backward of L/p blocks plus the
-  head's forward and backward on the micro-batch that left the last stage;
+  (p-1)/(m·v) bubble, Narayanan et al. 2021). The bounded schedule ((interleaved) 1F1B)
+  runs v·m+v·p+p-2 trips in three phases and executes v·m+p-1 chunk forwards and as many
+  backwards (one recomputed forward and one backward of L/(p·v) blocks): the same
+  (p-1)/(m·v) bubble; the head's forward and backward run on each micro-batch once, as
+  it leaves the last stage;
 * per iteration the stage state (b·s·h, not split by tensor: activations between blocks
   are replicated over ``tensor``) moves along ``stage``: GPipe and circular compile 2
   collective-permutes forward and 3 backward (the roll and the hand-over to the micro-batch
   buffer), and 2 all-reduces over ``stage`` (reading the last stage's output into the
-  buffer, and its transpose); bounded compiles 3 permutes (activations up, cotangents down,
-  the last stage's output to the head) and the same 2 all-reduces. Measured on jax 0.10.2,
-  CPU, p = 2, 4, 8, with data, FSDP and tensor axes (``tests/test_planner_pipeline.py``);
-* circular regroups its weights once forward (compute dtype) and once backward (fp32
-  gradients) from the stored contiguous layout to the round-robin one: an all-to-all over
-  min(v, p) devices of the device's L/p blocks, and when v < p a collective-permute of them.
+  buffer, and its transpose); bounded compiles a permute per executed forward (activations
+  up) and backward (cotangents down) and one per head trip (m), and all-reduces of one per
+  backward (device 0's cotangent to the embedding) and one per head trip (the last stage's
+  output to the head). Measured on jax 0.10.2, CPU, p = 2, 4, 8, with data, FSDP and
+  tensor axes (``tests/test_planner_pipeline.py``; bounded v = 1, 2 on data 2 x stage 4);
+* circular and interleaved 1F1B regroup their weights once forward (compute dtype) and
+  once backward (fp32 gradients) from the stored contiguous layout to the round-robin one:
+  an all-to-all over min(v, p) devices of the device's L/p blocks, and when v < p a
+  collective-permute of them.
 
 A ``context`` axis splits the seq dim of the stage state (``Context.local_seq``) and its
 ring runs in every loop trip (``terms.context``); an MoE's all-to-alls likewise
@@ -41,19 +46,21 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import (
     MASTER_BYTES,
+    VIRTUAL_SCHEDULES,
     Comm,
     Context,
     Contribution,
     SearchAxis,
     iterations,
 )
+from shardlib.strategies.pipeline import PipelineSpec
 from shardlib.strategies.pipeline_partition import partition
 from shardlib.strategies.pipeline_stats import check_block_stats
 
-__all__ = ["partition"]  # re-exported: the trainer's stage partition
+__all__ = ["iterations", "partition"]  # re-exported: the trainer's loop trips and partition
 
-FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "bounded": 3}
-BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "bounded": 0}
+FORWARD_PERMUTES = {"gpipe": 2, "circular": 2}  # per trip (bounded: per executed chunk)
+BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3}
 STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
 
@@ -95,26 +102,27 @@ SEARCH_AXIS = SearchAxis(
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
-    """Idle (here: computed and discarded) stage work over the ideal: (p-1)/m GPipe,
-    (p-1)/(m·v) interleaved, 2(p-1)/m for the lockstep 1F1B."""
+    """Idle (here: computed and discarded) stage work over the ideal: (p-1)/m GPipe and
+    1F1B, (p-1)/(m·v) circular and interleaved 1F1B (``PipelineSpec.bubble_ratio``)."""
     if stages == 1:
         return 0.0
-    v = virtual if schedule == "circular" else 1
-    return iterations(schedule, stages, microbatches, virtual) / (microbatches * v) - 1
+    v = virtual if schedule in VIRTUAL_SCHEDULES else 1
+    return PipelineSpec(stages, microbatches, v, schedule).bubble_ratio() - 1
 
 
 def layer_sets_saved(ctx: Context) -> float:
     """How many times its L/p blocks' residuals a device keeps for the backward pass.
 
     GPipe and circular differentiate the whole loop: every iteration's residuals stay, i.e.
-    (m+p-1) and (v·m+p-1)/v sets of L/p blocks. Bounded recomputes a stage inside its
-    backward: one stage's residuals at a time (its ring of saved inputs is ``pipeline``'s).
+    (m+p-1) and (v·m+p-1)/v sets of L/p blocks. Bounded recomputes a chunk inside its
+    backward: one chunk's residuals (L/(p·v) blocks) at a time (its ring of saved inputs is
+    ``pipeline``'s).
     """
     p = ctx.p
     if p.stage == 1:
         return 1.0
     if p.schedule == "bounded":
-        return 1.0
+        return 1.0 / p.virtual
     v = p.virtual if p.schedule == "circular" else 1
     return ctx.trips / v
 
@@ -172,10 +180,9 @@ def extra_flops(ctx: Context) -> tuple[float, float]:
     frac = bubble_fraction(p.schedule, p.stage, p.microbatches, p.virtual)
     if p.schedule != "bounded":
         return 3 * stage_fwd * frac, 0.0
-    # 1F1B: fwd + recomputed fwd + bwd (4 units) per stage, head fwd + bwd (3) per iteration
-    head = tokens * w.head_flops_per_token / p.tensor
-    bubble = frac * (4 * stage_fwd + 3 * head)
-    return bubble, stage_fwd
+    # 1F1B: fwd + recomputed fwd + bwd (4 units) per executed chunk; the head once per
+    # micro-batch (the ideal's), only in the trips where the last stage finishes one
+    return 4 * stage_fwd * frac, stage_fwd
 
 
 def pipeline(ctx: Context) -> Contribution:
@@ -185,14 +192,16 @@ def pipeline(ctx: Context) -> Contribution:
     axes, n = (str(Axis.STAGE),), p.stage
     trips = ctx.trips
     bsh = ctx.micro_batch * ctx.local_seq * w.embed * w.compute_bytes
-    permutes = FORWARD_PERMUTES[p.schedule] + BACKWARD_PERMUTES[p.schedule]
+    if p.schedule == "bounded":  # per executed forward / backward, per head trip
+        permutes, all_reduces = 2 * ctx.executed + p.microbatches, ctx.executed + p.microbatches
+    else:
+        permutes = (FORWARD_PERMUTES[p.schedule] + BACKWARD_PERMUTES[p.schedule]) * trips
+        all_reduces = STAGE_ALL_REDUCES * trips
     comms = [
-        Comm("pipeline", "activations", "collective-permute", axes, n, bsh, permutes * trips, True),
-        Comm(
-            "pipeline", "activations", "all-reduce", axes, n, bsh, STAGE_ALL_REDUCES * trips, True
-        ),
+        Comm("pipeline", "activations", "collective-permute", axes, n, bsh, permutes, True),
+        Comm("pipeline", "activations", "all-reduce", axes, n, bsh, all_reduces, True),
     ]
-    if p.schedule == "circular" and p.virtual > 1:
+    if p.schedule in VIRTUAL_SCHEDULES and p.virtual > 1:
         layer = ctx.layer_elements
         held = layer * ctx.layers_per_device
         group = min(p.virtual, p.stage)
@@ -208,7 +217,7 @@ def pipeline(ctx: Context) -> Contribution:
                     )
                 )
     bubble, recompute = extra_flops(ctx)
-    # 1F1B keeps its ring of saved stage inputs (its accumulated gradients: ``state``);
+    # 1F1B keeps its ring of 2vp-1 saved stage inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
     if p.schedule == "bounded":
         buffers = stage_inputs_saved(ctx) * bsh

@@ -45,8 +45,8 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    if p.stage > 1 and p.schedule == "bounded":  # embedding and head run in every loop trip
-        m = ctx.trips
+    if p.stage > 1 and p.schedule == "bounded":  # embedding and head run inside the loop
+        m = ctx.executed
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
     # all-reduce is not needed for the backward pass). Both at once compose: the 1F1B

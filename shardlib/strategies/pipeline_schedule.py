@@ -1,0 +1,84 @@
+"""Who runs what when in the (interleaved) 1F1B schedule of ``pipeline_1f1b.py``.
+
+p devices, v chunks (virtual stages r·p + s) per device, m micro-batches, vp = v·p. Work
+items are numbered Megatron-style in groups of p micro-batches: item u of a device is
+group g = u // vp, round r = (u mod vp) // p, micro-batch i = g·p + u mod p. At
+iteration t device s runs forward item t - s and backward item t - (vp - 1) - (p-1-s),
+whose round counts down (v-1 - (u mod vp) // p). Both are plain integer arithmetic on the
+loop counter, so the same functions serve the jitted loop (traced ``t``) and the tests
+(Python ints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Items:
+    """Per device [p]: whether it has work, its round (chunk), micro-batch, ring slot."""
+
+    live: jnp.ndarray
+    round: jnp.ndarray
+    micro: jnp.ndarray
+    slot: jnp.ndarray
+
+
+@dataclass(frozen=True)
+class Schedule:
+    p: int
+    m: int
+    v: int = 1
+
+    @property
+    def ring_slots(self) -> int:
+        """R = 2vp - 1: a stage input lives at most 2vp - 2 iterations after its forward."""
+        return 2 * self.v * self.p - 1
+
+    @property
+    def warmup(self) -> int:
+        """Forward-only iterations before the first backward (and backward-only after the
+        last forward): vp - 1."""
+        return self.v * self.p - 1
+
+    @property
+    def steady(self) -> int:
+        """Iterations with both a forward and a backward: vm + p - vp."""
+        return self.v * self.m + self.p - self.v * self.p
+
+    @property
+    def cooldown_start(self) -> int:
+        return self.warmup + self.steady
+
+    @property
+    def trips(self) -> int:
+        """Loop trips of all three phases: vm + vp + p - 2."""
+        return self.steady + 2 * self.warmup
+
+    @property
+    def executed(self) -> int:
+        """Chunk forwards (and backwards) each device executes: vm + p - 1, for vm useful."""
+        return self.steady + self.warmup
+
+    def _split(self, u, xp):
+        vp = self.v * self.p
+        uc = xp.clip(u, 0, self.v * self.m - 1)
+        return (u >= 0) & (u < self.v * self.m), uc // vp, (uc % vp) // self.p, uc % self.p
+
+    def forward(self, t, xp=jnp) -> Items:
+        """Forward items at iteration t; ``slot`` is where the stage input is saved.
+        ``xp``: ``jax.numpy`` for the loop's traced t, ``numpy`` to simulate the schedule."""
+        s = xp.arange(self.p)
+        live, g, r, j = self._split(t - s, xp)
+        return Items(live, r, g * self.p + j, xp.full_like(s, t % self.ring_slots))
+
+    def backward(self, t, xp=jnp) -> Items:
+        """Backward items at iteration t; ``slot`` is where their forward saved the input."""
+        p, vp = self.p, self.v * self.p
+        s = xp.arange(p)
+        live, g, back, j = self._split(t - (vp - 1) - (p - 1 - s), xp)
+        r = self.v - 1 - back
+        t_forward = s + g * vp + r * p + j
+        return Items(live, r, g * p + j, t_forward % self.ring_slots)
