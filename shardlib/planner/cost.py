@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import shardlib.planner.throughput as throughput
 from shardlib.errors import ShardingError
 from shardlib.parallel import ParallelPlan
-from shardlib.planner import throughput
 from shardlib.planner.candidate import REMAT, PlanView
 from shardlib.planner.cluster import Cluster
 from shardlib.planner.coefficients import COEFFICIENTS

@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import shardlib.strategies.zeropp as zeropp
 from shardlib.compression import check_bits
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
-from shardlib.strategies import zeropp
 from shardlib.strategies.fsdp import fsdp
 
 

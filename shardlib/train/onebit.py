@@ -192,7 +192,7 @@ def _local_grads(loss_fn, params, tokens_BL1, microbatches: int):
     return jax.tree.map(lambda x: x / microbatches, total)
 
 
-def build_onebit_step(setup: TrainSetup):
+def build_onebit_step(setup: TrainSetup, loss_fn):
     """The train step for 1-bit Adam: the whole step in shard_map over ``data``, so that
     gradients stay local and only the optimizer's compressed collectives cross the axis.
 
@@ -201,9 +201,7 @@ def build_onebit_step(setup: TrainSetup):
     when any worker's gradient overflowed (one boolean all-reduce).
     """
     from shardlib.train import precision
-    from shardlib.train.step import make_loss_fn
 
-    loss_fn = make_loss_fn(setup, with_metrics=True)
     tx, sched, cfg = setup.tx, setup.schedule, setup.cfg
     scaled = precision.uses_loss_scale(cfg.precision)
     specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)

@@ -193,7 +193,7 @@ def build_train_step(setup: TrainSetup):
     if setup.cfg.optimizer.name == "onebit_adam":  # its update communicates: shard_map
         from shardlib.train.onebit import build_onebit_step
 
-        return build_onebit_step(setup)
+        return build_onebit_step(setup, make_loss_fn(setup, with_metrics=True))
     loss_fn = stop_base_gradients(make_loss_fn(setup, with_metrics=True), setup.cfg.lora.rank)
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
