@@ -301,7 +301,7 @@ def plot(path: str, cal: list, other: list, held: list) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
-    lo, hi = 100, 260
+    lo, hi = 100, 200
     ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
     ax.fill_between(
         [lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15

@@ -31,6 +31,12 @@ the tie. Here the rate depends on the plan:
   is free while a block's compute outlasts its transfer). FSDP gathers and reductions hide
   behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not fitted: no
   calibration run uses FSDP).
+* **The optimizer update** (``update_seconds``): a pass over the held state at HBM
+  bandwidth, after the reduction, exposed.
+
+Which program runs is ``cost.Program``'s: the elementwise traffic (``BlockTraffic``) and
+the terms. The planner costs shardlib's; the calibration costs the published runs' own
+(``planner.megatron``) on this same model.
 """
 
 from __future__ import annotations
