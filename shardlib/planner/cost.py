@@ -3,13 +3,14 @@
 ``estimate(workload, plan, cluster)`` asks each term in ``terms/`` for its share and adds
 them up. Time is compute (the terms' FLOPs at the rate this plan's matmul shapes reach on
 the cluster) plus the collectives that cannot hide behind compute plus the pipeline bubble
-plus host transfers; ``planner.throughput`` is that model (rate, links, overlap), calibrated
-on published runs (docs/throughput_calibration.md).
+plus host transfers plus the optimizer update; ``planner.throughput`` is that model (rate,
+links, overlap), calibrated on published runs (docs/throughput_calibration.md).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import shardlib.planner.throughput as throughput
@@ -64,6 +65,8 @@ class Estimate:
     compute_parts: dict[str, float] = field(default_factory=dict)
     """``compute_s`` shared out by part (each matmul of the blocks, ``head``,
     ``elementwise``) in the proportions of one micro-batch's forward."""
+    update_s: float = 0.0
+    """The optimizer update's pass over the state (``throughput.update_seconds``)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -159,6 +162,21 @@ def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
     ]
 
 
+@dataclass(frozen=True)
+class Program:
+    """What runs for a plan: the terms that say what it computes, holds and moves, and the
+    HBM traffic of its elementwise kernels. The planner costs shardlib's own program
+    (``SHARDLIB``); the calibration costs the published runs' programs on the same hardware
+    model (``planner.megatron``), so that differences of program are not fitted as
+    differences of hardware."""
+
+    terms: Callable[[Context, Cluster | None], list[Contribution]]
+    traffic: throughput.BlockTraffic = throughput.LLAMA_TRAFFIC
+
+
+SHARDLIB = Program(contributions)
+
+
 def estimate(
     workload: Workload,
     plan: ParallelPlan,
@@ -166,12 +184,13 @@ def estimate(
     *,
     backend: str = "gpu",
     calib: dict | None = None,
+    program: Program = SHARDLIB,
 ) -> Estimate:
     """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time)."""
     check(workload, plan, cluster)
     calib = COEFFICIENTS if calib is None else calib
     ctx = Context(workload, plan, backend, PlanView(plan), calib)
-    parts = contributions(ctx, cluster)
+    parts = program.terms(ctx, cluster)
     memory: dict[str, float] = defaultdict(float)
     comms: list[Comm] = []
     flops = host_s = 0.0
@@ -186,7 +205,7 @@ def estimate(
     memory["runtime"] = ctx.calib["fixed_bytes"]
     if cluster is None:
         return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
-    rate = throughput.compute_rate(ctx, cluster)
+    rate = throughput.compute_rate(ctx, cluster, program.traffic)
     # the SPMD pipeline computes its bubble (every stage, every iteration): those FLOPs are
     # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
     bubble_s = pipeline.extra_flops(ctx)[0] / rate.flops_per_s
@@ -196,7 +215,8 @@ def estimate(
     exposed_s, comm_s = throughput.exposed_seconds(
         comms, cluster, plan.mesh.axes, windows, staged=ctx.p.stage > 1
     )
-    step_s = compute_s + exposed_s + bubble_s + host_s
+    update_s = throughput.update_seconds(ctx, cluster)
+    step_s = compute_s + exposed_s + bubble_s + host_s + update_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
     total = sum(v for k, v in memory.items() if not k.startswith("host"))
     return Estimate(
@@ -216,4 +236,5 @@ def estimate(
         notes=tuple(dict.fromkeys(notes)),
         compute_efficiency=rate.efficiency,
         compute_parts={k: compute_s * v / total_s for k, v in rate.seconds.items()},
+        update_s=update_s,
     )

@@ -31,6 +31,12 @@ the tie. Here the rate depends on the plan:
   is free while a block's compute outlasts its transfer). FSDP gathers and reductions hide
   behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not fitted: no
   calibration run uses FSDP).
+* **The optimizer update** (``update_seconds``): a pass over the held state at HBM
+  bandwidth, after the reduction, exposed.
+
+Which program runs is ``cost.Program``'s: the elementwise traffic (``BlockTraffic``) and
+the terms. The planner costs shardlib's; the calibration costs the published runs' own
+(``planner.megatron``) on this same model.
 """
 
 from __future__ import annotations
@@ -41,15 +47,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shardlib.planner.cluster import Cluster
-from shardlib.planner.terms.base import Comm, Context
+from shardlib.planner.terms.base import ADAM_BYTES, MASTER_BYTES, Comm, Context
 from shardlib.planner.workload import Workload
 
-LINK_EFFICIENCY = 1.0
+LINK_EFFICIENCY = 0.5
 """Achieved fraction of a link's preset bandwidth for large collectives. Fitted with
-``matmul_efficiency`` on the published runs (``benchmarks/planner_calibration.py --fit``):
-the fit sits at its bound, 1.0, because shardlib's programs move more bytes than the
-published Megatron runs did (docs/throughput_calibration.md), so the runs cannot identify
-a lower one."""
+``matmul_efficiency`` on the published Megatron-LM runs, each costed with its own program's
+traffic (``benchmarks/planner_calibration.py --fit``, ``planner.megatron``). Weakly
+identified: any value from 0.4 to 1.0 (with its best ``matmul_efficiency``) keeps the worst
+calibration row within 1.063-1.080 (docs/throughput_calibration.md)."""
 OVERLAP = 0.8
 """Fraction of compute time that FSDP prefetches hide behind (an assumption: the
 calibration runs use none)."""
@@ -62,15 +68,31 @@ TILE = 128
 EXPOSED = frozenset({"tensor", "expert", "pipeline"})
 """Strategies whose collectives sit on the critical path (``Comm.strategy``)."""
 
-# Elementwise bytes per token of one block's forward, read + written, in units of a width
-# (counted from models/llama.py): two RMSNorms (read, write) and two residual adds (read
-# two, write one) over the embedding width; rotary on q and k (read, write); SwiGLU's
-# silu(gate) * up (read two, write one) over the MLP width; scale, mask and softmax over the
-# scores (read, write: XLA fuses them into one pass), which dense attention writes to HBM.
-ELEMENTWISE_EMBED = 10
-ELEMENTWISE_QKV = 2
-ELEMENTWISE_MLP = 3
-ELEMENTWISE_SCORES = 2
+
+@dataclass(frozen=True)
+class BlockTraffic:
+    """HBM traffic per token of one block's forward elementwise work, read + written, in
+    units of a width of the compute dtype: what a program's fused elementwise kernels stream.
+
+    The matmuls' own operand and result bytes are the roofline's (``Matmul.bytes``); these
+    are the passes between them. Different programs of the same model differ here: a GPT
+    block with dropout streams its attention probabilities twice more than shardlib's Llama
+    block (``planner.megatron``)."""
+
+    embed: float = 10
+    """Over the embedding width. Llama (models/llama.py): two RMSNorms (read, write), two
+    residual adds (read two, write one)."""
+    rotary: float = 2
+    """Over the q and k widths: rotary (read, write)."""
+    mlp: float = 3
+    """Over the MLP width: SwiGLU's silu(gate) * up (read two, write one)."""
+    scores: float = 2
+    """Over the attention scores (heads x keys per token) that dense attention writes to HBM:
+    scale, mask and softmax in one fused pass (read, write)."""
+
+
+LLAMA_TRAFFIC = BlockTraffic()
+"""shardlib's own block (models/llama.py), as XLA fuses it."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +140,13 @@ class Shape:
     """Sequences of one micro-batch on one device."""
     layers: int
     """Blocks on one device."""
+    traffic: BlockTraffic = LLAMA_TRAFFIC
+    """What the program's elementwise kernels stream per token."""
 
     @classmethod
-    def of(cls, ctx: Context) -> Shape:
+    def of(cls, ctx: Context, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
         p = ctx.p
-        return cls(ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device)
+        return cls(ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device, traffic)
 
     @property
     def tokens(self) -> int:
@@ -158,13 +182,13 @@ def head_matmul(shape: Shape) -> Matmul:
 
 def elementwise_bytes(shape: Shape) -> float:
     """HBM bytes of one block's forward elementwise work on one micro-batch, one device."""
-    w, t = shape.workload, shape.tensor
+    w, t, k = shape.workload, shape.tensor, shape.traffic
     keys = w.seq  # every query meets every key: in one pass, or in c ring passes of s/c
     widths = (
-        ELEMENTWISE_EMBED * w.embed
-        + ELEMENTWISE_QKV * 2 * w.heads * w.head_dim / t  # q and k get rotary
-        + ELEMENTWISE_MLP * (w.mlp or w.expert_mlp) / t
-        + ELEMENTWISE_SCORES * w.heads / t * keys
+        k.embed * w.embed
+        + k.rotary * 2 * w.heads * w.head_dim / t  # q and k get rotary
+        + k.mlp * (w.mlp or w.expert_mlp) / t
+        + k.scores * w.heads / t * keys
     )
     return shape.tokens * widths * w.compute_bytes
 
@@ -189,9 +213,24 @@ class Rate:
         return self.flops_per_s / self.peak
 
 
-def compute_rate(ctx: Context, cluster: Cluster) -> Rate:
+def compute_rate(ctx: Context, cluster: Cluster, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Rate:
     """The rate one device computes this plan's forward (and backward) at."""
-    return shape_rate(Shape.of(ctx), cluster)
+    return shape_rate(Shape.of(ctx, traffic), cluster)
+
+
+def update_seconds(ctx: Context, cluster: Cluster) -> float:
+    """The optimizer update: an elementwise pass over the state a device holds, after the
+    gradients are reduced and before the next forward (nothing to overlap it with).
+
+    Adam reads and writes the fp32 master weights and its m and v (sharded by ZeRO-1 and
+    up), reads the fp32 gradients and writes the compute-dtype copy the next forward reads:
+    about 30 bytes per parameter held, at HBM bandwidth (the same streaming bound as the
+    elementwise work). Optimizer state offloaded to the host is updated there (``host_s``)."""
+    p = ctx.p
+    held = ctx.held_elements
+    optimizer = 0.0 if p.offload else held * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
+    passes = held * (3 * MASTER_BYTES + ctx.w.compute_bytes) + 2 * optimizer
+    return passes / cluster.hbm_bw
 
 
 @functools.lru_cache(maxsize=16384)
