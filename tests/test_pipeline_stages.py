@@ -23,11 +23,18 @@ BUBBLE_BASE = train_config(batch=32, seq=32, **{"model.layers": 8})
 def stack_flops():
     """FLOPs per device of the layer stack (forward + backward) alone."""
 
+    one_device = {}  # the p = 1 reference is the same program for every case
+
     def get(p, **overrides):
+        if p == 1 and one_device:
+            return one_device[1]
         cfg = override(BUBBLE_BASE, overrides)
         setup = make_setup(cfg, _mesh({"stage": p}) if p > 1 else single_device_mesh())
         jitted, args = layer_stack_program(setup)
-        return flops(compile_fast(jitted, *args))
+        result = flops(compile_fast(jitted, *args))
+        if p == 1 and not overrides:
+            one_device[1] = result
+        return result
 
     return get
 
@@ -49,14 +56,14 @@ def test_bubble_in_flops_matches_the_formula(schedule, v, m, stack_flops):
 
 
 # Parity through the project's harness (one-device reference from the same random state).
+# GPipe is the circular loop at v = 1 (one loop, one stage partition): the circular and
+# bounded cases cover its uneven stages and its m = 6, at a third of the compiles.
 UNEVEN_AND_ANY_M = {  # name: (mesh axes, config overrides)
-    "gpipe-6-layers-on-4": ({"stage": 4, "data": 2}, {"pipeline_schedule": "gpipe"}),
     "bounded-6-layers-on-4": ({"stage": 4, "data": 2}, {"pipeline_schedule": "bounded"}),
     "circular-6-layers-on-2x2": (
         {"stage": 2, "data": 2},
         {"pipeline_schedule": "circular", "virtual_stages": 2, "pipeline_microbatches": 2},
     ),
-    "gpipe-m6-on-3": ({"stage": 3, "data": 2}, {"pipeline_schedule": "gpipe"}),
     "bounded-m6-on-3": ({"stage": 3, "data": 2}, {"pipeline_schedule": "bounded"}),
     "circular-m6-on-3": (
         {"stage": 3, "data": 2},
