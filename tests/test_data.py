@@ -147,6 +147,23 @@ def test_prompt_mask_and_packing_keep_documents_apart(corpus):
     assert counted == int(w.sum()) and not w[seg == 0].any()
 
 
+def test_text_beside_prompt_completion_is_cut_not_refused(corpus, tmp_path):
+    """One dataset from a text file and prompt/completion lines (the README's `prepare
+    notes.txt chats.jsonl`): the long text document is cut into rows, the examples keep
+    their prompts, and only an example longer than a row is refused."""
+    prepare([str(corpus["text"]), str(corpus["sft_jsonl"])], corpus["tok"], str(tmp_path / "m"))
+    data = Prepared(tmp_path / "m")
+    (shard,) = data.shards("train")
+    lengths = np.diff(shard["offsets"])
+    assert shard["prompt_tokens"][0] == 0 and lengths[0] > SEQ + 1  # the text file, first
+    pieces = data.pieces("train", SEQ)
+    cut = -(-(lengths[0] - 1) // SEQ)  # rows overlapping by one token
+    assert (pieces.prompt[:cut] == 0).all() and pieces.length[:cut].max() == SEQ + 1
+    assert list(pieces.prompt[cut:]) == shard["prompt_tokens"][1:]  # each example whole
+    with pytest.raises(ShardingError, match=r"train document \d+ of train-00000.bin \(prompt 2"):
+        data.pieces("train", 8)
+
+
 @pytest.fixture(scope="module")
 def one_device(corpus):
     """A 1-layer model on one device and its parameters (initialised eagerly: no compile)."""
