@@ -142,6 +142,7 @@ def _prepare(args) -> tuple:
         simulate_cpu_devices(devices)
     import jax
 
+    from shardlib.init_from import with_source_model
     from shardlib.parallel import ParallelPlan
     from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
     from shardlib.xla_flags import apply_gpu_defaults
@@ -156,7 +157,7 @@ def _prepare(args) -> tuple:
         overrides.append(f"checkpoint.init_from={args.load_params}")
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
-    cfg = parse_overrides(overrides, base)
+    cfg = with_source_model(parse_overrides(overrides, base))  # --load-params HF_DIR: its shapes
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
 

@@ -240,3 +240,17 @@ def test_bf16_shards_import_as_their_fp32_values(hf_dirs, cube, tmp_path):
     wq = np.asarray(model.blocks.attn.wq[...])[0]  # [embed, heads, head_dim]
     want = tensors["model.layers.0.self_attn.q_proj.weight"].float().numpy()  # [h*d, embed]
     np.testing.assert_array_equal(wq, want.reshape(4, 8, 32).transpose(2, 0, 1))
+
+
+def test_load_params_takes_the_model_from_config_json(hf_dirs, tmp_path):
+    """``--load-params HF_DIR`` alone describes the model; an explicit model.NAME wins."""
+    from shardlib.init_from import with_source_model
+    from shardlib.train.config import train_config
+
+    directory, _ = hf_dirs["llama3"]
+    cfg = with_source_model(train_config(init_from=str(directory), **{"model.layers": 1}))
+    model = dict(cfg.model_overrides)
+    assert model == model_settings(read_config(directory)) | {"layers": 1}
+    assert model["rope_theta"] == 500_000.0 and model["tie_embeddings"] and model["vocab"] == 256
+    plain = train_config(init_from=str(tmp_path))  # not a Hugging Face directory: unchanged
+    assert with_source_model(plain) == plain

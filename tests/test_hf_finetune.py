@@ -22,9 +22,8 @@ from tokenizer_data import WORDS, lines, word_level
 from shardlib import cli
 from shardlib.data.index import Prepared
 from shardlib.data.loader import packed_rows
-from shardlib.hf import model_settings, read_config
 from shardlib.hf_io import flatten
-from shardlib.init_from import load_model, max_abs_difference
+from shardlib.init_from import load_model, max_abs_difference, with_source_model
 from shardlib.mesh import MeshSpec
 from shardlib.parallel import ParallelPlan
 from shardlib.train.config import TrainConfig, override
@@ -56,13 +55,12 @@ def write_prompts(path, n: int, seed: int) -> dict[str, int]:
 def fine_tune(directory, data, mesh, out, **settings):
     """``STEPS`` steps from ``directory``'s weights on the prepared ``data``, evaluated every
     ``EVAL_EVERY`` steps on its held-out split; the setup and the run's result."""
-    model = {f"model.{k}": v for k, v in model_settings(read_config(directory)).items()}
-    cfg = override(TrainConfig(), model | {
+    cfg = override(TrainConfig(), {
         "data": str(data), "steps": STEPS, "batch": BATCH, "seq": SEQ, "warmup": 1,
         "eval_every": EVAL_EVERY, "eval_batches": EVAL_BATCHES, "init_from": str(directory),
         "checkpoint_dir": str(out), "checkpoint_every": 0, **settings,
     })  # fmt: skip
-    setup = make_setup(cfg, mesh)
+    setup = make_setup(with_source_model(cfg), mesh)  # the model: directory/config.json
     result = run(setup, show=False)
     evals = [r["eval_loss"] for r in result.records if "eval_loss" in r]
     assert len(evals) == STEPS // EVAL_EVERY and evals[-1] < evals[0] - 0.1, evals
