@@ -69,6 +69,15 @@ def fine_tune(directory, data, mesh, out, **settings):
     return setup, result, evals
 
 
+def imported(style: str, directory, vocab: int, mesh, rules, tokens) -> dict:
+    """A ``style`` Llama made by transformers for ``vocab`` tokens, saved to ``directory`` and
+    imported on ``mesh``: its logits must be transformers' (fp32, 1e-5). Its parameters."""
+    hf = make_hf(style, directory, vocab)
+    model = load_model(directory, mesh, rules)
+    assert rel_err(jax.jit(lambda m, t: m(t))(model, tokens), hf_logits(hf, tokens)) < 1e-5
+    return flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+
+
 def logits(setup, params, tokens):
     return jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
 
@@ -119,9 +128,7 @@ def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
 
     # Llama 2 style, full fine-tuning
     full_dir = tmp_path / "llama2"
-    hf = make_hf("llama2", full_dir, vocab)
-    imported = load_model(full_dir, mesh, rules)
-    assert rel_err(jax.jit(lambda m, t: m(t))(imported, tokens), hf_logits(hf, tokens)) < 1e-5
+    imported("llama2", full_dir, vocab, mesh, rules, tokens)
     setup, full, evals = fine_tune(full_dir, data, mesh, tmp_path / "full", lr=1e-2)
     assert cli.main(["export", "--checkpoint", str(tmp_path / "full"),
                      "--out", str(tmp_path / "full_hf"), "--format", "hf"]) == 0  # fmt: skip
@@ -131,11 +138,10 @@ def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
 
     # Llama 3 style, LoRA on every projection: only the adapters move; export merges them
     lora_dir = tmp_path / "llama3"
-    make_hf("llama3", lora_dir, vocab)
+    base = imported("llama3", lora_dir, vocab, mesh, rules, tokens)
     setup, lora, evals = fine_tune(lora_dir, data, mesh, tmp_path / "lora", lr=3e-2, **{
         "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": "q,k,v,o,gate,up,down"})  # fmt: skip
     params = flatten(jax.device_get(lora.state["params"]))
-    base = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(load_model(lora_dir, mesh, rules)))))
     adapters = [p for p in params if "/lora_" in p]
     assert len(adapters) == 14 and set(params) == set(base) | set(adapters)
     assert max_abs_difference(params, base) == 0.0  # the base weights did not move
