@@ -85,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
     g.add_argument("--samples", type=int, default=1, help="sequences generated together")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (default: the model's or data's, else bytes)",
+    )
     e = command("explain", "compile the train step and report its layout; runs nothing")
     e.add_argument("--json", default=None, help="also write the report as JSON here")
     par = command("parity", "compare losses and gradients with a one-device run")
@@ -270,7 +274,9 @@ def cmd_generate(args, console: Console) -> int:
     rules = cfg.parallel.with_mesh_axes(mesh_axes(mesh)).rules
     source = args.checkpoint or args.hf
     model = load_model(source, mesh, rules)
-    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab)
+    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab, args.checkpoint)
+    if hasattr(tok, "path"):
+        console.print(f"tokenizer {tok.path}")
     prompt = [tok.encode(args.prompt)] * args.samples
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -11,6 +11,7 @@ last eval loss, which ties the split, the prompt mask, evaluation and export tog
 
 import json
 import random
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from tokenizer_data import WORDS, lines, word_level
 from shardlib import cli
 from shardlib.data.index import Prepared
 from shardlib.data.loader import packed_rows
+from shardlib.generate import data_tokenizer
 from shardlib.hf_io import flatten
 from shardlib.init_from import load_model, max_abs_difference, with_source_model
 from shardlib.mesh import MeshSpec
@@ -153,12 +155,17 @@ def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
     assert rel_err(ours, hf_logits(tmp_path / "lora_hf", tokens)) < 1e-5
     assert abs(held_out_loss(tmp_path / "lora_hf", data, prompts) - evals[-1]) <= 1e-5 * evals[-1]
 
-    capsys.readouterr()  # generation with the tokenizer the data was prepared with
-    generate = ["generate", "--checkpoint", lora_ckpt, "--tokenizer", tok, "--prompt", "the cat"]
+    capsys.readouterr()  # generation, by default with the tokenizer the data was prepared with
+    generate = ["generate", "--checkpoint", lora_ckpt, "--prompt", "the cat"]
     assert cli.main([*generate, "--max-new-tokens", "4"]) == 0
     printed = capsys.readouterr()
     assert printed.out.startswith("the cat ") and "4 new tokens x 1" in printed.err
     assert set(printed.out.split()) <= set(WORDS) | {"</s>"}
+    assert f"tokenizer {tok}" in " ".join(printed.err.split())
+    assert data_tokenizer(lora_ckpt) == Path(tok)
+    Path(tok).write_text(Path(tok).read_text() + " ")  # changed since: not taken for the data's
+    assert data_tokenizer(lora_ckpt) is None
+    generate += ["--tokenizer", tok]
     assert cli.main([*generate, "--max-new-tokens", "63"]) == 2  # 2 + 63 > 64 positions
     assert "more than the model's context of 64" in capsys.readouterr().err
 
