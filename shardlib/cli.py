@@ -85,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
     g.add_argument("--samples", type=int, default=1, help="sequences generated together")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (default: the model's or data's, else bytes)",
+    )
     e = command("explain", "compile the train step and report its layout; runs nothing")
     e.add_argument("--json", default=None, help="also write the report as JSON here")
     par = command("parity", "compare losses and gradients with a one-device run")
@@ -142,6 +146,7 @@ def _prepare(args) -> tuple:
         simulate_cpu_devices(devices)
     import jax
 
+    from shardlib.init_from import with_source_model
     from shardlib.parallel import ParallelPlan
     from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
     from shardlib.xla_flags import apply_gpu_defaults
@@ -156,7 +161,7 @@ def _prepare(args) -> tuple:
         overrides.append(f"checkpoint.init_from={args.load_params}")
     if getattr(args, "steps", None) is not None and args.command == "parity":
         overrides.append(f"steps={args.steps}")
-    cfg = parse_overrides(overrides, base)
+    cfg = with_source_model(parse_overrides(overrides, base))  # --load-params HF_DIR: its shapes
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
 
@@ -269,7 +274,9 @@ def cmd_generate(args, console: Console) -> int:
     rules = cfg.parallel.with_mesh_axes(mesh_axes(mesh)).rules
     source = args.checkpoint or args.hf
     model = load_model(source, mesh, rules)
-    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab)
+    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab, args.checkpoint)
+    if hasattr(tok, "path"):
+        console.print(f"tokenizer {tok.path}")
     prompt = [tok.encode(args.prompt)] * args.samples
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

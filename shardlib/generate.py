@@ -6,7 +6,8 @@ The model supplies ``init_cache(batch, length)`` and ``decode(tokens_BT, cache, 
 keep their training layout, and sampling is greedy (temperature 0), temperature or top-k.
 Generation stops at ``max_new_tokens`` or when every sequence has produced ``eos``.
 Tokens are bytes by default (the embedded corpus' vocabulary); a ``tokenizers``
-``tokenizer.json`` gives any other vocabulary.
+``tokenizer.json`` gives any other vocabulary: given, in a Hugging Face directory, or the one
+a checkpoint's run prepared its data with.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class FileTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        self.path = str(path)
+        self._tok = Tokenizer.from_file(self.path)
         self.vocab = self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -157,10 +159,36 @@ class FileTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def tokenizer_for(path: str | None, source: str | Path | None, vocab: int):
-    """``path``, else ``source``/tokenizer.json (a Hugging Face directory), else bytes."""
+def data_tokenizer(checkpoint: str | Path) -> Path | None:
+    """The tokenizer.json a run's prepared data was tokenized with (``data=``, or the first
+    set of ``data.mix``), if it is still where ``shardlib data prepare`` read it and unchanged
+    (its SHA-256 is in the data's index); None for the embedded corpus or a token file."""
+    import json
+
+    from shardlib.checkpoint import read_meta
+    from shardlib.data.index import INDEX, file_sha256
+    from shardlib.data.loader import parse_mix
+
+    _, meta = read_meta(Path(checkpoint).absolute())
+    data = meta["config"].get("data", {})
+    where = parse_mix(data.get("path"), data.get("mix", ""))[0][0]
+    index = Path(where or "") / INDEX
+    if not where or not index.is_file():
+        return None
+    tok = json.loads(index.read_text()).get("tokenizer", {})
+    path = Path(tok.get("path", ""))
+    if tok.get("kind") != "tokenizers" or not path.is_file() or file_sha256(path) != tok["sha256"]:
+        return None
+    return path
+
+
+def tokenizer_for(path, source, vocab: int, checkpoint: str | Path | None = None):
+    """``path``, else ``source``/tokenizer.json (a Hugging Face directory), else the one the
+    ``checkpoint``'s run prepared its data with (``data_tokenizer``), else bytes."""
     if path is None and source is not None and (Path(source) / "tokenizer.json").is_file():
         path = Path(source) / "tokenizer.json"
+    if path is None and checkpoint is not None:
+        path = data_tokenizer(checkpoint)
     tok = FileTokenizer(path) if path else ByteTokenizer()
     if tok.vocab > vocab:
         raise ShardingError(

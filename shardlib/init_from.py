@@ -4,8 +4,9 @@
 step 0, a new optimizer state - from the parameters in ``DIR``: the latest step of a
 shardlib ``checkpoint_dir``, or a Hugging Face Llama directory (``config.json`` +
 ``*.safetensors``). Both are read straight into the run's parameter shardings, each device
-reading only its slice; every tensor's shape is checked first, naming the tensor. Parameters
-the source does not have (LoRA adapters added for fine-tuning) keep their fresh
+reading only its slice; every tensor's shape is checked first, naming the tensor. A Hugging
+Face directory's ``config.json`` also gives the model's settings (``with_source_model``).
+Parameters the source does not have (LoRA adapters added for fine-tuning) keep their fresh
 initialisation. A run that resumes from its own ``checkpoint_dir`` ignores ``init_from``.
 """
 
@@ -30,6 +31,22 @@ from shardlib.hf_io import flatten, load_params, unflatten
 def is_hf_directory(path: str | Path) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def with_source_model(cfg):
+    """``cfg`` with the model settings of ``checkpoint.init_from``'s ``config.json`` when it
+    is a Hugging Face directory, so that ``--load-params DIR`` alone describes the model;
+    ``model.NAME`` settings given explicitly win. Other sources, and a model factory of the
+    user's (``pkg.module:make_model``), leave ``cfg`` as it is."""
+    source = cfg.checkpoint.init_from
+    if not source or ":" in cfg.model or not is_hf_directory(source):
+        return cfg
+    from shardlib.hf import model_settings, read_config
+    from shardlib.train.config import override
+
+    settings = model_settings(read_config(source), f"{source}/config.json")
+    settings |= dict(cfg.model_overrides)
+    return override(cfg, {f"model.{k}": v for k, v in settings.items()})
 
 
 def load_checkpoint_params(directory: str | Path, abstract: dict) -> dict:

@@ -5,7 +5,6 @@ is downloaded. Compiled programs are a 1-layer model on at most 2 devices.
 """
 
 import json
-import random
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tokenizer_data import lines, word_level
 
 from shardlib.data.index import Prepared
 from shardlib.data.loader import PreparedData, documents, packed_rows
@@ -26,41 +26,23 @@ from shardlib.train.setup import make_setup
 from shardlib.train.step import accumulate_grads, make_loss_fn, normalise_weights
 
 tokenizers = pytest.importorskip("tokenizers")
-WORDS = "the cat sat on a mat dog ran far away quick brown fox jumps over lazy".split()
 SEQ = 32
-
-
-def _lines(n: int, seed: int, longest: int = 20) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, longest))) for _ in range(n)]
-
-
-def _word_level(path, lines=None, vocab: dict | None = None) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    if lines is not None:
-        trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"])
-        tok.train_from_iterator(lines, trainer)
-    tok.save(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A trained tokenizer, a prompt/completion set and a plain-text set, prepared."""
     root = tmp_path_factory.mktemp("data")
-    tok = _word_level(root / "tok.json", _lines(200, 0))
+    tok = word_level(root / "tok.json", lines(200, 0))
     sft = root / "sft.jsonl"
     with open(sft, "w") as f:
-        for line in _lines(80, 1):
+        for line in lines(80, 1):
             w = line.split()
             f.write(json.dumps({"prompt": " ".join(w[:2]), "completion": " ".join(w[2:])}) + "\n")
     text = root / "a.txt"
-    text.write_text(" ".join(_lines(30, 2, longest=8)))  # one document longer than a row
+    text.write_text(" ".join(lines(30, 2, longest=8)))  # one document longer than a row
     plain = root / "plain.jsonl"
-    plain.write_text("".join(json.dumps({"text": t}) + "\n" for t in _lines(60, 3)))
+    plain.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines(60, 3)))
     prepare([str(sft)], tok, str(root / "sft"), eval_fraction=0.1)
     prepare([str(text), str(plain)], tok, str(root / "plain"), eval_fraction=0.2, seed=1)
     return {
@@ -109,7 +91,7 @@ def test_prepare_round_trip_and_held_out_split(corpus):
 
 def test_int32_above_65536_ids(tmp_path):
     vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 70_000)}}
-    tok = _word_level(tmp_path / "big.json", vocab=vocab)
+    tok = word_level(tmp_path / "big.json", vocab=vocab)
     (tmp_path / "in.txt").write_text("w3 w65535 w65536 w69999")
     index = prepare([str(tmp_path / "in.txt")], tok, str(tmp_path / "out"), eval_fraction=0)
     assert index["dtype"] == "int32" and index["vocab_size"] == 70_000
@@ -119,7 +101,7 @@ def test_int32_above_65536_ids(tmp_path):
 
 def test_sentencepiece_model_and_hf_dataset_input(corpus, tmp_path):
     spm = pytest.importorskip("sentencepiece")
-    (tmp_path / "lines.txt").write_text("\n".join(_lines(100, 4)))
+    (tmp_path / "lines.txt").write_text("\n".join(lines(100, 4)))
     spm.SentencePieceTrainer.train(
         input=str(tmp_path / "lines.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=19,
         model_type="word", minloglevel=2,
@@ -163,6 +145,23 @@ def test_prompt_mask_and_packing_keep_documents_apart(corpus):
             counted += int(w[r, cols].sum())
             assert not w[r, cols[:1]].any()
     assert counted == int(w.sum()) and not w[seg == 0].any()
+
+
+def test_text_beside_prompt_completion_is_cut_not_refused(corpus, tmp_path):
+    """One dataset from a text file and prompt/completion lines (the README's `prepare
+    notes.txt chats.jsonl`): the long text document is cut into rows, the examples keep
+    their prompts, and only an example longer than a row is refused."""
+    prepare([str(corpus["text"]), str(corpus["sft_jsonl"])], corpus["tok"], str(tmp_path / "m"))
+    data = Prepared(tmp_path / "m")
+    (shard,) = data.shards("train")
+    lengths = np.diff(shard["offsets"])
+    assert shard["prompt_tokens"][0] == 0 and lengths[0] > SEQ + 1  # the text file, first
+    pieces = data.pieces("train", SEQ)
+    cut = -(-(lengths[0] - 1) // SEQ)  # rows overlapping by one token
+    assert (pieces.prompt[:cut] == 0).all() and pieces.length[:cut].max() == SEQ + 1
+    assert list(pieces.prompt[cut:]) == shard["prompt_tokens"][1:]  # each example whole
+    with pytest.raises(ShardingError, match=r"train document \d+ of train-00000.bin \(prompt 2"):
+        data.pieces("train", 8)
 
 
 @pytest.fixture(scope="module")

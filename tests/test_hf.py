@@ -1,9 +1,9 @@
-"""Hugging Face Llama weights in and out, LoRA, parameters-only loading, generation.
+"""Hugging Face Llama weights in and out, LoRA layouts and parity, generation, bad input.
 
-Tiny random Llamas are made with ``transformers`` (nothing is downloaded) in two styles:
-Llama 2 (multi-head attention, plain RoPE, separate LM head) and Llama 3 (grouped-query
-attention, llama3 RoPE scaling, tied embeddings). Each is imported on cpu-8-3d
-(data x fsdp x tensor = 2 x 2 x 2) and must give transformers' logits within 1e-5.
+Tiny random Llamas made with ``transformers`` (``hf_models``: Llama 2 and Llama 3 style,
+nothing is downloaded) are imported on cpu-8-3d (data x fsdp x tensor = 2 x 2 x 2) and
+must give transformers' logits within 1e-5. Fine-tuning them on prepared data, evaluation
+and export are one chain in ``test_hf_finetune.py``.
 """
 
 import json
@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hf_models import STYLES, hf_logits, make_hf, rel_err
 
 from shardlib.generate import Sampling, generate, pick
 from shardlib.hf import HFError, Shards, half_to_meta, model_settings, read_config
@@ -22,49 +23,7 @@ from shardlib.mesh import MeshSpec
 from shardlib.parallel import ParallelPlan
 
 CUBE = MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2)))
-VOCAB = 256  # the embedded byte corpus trains the fine-tuning runs
-STYLES = {
-    "llama2": dict(num_key_value_heads=4, tie_word_embeddings=False),
-    "llama3": dict(
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_parameters=dict(
-            rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=16,
-        ),
-    ),
-}  # fmt: skip
-
-
-def make_hf(style: str, out, seed: int = 0):
-    import torch
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
-        initializer_range=0.2,  # std 0.02 (the default) caps a frozen head's |logits| below 1
-        **STYLES[style],
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    return model
-
-
-def hf_logits(model_or_dir, tokens):
-    import torch
-    import transformers
-
-    model = model_or_dir
-    if not hasattr(model, "forward"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_or_dir).eval()
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
-
-
-def rel_err(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+VOCAB = 256
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +35,7 @@ def cube():
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {s: (root / s, make_hf(s, root / s)) for s in STYLES}
+    return {s: (root / s, make_hf(s, root / s, VOCAB)) for s in STYLES}
 
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
@@ -193,79 +152,6 @@ def test_presets_have_published_sizes():
         assert abs(models.config(name).param_count() / count - 1) < 0.01, name
 
 
-def _run(directory, mesh, tmp_path, name, **settings):
-    """A short fine-tuning run from ``directory``'s parameters on the embedded byte corpus."""
-    from shardlib.train.config import TrainConfig, override
-    from shardlib.train.loop import run
-    from shardlib.train.setup import make_setup
-
-    model = {f"model.{k}": v for k, v in model_settings(read_config(directory)).items()}
-    cfg = override(TrainConfig(), model | {
-        "steps": 6, "batch": 8, "seq": 16, "warmup": 1, "init_from": str(directory),
-        "checkpoint_dir": str(tmp_path / name), "checkpoint_every": 0, **settings,
-    })  # fmt: skip
-    setup = make_setup(cfg, mesh)
-    return setup, run(setup, show=False)
-
-
-def _logits(setup, params, tokens):
-    return jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
-
-
-@pytest.mark.slow
-def test_fine_tune_full_and_lora_then_export(hf_dirs, cube, tmp_path, capsys):
-    """Full fine-tuning (Llama 2 style) and LoRA (Llama 3 style) from imported weights: loss
-    falls; LoRA moves only the adapters; the Hugging Face export loads in transformers and
-    gives shardlib's logits; a checkpoint's parameters alone start a new run."""
-    from shardlib.export import export_hf_checkpoint
-    from shardlib.init_from import max_abs_difference
-
-    mesh, rules = cube
-    full_dir, _ = hf_dirs["llama2"]
-    setup, full = _run(full_dir, mesh, tmp_path, "full", lr=1e-2)
-    assert full.losses[-1] < full.losses[0] - 0.1, full.losses
-    export_hf_checkpoint(tmp_path / "full", tmp_path / "full_hf")
-    ours = _logits(setup, full.state["params"], TOKENS)
-    assert rel_err(ours, hf_logits(tmp_path / "full_hf", TOKENS)) < 1e-5
-
-    lora_dir, _ = hf_dirs["llama3"]
-    targets = "q,k,v,o,gate,up,down"
-    setup, lora = _run(lora_dir, mesh, tmp_path, "lora", lr=3e-2, **{
-        "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": targets})  # fmt: skip
-    assert lora.losses[-1] < lora.losses[0] - 0.1, lora.losses
-    params = flatten(jax.device_get(lora.state["params"]))
-    base = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(load_model(lora_dir, mesh, rules)))))
-    adapters = [p for p in params if "/lora_" in p]
-    assert len(adapters) == 14 and set(params) == set(base) | set(adapters)
-    assert max_abs_difference(params, base) == 0.0  # the base weights did not move
-    assert all(np.abs(params[p]).max() > 0 for p in adapters if p.endswith("_b"))
-    from shardlib import cli
-
-    lora_ckpt = str(tmp_path / "lora")  # the CLI: export (adapters merged) and generate
-    assert cli.main(["export", "--checkpoint", lora_ckpt, "--out", str(tmp_path / "lora_hf"),
-                     "--format", "hf"]) == 0  # fmt: skip
-    capsys.readouterr()
-    generate_args = ["generate", "--checkpoint", lora_ckpt, "--prompt", "def f"]
-    assert cli.main([*generate_args, "--max-new-tokens", "4"]) == 0
-    printed = capsys.readouterr()
-    assert printed.out.startswith("def f") and "4 new tokens x 1" in printed.err
-    assert cli.main([*generate_args, "--max-new-tokens", "60"]) == 2  # 65 > 64 positions
-    assert "more than the model's context of 64" in capsys.readouterr().err
-    ours = _logits(setup, lora.state["params"], TOKENS)
-    assert rel_err(ours, hf_logits(tmp_path / "lora_hf", TOKENS)) < 1e-5
-
-    # parameters only, from a shardlib checkpoint: step 0, fresh optimizer, the same weights
-    from shardlib.train.config import override
-    from shardlib.train.setup import make_setup
-
-    cfg = override(setup.cfg, {"init_from": str(tmp_path / "lora"), "checkpoint_dir": None})
-    state = make_setup(cfg, mesh).init_state()
-    assert int(state["step"]) == 0
-    assert max_abs_difference(state["params"], lora.state["params"]) == 0.0
-    assert all(float(np.abs(m).max()) == 0.0 for m in jax.tree.leaves(state["opt_state"])
-               if hasattr(m, "shape") and m.ndim > 0)  # fmt: skip
-
-
 LORA = {"lora.rank": 4, "lora.targets": "q,k,v,o,gate,up,down", "model.layers": 1}
 
 
@@ -354,3 +240,17 @@ def test_bf16_shards_import_as_their_fp32_values(hf_dirs, cube, tmp_path):
     wq = np.asarray(model.blocks.attn.wq[...])[0]  # [embed, heads, head_dim]
     want = tensors["model.layers.0.self_attn.q_proj.weight"].float().numpy()  # [h*d, embed]
     np.testing.assert_array_equal(wq, want.reshape(4, 8, 32).transpose(2, 0, 1))
+
+
+def test_load_params_takes_the_model_from_config_json(hf_dirs, tmp_path):
+    """``--load-params HF_DIR`` alone describes the model; an explicit model.NAME wins."""
+    from shardlib.init_from import with_source_model
+    from shardlib.train.config import train_config
+
+    directory, _ = hf_dirs["llama3"]
+    cfg = with_source_model(train_config(init_from=str(directory), **{"model.layers": 1}))
+    model = dict(cfg.model_overrides)
+    assert model == model_settings(read_config(directory)) | {"layers": 1}
+    assert model["rope_theta"] == 500_000.0 and model["tie_embeddings"] and model["vocab"] == 256
+    plain = train_config(init_from=str(tmp_path))  # not a Hugging Face directory: unchanged
+    assert with_source_model(plain) == plain

@@ -102,14 +102,17 @@ class Prepared:
 
         A plain-text document longer than a row is cut (documented); a prompt/completion
         document is never cut, since its completion would be lost: it is an error naming it.
+        Text and prompt/completion documents may share a shard (``prompt_tokens`` is then 0
+        for the text ones, which are cut like any other text).
         """
         parts = []
         for i, shard in enumerate(self.shards(split)):
             offsets = np.asarray(shard["offsets"], np.int64)
             starts, lengths = offsets[:-1], np.diff(offsets)
             prompts = np.asarray(shard.get("prompt_tokens") or np.zeros_like(starts), np.int64)
-            if shard.get("prompt_tokens") is not None and (lengths > seq + 1).any():
-                doc = int(np.argmax(lengths > seq + 1))
+            uncut = (lengths > seq + 1) & (prompts > 0)  # prompt/completion, longer than a row
+            if uncut.any():
+                doc = int(np.argmax(uncut))
                 raise ShardingError(
                     f"data={str(self.directory)!r}: {split} document {doc} of {shard['file']} "
                     f"(prompt {prompts[doc]} + completion {lengths[doc] - prompts[doc]} tokens) "
