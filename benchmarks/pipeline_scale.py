@@ -1,7 +1,7 @@
 """Pipelines at GPT-3 scale, from compiled programs: bytes per axis, bubble, memory (issue 14).
 
 Run:  python benchmarks/pipeline_scale.py [--quick] [--layouts 39b,146b]
-          [--schedules bounded,gpipe,circular] [--precision bf16|fp32]
+          [--schedules bounded,gpipe,circular] [--precision bf16|fp32] [--virtual 1,2]
 
 Compiles the train step from abstract shapes on simulated CPU devices (nothing is allocated)
 for two published layouts, bf16, seq 2048, vocab 51200, full recompute:
@@ -10,7 +10,8 @@ for two published layouts, bf16, seq 2048, vocab 51200, full recompute:
 * 146B-class: hidden 12288, 96 heads, 80 layers; tensor 8 x stage 8 x data 24 = 1536.
 
 (SwiGLU width 8h/3 rounded to a multiple of 128, so that the parameter counts are the
-GPT-3-style 12·h² per layer.) For m = p, 2p, 4p and every schedule, two tables:
+GPT-3-style 12·h² per layer.) For m = p, 2p, 4p and every schedule (bounded: each v of
+``--virtual``; circular: v = 2), two tables:
 
 1. Wire bytes per device and step on each mesh axis (``explain``: each collective times its
    loop trips) against REFERENCE.md: data, PTD-P's one ring reduction of the fp32 gradients
@@ -19,10 +20,14 @@ GPT-3-style 12·h² per layer.) For m = p, 2p, 4p and every schedule, two tables
    stage, b·s·h per micro-batch per boundary forward and backward. The planner's prediction
    (``cost.estimate``, ``backend="cpu"``) beside each. The CPU backend upcasts bf16
    collectives of activations to fp32: the tensor and stage formulas use the compiled width.
-2. The bubble from compiled FLOPs (loop bodies times their trip counts) against the
+2. The bubble from all compiled FLOPs (loop bodies times their trip counts) against the
    single-stage ideal, a compile of the same model without stages (tensor x data over the
    same per-replica batch) whose FLOPs per device are divided by p, beside (p-1)/(v·m)
-   (interleaved 1F1B; the lockstep bounded schedule's 2(p-1)/m); and memory per device by
+   (GPipe v = 1, circular, (interleaved) 1F1B). The measured number is not the bubble
+   alone: it also counts the output head and the embedding, which every stage device
+   computes (SPMD) where the ideal splits them p ways, and whatever else differs between
+   the two compiles (``interleaved_1f1b.py`` counts the stage work alone: that is the
+   bubble to hold against the formula). Then memory per device by
    part: parameters + optimizer state (the step's arguments, exact) and temp (gradients,
    activations, buffers), against the formulas (4+8 bytes per held parameter; fp32
    gradients and their accumulator; Korthikanti's full-recompute 2sbh per layer plus the
@@ -71,14 +76,16 @@ LAYOUTS = {  # name: (model overrides, mesh axes outer to inner, sequences per r
         32,
     ),
 }
-SCHEDULES = {"gpipe": {}, "circular": {"virtual_stages": 2}, "bounded": {}}
+SCHEDULES = {"gpipe": {}, "circular": {"virtual_stages": 2}, "bounded": {}}  # bounded: --virtual
 SEQ, VOCAB = 2048, 51200
 
 
-def config(layout: str, schedule: str | None, m: int, precision: str):
+def config(layout: str, schedule: str | None, m: int, precision: str, v: int = 1):
     """The ``TrainConfig`` of one layout (``schedule`` None: the same without stages)."""
     model, axes, per_replica = LAYOUTS[layout]
-    staged = {} if schedule is None else SCHEDULES[schedule]
+    staged = {} if schedule is None else {**SCHEDULES[schedule]}
+    if schedule == "bounded" and v > 1:
+        staged["virtual_stages"] = v
     knobs = {} if schedule is None else dict(pipeline_schedule=schedule, pipeline_microbatches=m)
     return train_config(
         model="llama-70b",
@@ -102,7 +109,7 @@ def compile_report(cfg, axes: dict):
     )
 
 
-def predicted(layout: str, schedule: str, m: int, precision: str):
+def predicted(layout: str, schedule: str, m: int, precision: str, v: int):
     from shardlib.planner import Workload, candidate
     from shardlib.planner.cost import estimate
 
@@ -110,14 +117,13 @@ def predicted(layout: str, schedule: str, m: int, precision: str):
     w = Workload.from_preset(
         "llama-70b", per_replica * axes["data"], SEQ, precision, **model, vocab=VOCAB
     )
-    v = SCHEDULES[schedule].get("virtual_stages", 1)
     plan = candidate(**axes, schedule=schedule, microbatches=m, virtual=v, remat="full")
     return w, estimate(w, plan, backend="cpu")
 
 
-def measure(layout: str, schedule: str, m: int, precision: str) -> dict:
+def measure(layout: str, schedule: str, m: int, precision: str, v: int) -> dict:
     model, axes, per_replica = LAYOUTS[layout]
-    setup, report = compile_report(config(layout, schedule, m, precision), axes)
+    setup, report = compile_report(config(layout, schedule, m, precision, v), axes)
     shapes, shardings = setup.param_shapes, setup.param_shardings
     held = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)), shapes, shardings)
     held = sum(jax.tree.leaves(held))  # parameter elements on one device
@@ -126,8 +132,7 @@ def measure(layout: str, schedule: str, m: int, precision: str) -> dict:
     # activations' collectives compile at fp32 width on CPU (bf16 upcast): the formulas too
     act = 4
     bsh = per_replica // m * SEQ * model["embed"] * act
-    v = SCHEDULES[schedule].get("virtual_stages", 1)
-    w, est = predicted(layout, schedule, m, precision)
+    w, est = predicted(layout, schedule, m, precision, v)
     data = [op for op in report.collectives if "data" in op.axes]
     mem = report.memory
     layers = model["layers"] // p
@@ -147,21 +152,21 @@ def measure(layout: str, schedule: str, m: int, precision: str) -> dict:
         "held": held,
         # formulas: 4 + 8 bytes per held parameter (fp32 master + Adam); temp: fp32 grads
         # (+ the 1F1B loop's accumulator), full recompute's 2sbh per layer (compute dtype)
-        # for the layers in flight, the ring of 2p-1 stage inputs (1F1B)
+        # for the layers in flight, the ring of 2vp-1 stage inputs (1F1B)
         "grads_formula": held * 4 * (2 if schedule == "bounded" else 1),
-        "activations_formula": _activations_formula(layout, schedule, m, w.compute_bytes),
+        "activations_formula": _activations_formula(layout, schedule, m, v, w.compute_bytes),
         "predicted": est.memory,
         "predicted_total": est.memory_bytes,
     }
 
 
-def _activations_formula(layout: str, schedule: str, m: int, nbytes: int) -> float:
+def _activations_formula(layout: str, schedule: str, m: int, v: int, nbytes: int) -> float:
     model, axes, per_replica = LAYOUTS[layout]
     p, h = axes["stage"], model["embed"]
     sbh = per_replica // m * SEQ * h * nbytes  # one micro-batch's layer input
     layers = model["layers"] // p
-    if schedule == "bounded":  # one stage's inputs at a time, and its ring of 2p-1
-        return layers * sbh + (2 * p - 1) * sbh
+    if schedule == "bounded":  # one chunk's inputs at a time, and its ring of 2vp-1
+        return layers // v * sbh + (2 * v * p - 1) * sbh
     return layers * sbh * (m + p - 1)  # every trip's residuals (GPipe; circular about so)
 
 
@@ -182,20 +187,22 @@ def tables(layout: str, rows: dict, ideal: float) -> tuple[Table, Table]:
     shape = " x ".join(f"{a} {n}" for a, n in axes.items())
     p = axes["stage"]
     wire = Table(title=f"{layout}-class, {shape}: wire bytes per device per step, by mesh axis")
-    cols = ("schedule", "m", "data wire", "2(d-1)/d x held fp32", "ratio", "planner")
+    cols = ("schedule", "v", "m", "data wire", "2(d-1)/d x held fp32", "ratio", "planner")
     cols += ("tensor wire", "Megatron 5/layer", "planner", "stage wire", "2·m·bsh", "planner")
     cols += ("in loop", "temp")
     for col in cols:
         wire.add_column(col, justify="right")
     parts = Table(title=f"{layout}-class, {shape}: bubble and memory per device by part")
-    cols = ("schedule", "m", "bubble", "formula", "params+opt", "12 B/param", "planner")
+    cols = ("schedule", "v", "m", "all FLOPs / ideal - 1", "bubble (p-1)/(v·m)")
+    cols += ("params+opt", "12 B/param", "planner")
     cols += ("temp", "grads+acts formula", "planner", "total", "planner", "ratio")
     for col in cols:
         parts.add_column(col, justify="right")
-    for (schedule, m), r in rows.items():
+    for (schedule, v, m), r in rows.items():
         pw = r["predicted_wire"]
         wire.add_row(
             schedule,
+            str(v),
             str(m),
             _wire_cell(r, "data"),
             format_bytes(r["ring"]),
@@ -210,15 +217,15 @@ def tables(layout: str, rows: dict, ideal: float) -> tuple[Table, Table]:
             str(r["in_loop"]),
             format_bytes(r["temp"]),
         )
-        lockstep = schedule == "bounded"
-        bubble = (2 if lockstep else 1) * (p - 1) / (r["v"] * m)
+        bubble = (p - 1) / (v * m)
         pred = r["predicted"]
         held_state = pred.get("params", 0) + pred.get("optimizer", 0)
         parts.add_row(
             schedule,
+            str(v),
             str(m),
             f"{r['flops'] / (ideal / p) - 1:.3f}",
-            f"{bubble:.3f}" + (" 2(p-1)/m" if lockstep else ""),
+            f"{bubble:.3f}",
             format_bytes(r["arguments"]),
             format_bytes(r["held"] * 12),
             format_bytes(held_state),
@@ -238,15 +245,22 @@ def main() -> None:
     parser.add_argument("--layouts", default="39b,146b")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--virtual", default="1", help="bounded schedule's v, e.g. 1,2")
     args = parser.parse_args()
     console.print(f"jax {jax.__version__}, backend {jax.default_backend()}, simulated devices")
     layouts = args.layouts.split(",")
     schedules = ["bounded"] if args.quick else args.schedules.split(",")
+
+    def virtuals(schedule: str) -> list[int]:
+        if schedule == "bounded":
+            return [int(v) for v in args.virtual.split(",")]
+        return [SCHEDULES[schedule].get("virtual_stages", 1)]
+
     plan = []
     for layout in layouts:
         p = LAYOUTS[layout][1]["stage"]
         ms = [p, 2 * p] if args.quick else [p, 2 * p, 4 * p]
-        plan += [(layout, s, m) for s in schedules for m in ms]
+        plan += [(layout, s, v, m) for s in schedules for v in virtuals(s) for m in ms]
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     results: dict[str, dict] = {layout: {} for layout in layouts}
     ideals: dict[str, float] = {}
@@ -256,20 +270,23 @@ def main() -> None:
             progress.update(task, description=f"{layout}: single-stage ideal")
             ideals[layout] = single_stage_flops(layout, args.precision)
             progress.advance(task)
-        for layout, schedule, m in plan:
-            progress.update(task, description=f"{layout}: {schedule} m={m}")
-            results[layout][(schedule, m)] = measure(layout, schedule, m, args.precision)
+        for layout, schedule, v, m in plan:
+            progress.update(task, description=f"{layout}: {schedule} v={v} m={m}")
+            results[layout][(schedule, v, m)] = measure(layout, schedule, m, args.precision, v)
             progress.advance(task)
     for layout in layouts:
         for t in tables(layout, results[layout], ideals[layout]):
             console.print(t)
     console.print(
-        "planner: cost.estimate(backend='cpu') of the same plan and precision; bubble: "
-        "compiled FLOPs per device / (single-stage FLOPs / p) - 1 (the head and embedding run "
-        "on every stage, so this includes their repeat). Tensor and stage bytes: the planner "
-        "counts the compute dtype; the CPU backend upcasts bf16 activations' collectives to "
-        "fp32 (2x). Tensor: the 1F1B loop runs m + 2(p-1) trips and recomputes each stage's "
-        "forward (+2 all-reduces per layer), beyond Megatron's 5 per layer and micro-batch."
+        "planner: cost.estimate(backend='cpu') of the same plan and precision. 'all FLOPs / "
+        "ideal - 1': compiled FLOPs per device / (single-stage FLOPs / p) - 1, not the bubble "
+        "alone: it includes the output head and embedding, which every stage device runs where "
+        "the ideal splits them p ways (interleaved_1f1b.py measures the stage work alone, the "
+        "number to hold against (p-1)/(v·m)). Tensor and stage "
+        "bytes: the planner counts the compute dtype; the CPU backend upcasts bf16 activations' "
+        "collectives to fp32 (2x). Tensor: the 1F1B loop executes v·m + p - 1 chunk forwards "
+        "and backwards and recomputes each chunk's forward (+2 all-reduces per layer), beyond "
+        "Megatron's 5 per layer and micro-batch."
     )
 
 

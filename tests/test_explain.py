@@ -192,6 +192,26 @@ def test_nested_while_trip_counts_multiply():
     assert hlo.count_flops(module, multipliers) == 12 * dot_flops + 12  # + the compare
 
 
+def test_a_one_trip_loop_stays_a_loop_and_counts_once():
+    """``pipeline_1f1b.one_trip``: XLA would inline a plain one-trip loop (its buffers then
+    live in the caller, see the function); hidden, it stays a while, counted once."""
+    from shardlib.strategies.pipeline_1f1b import one_trip
+
+    def f(x_NN):  # [8, 8]
+        plain = jax.lax.fori_loop(0, 1, lambda t, c: c @ c, x_NN)
+        return one_trip(lambda t, c: c @ c, plain, 0)
+
+    compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((8, 8), jnp.float32)).compile()
+    module = hlo.parse_module(compiled.as_text())
+    whiles = [
+        i for c in module.computations.values() for i in c.instructions if i.opcode == "while"
+    ]
+    assert len(whiles) == 1 and hlo.trip_count(whiles[0]) == 1  # the plain loop was inlined
+    multipliers, warnings = hlo.call_multipliers(module)
+    assert warnings == ()
+    assert hlo.count_flops(module, multipliers) >= 2 * (2 * 8 * 8 * 8)  # both matmuls, once
+
+
 _CALL_AND_CONDITIONAL_HLO = """\
 HloModule calls, num_partitions=8
 

@@ -49,6 +49,8 @@ ELEMENTWISE_OPS = frozenset({
 _CALL_ATTR = re.compile(r"\b(body|condition|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _CALL_LIST_ATTR = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 _ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+ONE_TRIP_SCOPE = "one_trip"  # a while run once that hides it from XLA (``pipeline_1f1b``)
+_ONE_TRIP = re.compile(rf"\b{ONE_TRIP_SCOPE}\b")  # also as vmap(one_trip) in op names
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -222,9 +224,12 @@ def parse_module(text: str) -> HloModule:
 
 
 def trip_count(instruction: Instruction) -> int | None:
-    """``known_trip_count`` from a while's backend_config, or None when XLA did not know it."""
+    """``known_trip_count`` from a while's backend_config, or None when XLA did not know it
+    (1 for a loop built under ``ONE_TRIP_SCOPE``)."""
     m = _TRIP_COUNT.search(instruction.attrs)
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    return 1 if _ONE_TRIP.search(instruction.op_name) else None
 
 
 def _callees(instruction: Instruction) -> Iterator[tuple[str, str]]:
