@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardlib
-from benchmarks.compression import collective_bytes
+from benchmarks.comm_compression import collective_bytes
 from shardlib.compression import (
     dequantize_blocks,
     onebit_compress,
@@ -115,7 +115,7 @@ def test_onebit_adam_exact_warmup_then_uint8_momentum(one_device_adam):
     pairs = zip(got.losses[:2], ref[:2], strict=True)
     assert max(abs(a - b) / abs(b) for a, b in pairs) <= 1e-5
     # the compressed step ran (after one warm-up step the variance is far from settled, so
-    # its loss is no test of convergence: benchmarks/compression.py runs the curves)
+    # its loss is no test of convergence: benchmarks/comm_compression.py runs the curves)
     assert np.isfinite(got.losses[2]) and got.losses[2] != ref[2]
     compiled = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
     found = collective_bytes(compiled.as_text(), mesh)

@@ -1,7 +1,7 @@
 """1-bit Adam and ZeRO++: wire bytes per device per step against the papers, and loss curves.
 
-    python benchmarks/compression.py            # bytes (compile only) + 120-step curves
-    python benchmarks/compression.py --steps 0  # bytes only
+    python benchmarks/comm_compression.py            # bytes (compile only) + 120-step curves
+    python benchmarks/comm_compression.py --steps 0  # bytes only
 
 Bytes: each program is compiled on 8 simulated CPU devices from abstract shapes (nothing
 runs) and its optimized HLO's collectives are summed by kind, dtype and mesh axis
@@ -19,7 +19,7 @@ runs) and its optimized HLO's collectives are summed by kind, dtype and mesh axi
 
 Curves: the default data (the embedded stdlib corpus), llama-tiny, 8 simulated devices,
 the same steps and schedule for AdamW, 1-bit Adam (warm-up 20% of the steps) and ZeRO++
-(all three parts, data=2 x fsdp=4); the plot goes to ``benchmarks/compression.png``.
+(all three parts, data=2 x fsdp=4); the plot goes to ``benchmarks/comm_compression.png``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import shardlib
 
-PNG = Path(__file__).with_name("compression.png")
+PNG = Path(__file__).with_name("comm_compression.png")
 
 
 def collective_bytes(hlo_text: str, mesh) -> dict[tuple[str, str], dict]:
