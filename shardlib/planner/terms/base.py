@@ -25,6 +25,7 @@ from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring
 from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
 from shardlib.planner.workload import ParamInfo, Workload
+from shardlib.rules import resolve_spec
 from shardlib.strategies.pipeline import PipelineSpec
 
 if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
@@ -246,19 +247,20 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
     on one mesh share it. Raises ShardingError when a dim does not divide.
     """
     sizes = {str(a): s for a, s in axes if s > 1}
-    rules = rules_for_mesh(sizes or {"data": 1}).params
+    rules = rules_for_mesh(sizes or {"data": 1})
     where = " x ".join(f"{a}={s}" for a, s in sizes.items()) or "data=1"
     out: dict[str, dict[str, int]] = {}
     for param in w.params:
+        names = tuple(name for name, _ in param.dims)
+        shape = tuple(size for _, size in param.dims)
+        try:  # the trainer's own resolution: FSDP's one dim per tensor included
+            spec = resolve_spec(param.name, shape, names, rules, sizes or {"data": 1})
+        except ShardingError as error:
+            raise ShardingError(f"plan {where}: {error}") from None
         split: dict[str, int] = {}
-        for name, size in param.dims:
-            axes = [a for a in rules.get(name, ()) if a in sizes]
-            ways = math.prod(sizes[a] for a in axes)
-            if size % ways:
-                raise ShardingError(
-                    f"plan {where}: {param.name} dim {name!r} ({size}) is not divisible by {ways}."
-                )
-            split.update((a, sizes[a]) for a in axes)
+        for entry in spec:
+            entry = (entry,) if isinstance(entry, str) else entry or ()
+            split.update((a, sizes[a]) for a in entry)
         out[param.name] = split
     return out
 

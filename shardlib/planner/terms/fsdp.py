@@ -5,11 +5,14 @@ pass and again in the backward pass (XLA does not keep the gathered copy across 
 and each layer's gradient is reduced: REFERENCE.md's 3Ψ on the wire against DP's 2Ψ. The
 GPU/TPU pipelines emit a reduce-scatter; the CPU backend an all-reduce of the full gradient
 followed by a slice (2x the wire bytes of a reduce-scatter), which is what ``backend="cpu"``
-predicts. Outside the layer loop the compiled program gathers the embedding table once (its
-lookup wants it whole along ``embed``) and the final norm in forward and backward; the
-output projection twice when it is also tensor-split, but once when it is not (XLA keeps
-the gathered copy for the backward pass then: observed on jax 0.10.2, CPU). Gathered
-weights live briefly: the embedding and head copies are the transient memory.
+predicts. Outside the layer loop the embedding table and the output projection are split
+on vocab (``vocab_parallel``): neither is gathered; four batch-sized activation
+collectives per micro-batch replace their gathers and gradient reductions. Where vocab does
+not divide (or under a pipeline) the compiled program gathers the embedding table once and
+the output projection twice when it is also tensor-split, but once when it is not (XLA
+keeps the gathered copy for the backward pass then: observed on jax 0.10.2, CPU). The final
+norm is gathered in forward and backward. Gathered weights live briefly: the layer's and
+the outer ones are the transient memory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution, SearchAxis
 from shardlib.planner.terms.pipeline import gradient_reductions
+from shardlib.strategies.fsdp import vocab_parallel_pays
 
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
@@ -85,8 +89,11 @@ def fsdp(ctx: Context) -> Contribution:
         ),
     ]
     gathered_outer = 0.0
+    tables = vocab_parallel(ctx)
+    if tables:
+        comms += _vocab_parallel_comms(ctx, m)
     for param, _, ways in ctx.table:
-        if param.per_layer:
+        if param.per_layer or param.name in tables:
             continue
         full = param.numel / ways  # after the gather
         gathered_outer += full * weight_bytes
@@ -116,6 +123,31 @@ def fsdp(ctx: Context) -> Contribution:
     if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live
         transient += gathered_outer / weight_bytes * MASTER_BYTES
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
+
+
+def vocab_parallel(ctx: Context) -> tuple[str, ...]:
+    """The vocab-sized tables FSDP splits on vocab (``rules.SHARED_ORDER``): neither is
+    gathered nor has its gradient reduced over ``fsdp``; the lookup and the logits run
+    vocab-parallel instead (``_vocab_parallel_comms``). Without stages only: a pipeline
+    runs its head as ``_head_over_stage`` describes."""
+    p, w = ctx.p, ctx.w
+    tokens = w.global_batch * w.seq // max(p.batch_ways // p.fsdp, 1)
+    if p.fsdp <= 1 or p.stage > 1 or not vocab_parallel_pays(tokens, w.vocab, p.fsdp * p.tensor):
+        return ()
+    return ("embedding", "lm_head")
+
+
+def _vocab_parallel_comms(ctx: Context, m: int) -> list[Comm]:
+    """Per micro-batch, four [b·fsdp, s, h] collectives over ``fsdp`` (jax 0.10.2, CPU):
+    the lookup's partial rows summed (all-reduce), its cotangent gathered for the table's
+    gradient, the head's input gathered, and its cotangent summed (all-reduce)."""
+    p, w = ctx.p, ctx.w
+    axes, n = (str(Axis.FSDP),), p.fsdp
+    rows = ctx.micro_batch * n * ctx.local_seq * w.embed * w.compute_bytes
+    return [
+        Comm("fsdp", "activations", "all-reduce", axes, n, rows, 2 * m, False),
+        Comm("fsdp", "activations", "all-gather", axes, n, rows, 2 * m, False),
+    ]
 
 
 def _head_over_stage(ctx: Context) -> bool:
