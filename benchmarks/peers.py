@@ -132,6 +132,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(width=200)
     rows = ROWS[:1] if args.quick else ROWS
     table = Table(title="shardlib vs plain JAX (per device, 8 simulated CPU devices)")
     for col in ("mesh", "precision", "remat", "shardlib memory B", "plain JAX memory B",
@@ -151,8 +152,8 @@ def main() -> None:
                 verdict = f"{'OK' if ok else 'MISS'} ({peer_mem:,} / {peer_coll / 1e6:.1f}M)"
             table.add_row(mesh_name, precision, remat, f"{mem_a:,}", f"{mem_b:,}",
                           f"{coll_a:,}", f"{coll_b:,}", ratio, verdict)  # fmt: skip
-            Console().print(table.rows[-1] and f"{mesh_name} {precision} {remat}: done")
-    Console().print(table)
+            console.print(f"{mesh_name} {precision} remat={remat}: measured")
+    console.print(table)
 
 
 if __name__ == "__main__":
