@@ -32,25 +32,6 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def cross_entropy(logits_BLV, targets_BL):
-    """Next-token cross-entropy [batch, seq] in a form that stays vocab-parallel.
-
-    The target's logit is picked by comparing a vocab iota with the label and summing, and
-    the log-normaliser is a max and a sum over vocab: with the vocab dim split (tensor
-    parallelism, FSDP's vocab-parallel head) each is a local reduction plus an all-reduce
-    of [batch, seq] values. ``optax.softmax_cross_entropy_with_integer_labels`` indexes
-    the vocab dim instead (``take_along_axis``), which XLA serves by gathering the logits.
-    """
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    peak_BL1 = jax.lax.stop_gradient(jnp.max(logits_BLV, axis=-1, keepdims=True))
-    shifted_BLV = logits_BLV - peak_BL1
-    log_norm_BL = jnp.log(jnp.sum(jnp.exp(shifted_BLV), axis=-1))
-    vocab_V = jnp.arange(logits_BLV.shape[-1], dtype=targets_BL.dtype)
-    hit_BLV = vocab_V == targets_BL[..., None]
-    picked_BL = jnp.sum(jnp.where(hit_BLV, shifted_BLV, 0.0), axis=-1)
-    return log_norm_BL - picked_BL
-
-
 def split_batch(plan, batch):
     """(inputs [b, seq], targets [b, seq], positions, weights [b, seq] or None) of a batch.
 
@@ -108,7 +89,7 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
         tokens = stats_tokens(plan.pipeline_spec(), inputs_BL.size)
         aux = {} if totals is None else model.aux(totals, tokens)
-        ce_BL = cross_entropy(logits_BLV, targets_BL)
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
         ce = ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:

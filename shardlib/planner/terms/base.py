@@ -26,6 +26,7 @@ from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
 from shardlib.planner.workload import ParamInfo, Workload
 from shardlib.rules import resolve_spec
+from shardlib.strategies.fsdp import vocab_parallel_pays
 from shardlib.strategies.pipeline import PipelineSpec
 
 if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
@@ -145,6 +146,21 @@ class Context:
     def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
         """(param, ways split, ways split by axes other than fsdp) per parameter."""
         return param_table(self.w, self.p.axes)
+
+    @cached_property
+    def vocab_tables(self) -> tuple[str, ...]:
+        """The vocab-sized tables FSDP splits on vocab, its lookup and logits vocab-parallel
+        (``ParallelPlan.for_target``, ``strategies.fsdp.vocab_parallel_pays``): ``terms.fsdp``
+        costs their activation collectives instead of table gathers, and ``terms.tensor`` /
+        ``terms.dp`` leave out what those replace. Never under a pipeline (the trainer's
+        choice: the head runs outside the stage loop)."""
+        p, w = self.p, self.w
+        tokens = w.global_batch * w.seq // max(p.batch_ways // p.fsdp, 1)
+        if p.fsdp <= 1 or p.stage > 1:
+            return ()
+        if not vocab_parallel_pays(tokens, w.vocab, p.fsdp, p.tensor):
+            return ()
+        return ("embedding", "lm_head")
 
     @cached_property
     def layer_elements(self) -> float:

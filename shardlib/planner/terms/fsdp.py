@@ -6,7 +6,7 @@ and each layer's gradient is reduced: REFERENCE.md's 3Ψ on the wire against DP'
 GPU/TPU pipelines emit a reduce-scatter; the CPU backend an all-reduce of the full gradient
 followed by a slice (2x the wire bytes of a reduce-scatter), which is what ``backend="cpu"``
 predicts. Outside the layer loop the embedding table and the output projection are split
-on vocab (``vocab_parallel``): neither is gathered; four batch-sized activation
+on vocab (``Context.vocab_tables``): neither is gathered; four batch-sized activation
 collectives per micro-batch replace their gathers and gradient reductions. Where vocab does
 not divide (or under a pipeline) the compiled program gathers the embedding table once and
 the output projection twice when it is also tensor-split, but once when it is not (XLA
@@ -20,7 +20,6 @@ from __future__ import annotations
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import MASTER_BYTES, Comm, Context, Contribution, SearchAxis
 from shardlib.planner.terms.pipeline import gradient_reductions
-from shardlib.strategies.fsdp import vocab_parallel_pays
 
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
@@ -89,7 +88,7 @@ def fsdp(ctx: Context) -> Contribution:
         ),
     ]
     gathered_outer = 0.0
-    tables = vocab_parallel(ctx)
+    tables = ctx.vocab_tables
     if tables:
         comms += _vocab_parallel_comms(ctx, m)
     for param, _, ways in ctx.table:
@@ -125,29 +124,32 @@ def fsdp(ctx: Context) -> Contribution:
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
 
 
-def vocab_parallel(ctx: Context) -> tuple[str, ...]:
-    """The vocab-sized tables FSDP splits on vocab (``rules.SHARED_ORDER``): neither is
-    gathered nor has its gradient reduced over ``fsdp``; the lookup and the logits run
-    vocab-parallel instead (``_vocab_parallel_comms``). Without stages only: a pipeline
-    runs its head as ``_head_over_stage`` describes."""
-    p, w = ctx.p, ctx.w
-    tokens = w.global_batch * w.seq // max(p.batch_ways // p.fsdp, 1)
-    if p.fsdp <= 1 or p.stage > 1 or not vocab_parallel_pays(tokens, w.vocab, p.fsdp * p.tensor):
-        return ()
-    return ("embedding", "lm_head")
-
-
 def _vocab_parallel_comms(ctx: Context, m: int) -> list[Comm]:
-    """Per micro-batch, four [b·fsdp, s, h] collectives over ``fsdp`` (jax 0.10.2, CPU):
-    the lookup's partial rows summed (all-reduce), its cotangent gathered for the table's
-    gradient, the head's input gathered, and its cotangent summed (all-reduce)."""
+    """The vocab-parallel lookup, logits and loss per micro-batch (jax 0.10.2, CPU), on the
+    rows of one FSDP group, [b·fsdp, s, h]: the lookup's partial rows reduce-scattered over
+    ``fsdp`` (``shardlib.lookup``: a real reduce-scatter on every backend) and, with
+    ``tensor``, summed over it at 1/fsdp; its cotangent and the head's input gathered over
+    ``fsdp``; the head's input cotangent summed over every axis that splits vocab (where
+    it replaces Megatron's all-reduce); the loss's max, sum and target pick over the split
+    vocab (three of b·fsdp·s fp32 values)."""
     p, w = ctx.p, ctx.w
-    axes, n = (str(Axis.FSDP),), p.fsdp
-    rows = ctx.micro_batch * n * ctx.local_seq * w.embed * w.compute_bytes
-    return [
-        Comm("fsdp", "activations", "all-reduce", axes, n, rows, 2 * m, False),
-        Comm("fsdp", "activations", "all-gather", axes, n, rows, 2 * m, False),
+    fsdp, n = (str(Axis.FSDP),), p.fsdp
+    vocab = fsdp + ((str(Axis.TENSOR),) if p.tensor > 1 else ())
+    ways = p.fsdp * p.tensor
+    tokens = ctx.micro_batch * n * ctx.local_seq
+    rows = tokens * w.embed * w.compute_bytes
+    comms = [
+        Comm("fsdp", "activations", "reduce-scatter", fsdp, n, rows, m, False),
+        Comm("fsdp", "activations", "all-gather", fsdp, n, rows, 2 * m, False),
+        Comm("fsdp", "activations", "all-reduce", vocab, ways, rows, m, False),
+        Comm("fsdp", "softmax", "all-reduce", vocab, ways, tokens * 4, 3 * m, False),
     ]
+    if p.tensor > 1:
+        tensor = (str(Axis.TENSOR),)
+        comms.append(
+            Comm("fsdp", "activations", "all-reduce", tensor, p.tensor, rows / n, m, False)
+        )
+    return comms
 
 
 def _head_over_stage(ctx: Context) -> bool:
