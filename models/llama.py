@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.lora import adapted, add_lora, update
 from shardlib.layout import constrain
-from shardlib.ops import Packed, attention, run_blocks
+from shardlib.ops import Packed, attention, lookup, run_blocks
 
 init_normal = nnx.initializers.normal
 # The residual stream between blocks (and the norms on it) has its own logical dims, so that
@@ -188,7 +188,10 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BLD):
         x32 = x_BLD.astype(jnp.float32)
         norm = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * norm).astype(x_BLD.dtype) * self.scale[...].astype(x_BLD.dtype)
+        # the scale in the residual stream's layout (FSDP splits it on embed: gathered here,
+        # or XLA may broadcast it to the batch's shape first and gather that)
+        scale_D = constrain(self.scale[...], ("res_embed",))
+        return (x32 * norm).astype(x_BLD.dtype) * scale_D.astype(x_BLD.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
@@ -382,15 +385,15 @@ class Llama(nnx.Module):
 
     def embed(self, tokens_BL, *, dtype=jnp.float32):
         """Token ids [batch, seq] -> residual stream [batch, seq, embed] (before the blocks)."""
-        # The lookup reads the table in the activation layout (vocab-parallel, embed whole):
-        # XLA then emits Megatron's masked lookup + all-reduce instead of regathering it.
-        table_VD = constrain(self.embedding[...], ("vocab", "embed"))
-        x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
+        # vocab-parallel (Megatron's masked lookup) wherever the table is split on vocab
+        x_BLD = lookup(self.embedding[...], tokens_BL).astype(dtype)
         return constrain(x_BLD, RESIDUAL)
 
     def head(self, x_BLD, *, dtype=jnp.float32):
         """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32."""
         x_BLD = self.final_norm(x_BLD)
+        # gathered in the logits' batch layout (vocab-parallel under FSDP: over fsdp only)
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"), beside={"vocab": self.cfg.vocab})
         if self.cfg.tie_embeddings:
             logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(dtype))
         else:

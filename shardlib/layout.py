@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.rules import Kind, Rules, resolve_spec
+from shardlib.rules import Kind, Rules, resolve_spec, shared_dims
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "shardlib_layout", default=None
@@ -62,12 +62,24 @@ def active_layout() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...], *, what: str | None = None):
+def constrain(
+    x: jax.Array,
+    names: tuple[str | None, ...],
+    *,
+    what: str | None = None,
+    beside: dict[str, int] | None = None,
+):
     """Constrain ``x`` to the layout of its logical ``names``; a no-op outside use_layout.
 
     ``what`` names the tensor in errors; by default the call site names it (``activation
     [batch, seq, embed] at block.py:42 in Block.__call__``), so that a dim that does not
     divide points at the line that constrained it rather than at "activation".
+
+    ``beside`` (``{name: size}``): ``x`` is the operand of a product whose output also has
+    these dims; a *shared* mesh axis (``Rules.shared``: FSDP's) that the output keeps on
+    one of them is dropped from ``x``'s dims. The LM head's input, ``beside={"vocab": V}``:
+    under FSDP's vocab-parallel head its batch is then gathered over ``fsdp`` only, where
+    XLA left to itself gathers every batch axis and slices the product afterwards.
     """
     active = _ACTIVE.get()
     if active is None:
@@ -75,8 +87,32 @@ def constrain(x: jax.Array, names: tuple[str | None, ...], *, what: str | None =
     mesh, rules = active
     if what is None:
         what = _call_site(names, sys._getframe(1))  # noqa: SLF001 - the caller's line
-    spec = resolve_spec(what, tuple(x.shape), names, rules, mesh_axes(mesh), "activations")
+    spec = activation_spec(what, tuple(x.shape), names, rules, mesh_axes(mesh), beside)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def activation_spec(
+    what: str,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    rules: Rules,
+    axes: dict[str, int],
+    beside: dict[str, int] | None = None,
+) -> P:
+    """The validated PartitionSpec ``constrain`` pins (``beside`` as there)."""
+    spec = resolve_spec(what, shape, names, rules, axes, "activations")
+    if beside and rules.shared:
+        full, sizes = (*names, *beside), (*shape, *beside.values())
+        dims = shared_dims(rules, full, sizes, "activations", axes)
+        moved = {a for d, e in dims.items() if d >= len(names) for a in e if a in rules.shared}
+        spec = P(*(_without(entry, moved) for entry in spec))
+    return spec
+
+
+def _without(entry, drop: set[str]):
+    """A PartitionSpec entry less the mesh axes in ``drop``."""
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in drop)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _call_site(names: tuple[str | None, ...], frame) -> str:

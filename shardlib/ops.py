@@ -3,7 +3,8 @@
 A model names logical dims only; it cannot know whether its sequence is split over a
 ``context`` axis or its experts over an ``expert`` axis. So it calls the functions here and
 the active settings (``use_ops``, entered by the trainer next to ``use_layout``) pick the
-form: which attention kernel runs, and whether the MoE exchange is left to XLA (``einsum``)
+form: which attention kernel runs, how the embedding lookup reads a vocab-split table
+(``lookup``), and whether the MoE exchange is left to XLA (``einsum``)
 or written as an explicit all-to-all (``shard_map``). Outside ``use_ops`` attention is dense
 and causal and the exchange only re-constrains the layout, so a model runs unchanged on one
 device. ``scan_blocks`` and ``run_blocks`` are the layer loop every model shares.
@@ -25,6 +26,7 @@ from shardlib.attention import AttentionPlan, Packed, attend
 from shardlib.errors import ShardingError
 from shardlib.kernels import shard_map
 from shardlib.layout import active_layout, constrain, mesh_axes
+from shardlib.lookup import lookup
 from shardlib.strategies.expert import DISPATCH_NAMES, DISPATCHES, EXPERT_NAMES, expert_axis
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "active_ops",
     "attention",
     "exchange",
+    "lookup",
     "run_blocks",
     "scan_blocks",
     "use_ops",

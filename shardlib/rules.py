@@ -40,6 +40,16 @@ LOGICAL_NAMES = (  # the models' vocabulary; a strategy may add names of its own
 )
 MEGATRON_DIMS = ("heads", "kv_heads", "mlp", "vocab")
 """The dims Megatron tensor parallelism splits (1D, and the column axis of 2D/3D)."""
+SHARED_ORDER = ("vocab", "batch", "embed", "mlp", "heads", "kv_heads", "expert", "head_dim")
+"""Which dim of a tensor keeps a *shared* mesh axis (``Rules.shared``: FSDP's, ZeRO's) that
+several of its dims are mapped to: the first of these names whose dim divides. ``vocab``
+comes first so that FSDP splits the embedding table and the output projection on vocab
+(the lookup and the logits then run vocab-parallel; no whole table is gathered) and the
+logits [batch, seq, vocab] keep the vocab split rather than the batch split."""
+SHARED_MIN_ELEMENTS = 16_384
+"""A parameter with fewer elements none of whose dims divides stays replicated over a
+shared axis (a bias of 100 on 8 devices) instead of failing: it saves less memory than a
+refusal costs. A larger one that cannot be split is an error that names the dim."""
 
 
 def _freeze(table: Mapping[str, tuple[str, ...] | str | None]) -> Mapping[str, tuple[str, ...]]:
@@ -61,10 +71,16 @@ class Rules:
     """How parameter (and gradient, optimizer-state) dims are split over mesh axes."""
     activations: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """How activation dims (inputs, residual stream, logits) are split over mesh axes."""
+    shared: tuple[str, ...] = ()
+    """Mesh axes that may appear under several names (FSDP's and ZeRO's, which split every
+    parameter along *one* of its dims): a tensor keeps each on its first dim in
+    ``SHARED_ORDER`` that divides (``shared_dims``). Any other mesh axis mapped to two
+    dims of one tensor is an error."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", _freeze(self.params))
         object.__setattr__(self, "activations", _freeze(self.activations))
+        object.__setattr__(self, "shared", tuple(str(a) for a in self.shared))
 
     def table(self, kind: Kind) -> Mapping[str, tuple[str, ...]]:
         return self.params if kind == "params" else self.activations
@@ -77,6 +93,7 @@ class Rules:
         return Rules(
             params={**self.params, **(params or {})},
             activations={**self.activations, **(activations or {})},
+            shared=self.shared,
         )
 
     def with_name(
@@ -106,9 +123,10 @@ class Rules:
     def spec(self, names: tuple[str | None, ...], kind: Kind = "activations") -> P:
         """PartitionSpec for a tuple of logical names, without shape checks."""
         table = self.table(kind)
+        dims = shared_dims(self, names, None, kind, {})
         parts = []
-        for name in names:
-            axes = () if name is None else table[name]
+        for dim, name in enumerate(names):
+            axes = () if name is None else dims.get(dim, table[name])
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return _spec(parts)
 
@@ -139,6 +157,7 @@ def compose(*parts: Rules) -> Rules:
     A mesh axis claimed twice for the same name is a conflict, not something to dedupe.
     """
     tables: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
+    shared = tuple(dict.fromkeys(a for part in parts for a in part.shared))
     for part in parts:
         for kind, table in tables.items():
             for name, axes in part.table(kind).items():
@@ -150,7 +169,54 @@ def compose(*parts: Rules) -> Rules:
                         "two strategies. Fix: give each strategy its own mesh axis."
                     )
                 table[name] = have + tuple(axes)
-    return Rules(params=tables["params"], activations=tables["activations"])
+    return Rules(params=tables["params"], activations=tables["activations"], shared=shared)
+
+
+def shared_dims(
+    rules: Rules,
+    names: tuple[str | None, ...],
+    shape: tuple[int, ...] | None,
+    kind: Kind,
+    mesh_axes: Mapping[str, int],
+) -> dict[int, tuple[str, ...]]:
+    """``{dim: mesh axes}`` for the dims of one tensor whose entry names a shared axis.
+
+    Each shared axis goes to the first dim, in ``SHARED_ORDER`` (then dim order), whose
+    name maps to it and whose size divides by it and the axes already there; every other
+    dim drops it. If none divides, a parameter under ``SHARED_MIN_ELEMENTS`` elements is
+    replicated over the axis; any other tensor leaves it on its first such dim, for
+    ``resolve_spec`` to report. Without ``shape`` (a spec with no tensor) every dim counts
+    as divisible.
+    """
+    if not rules.shared:
+        return {}
+    table = rules.table(kind)
+    rank = {n: i for i, n in enumerate(SHARED_ORDER)}
+    order = sorted(
+        (d for d, n in enumerate(names) if n is not None and n in table),
+        key=lambda d: (rank.get(names[d], len(rank)), d),
+    )
+    small = kind == "params" and shape is not None and math.prod(shape) < SHARED_MIN_ELEMENTS
+    dims = {
+        d: tuple(a for a in table[n] if a not in rules.shared)
+        for d, n in enumerate(names)
+        if n is not None and n in table and set(table[n]) & set(rules.shared)
+    }
+    for axis in rules.shared:
+        candidates = [d for d in order if axis in table[names[d]]]
+        fits = [
+            d
+            for d in candidates
+            if shape is None
+            or shape[d] % math.prod(mesh_axes.get(a, 1) for a in (*dims[d], axis)) == 0
+        ]
+        if not fits and small:
+            continue  # a small parameter no dim of which divides: replicated over ``axis``
+        # none divides: the first keeps it, so that resolve_spec names the dim that fails
+        for d in (fits or candidates)[:1]:
+            keep = set(dims[d]) | {axis}
+            dims[d] = tuple(a for a in table[names[d]] if a in keep)
+    return dims
 
 
 def _fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
@@ -202,19 +268,21 @@ def resolve_spec(
             "per dim."
         )
     table = rules.table(kind)
+    for dim, name in enumerate(names):
+        if name is not None and name not in table:
+            raise ShardingError(
+                f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
+                f"know (known: {', '.join(sorted(table))}). Fix: add an entry, e.g. "
+                f"rules.replace({kind}={{{name!r}: ()}}), or correct the annotation."
+            )
+    shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
     used: dict[str, int] = {}
     parts = []
     for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
         if name is None:
             parts.append(None)
             continue
-        if name not in table:
-            raise ShardingError(
-                f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
-                f"know (known: {', '.join(sorted(table))}). Fix: add an entry, e.g. "
-                f"rules.replace({kind}={{{name!r}: ()}}), or correct the annotation."
-            )
-        axes = table[name]
+        axes = shared.get(dim, table[name])
         for ax in axes:
             if ax not in mesh_axes:
                 raise ShardingError(

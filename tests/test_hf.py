@@ -166,10 +166,12 @@ def test_lora_factors_are_sharded_like_their_base_weights(cube):
     attn, mlp = specs["blocks"]["attn"], specs["blocks"]["mlp"]
     assert attn["wq"] == P(None, "fsdp", "tensor")  # [layers, embed, heads, head_dim]
     assert attn["lora_q_a"] == P(None, "fsdp")  # [layers, embed, rank]
-    assert attn["lora_q_b"] == P(None, None, "tensor")  # [layers, rank, heads, head_dim]
-    assert attn["lora_o_a"] == P(None, "tensor")  # [layers, heads, head_dim, rank]
+    # a factor without an embed dim takes FSDP on its next divisible dim (rules.SHARED_ORDER)
+    both = ("fsdp", "tensor")
+    assert attn["lora_q_b"] == P(None, None, both)  # [layers, rank, heads, head_dim]
+    assert attn["lora_o_a"] == P(None, both)  # [layers, heads, head_dim, rank]
     assert attn["lora_o_b"] == P(None, None, "fsdp")  # [layers, rank, embed]
-    assert mlp["lora_down_a"] == P(None, "tensor") and mlp["lora_down_b"] == P(None, None, "fsdp")
+    assert mlp["lora_down_a"] == P(None, both) and mlp["lora_down_b"] == P(None, None, "fsdp")
 
 
 @pytest.mark.slow

@@ -34,14 +34,16 @@ def test_data_parallel_replicates_params_and_splits_batch():
     assert rules.spec(("batch", "seq", "embed")) == P("data")
 
 
-def test_fsdp_shards_every_param_along_embed():
+def test_fsdp_shards_weights_along_embed_and_the_vocab_tables_along_vocab():
     specs, rules = specs_on(fsdp=8)
-    assert specs["embedding"] == P(None, "fsdp")
+    assert specs["embedding"] == P("fsdp")  # [vocab, embed]: vocab-parallel lookup
+    assert specs["lm_head"] == P(None, "fsdp")  # [embed, vocab]
     assert specs["blocks"]["attn"]["wq"] == P(None, "fsdp")  # [layers, embed, heads, hd]
     assert specs["blocks"]["attn"]["wo"] == P(None, None, None, "fsdp")  # [layers, h, hd, e]
     assert specs["blocks"]["mlp"]["w_down"] == P(None, None, "fsdp")
     assert specs["final_norm"]["scale"] == P("fsdp")
     assert rules.spec(("batch",)) == P("fsdp")
+    assert rules.spec(("batch", "seq", "vocab")) == P(None, None, "fsdp")  # logits
 
 
 def test_tensor_parallel_is_column_then_row():
@@ -188,7 +190,6 @@ def test_rules_check_mesh_names_rule_and_axis():
         (["batch=8", "data_microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),
         # the data strategy checks its split when the plan meets the model and the batch
         (["batch=10", "data_microbatches=4"], {"data": 8}, ["not divisible by microbatches"]),
-        (["model.embed=60"], {"fsdp": 8}, ["params.blocks", "'embed'", "size 60", "fsdp=8"]),
         (["model.vocab=250"], {"tensor": 8}, ["embedding", "'vocab'", "size 250"]),
     ],
 )

@@ -48,6 +48,10 @@ class DataParallel:
     """ZeRO++ qgZ: the gradient reduce-scatter is an all-to-all of quantized blocks."""
     gradient_bits: int = 4
     """qgZ code width: 4 (the paper's) or 8."""
+    vocab_parallel: bool = True
+    """FSDP: split the embedding table and output projection on vocab and run the lookup and
+    logits vocab-parallel, where that moves fewer bytes than gathering the tables (the plan
+    decides per model and batch, ``ParallelPlan.for_target``); false: never."""
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -91,4 +95,6 @@ class DataParallel:
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         """Data parallel over ``data``, FSDP over ``fsdp`` (outer axis first)."""
         parts = [data_parallel(axis=Axis.DATA)] if Axis.DATA in mesh_axes else []
-        return parts + ([fsdp(axis=Axis.FSDP)] if Axis.FSDP in mesh_axes else [])
+        if Axis.FSDP in mesh_axes:
+            parts.append(fsdp(axis=Axis.FSDP, vocab_parallel=self.vocab_parallel))
+        return parts

@@ -67,7 +67,8 @@ def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
     def strip(table):
         return {name: tuple(a for a in mesh if a not in axes) for name, mesh in table.items()}
 
-    return Rules(params=strip(rules.params), activations=strip(rules.activations))
+    shared = tuple(a for a in rules.shared if a not in axes)
+    return Rules(params=strip(rules.params), activations=strip(rules.activations), shared=shared)
 
 
 @dataclass(frozen=True)

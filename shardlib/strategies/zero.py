@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from shardlib.errors import ShardingError
 from shardlib.mesh import Axis
 from shardlib.rules import Rules
+from shardlib.strategies.fsdp import PARAM_DIMS
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,14 @@ def zero(
     stage: int,
     mesh_axes: Mapping[str, int],
     axis: str = Axis.DATA,
-    param_dim: str = "embed",
 ) -> StateRules:
     """Rules per state role for ZeRO ``stage`` over mesh ``axis``, on top of ``rules``.
 
-    Sharded roles split ``param_dim`` (every transformer weight has an ``embed`` dim) over
-    ``axis`` in addition to whatever ``rules`` already split it over (``fsdp`` in HSDP),
-    outer mesh axes first.
+    Sharded roles split every parameter over ``axis`` along one dim, as FSDP does
+    (``strategies.fsdp.PARAM_DIMS``, ``rules.SHARED_ORDER``) but never on vocab: the
+    logits are not vocab-parallel over ``axis``, so the embedding and head tables split
+    on embed (a vocab split would be resharded at every use). That is in addition to whatever
+    ``rules`` already split that dim over (``fsdp`` in HSDP), outer mesh axes first.
     """
     if stage not in (0, 1, 2, 3):
         raise ShardingError(f"zero={stage}: ZeRO stages are 0, 1, 2 and 3.")
@@ -68,15 +70,23 @@ def zero(
             f"{axis!r} axis (e.g. {axis}=8), or use zero=0: an 'fsdp' axis already shards "
             "parameters, gradients and optimizer state (ZeRO-3)."
         )
-    have = rules.params.get(param_dim, ())
+    have = rules.params.get("embed", ())
     if axis in have:
         raise ShardingError(
-            f"zero={stage}: the parameter rule {param_dim!r} -> {have} already uses {axis!r}. "
+            f"zero={stage}: the parameter rule 'embed' -> {have} already uses {axis!r}. "
             "Fix: use zero=0 with these rules, or rules that replicate over it."
         )
     order = list(mesh_axes)
-    split = tuple(sorted((*have, axis), key=order.index))
-    sharded = rules.replace(params={param_dim: split})
+    split = {
+        name: tuple(sorted((*rules.params.get(name, ()), axis), key=order.index))
+        for name in PARAM_DIMS
+        if name != "vocab"  # the logits are not vocab-split over ``axis``: tables on embed
+    }
+    sharded = Rules(
+        params={**rules.params, **split},
+        activations=rules.activations,
+        shared=(*rules.shared, axis),
+    )
     return StateRules(
         params=sharded if stage >= 3 else rules,
         grads=sharded if stage >= 2 else rules,

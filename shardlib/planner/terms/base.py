@@ -25,6 +25,8 @@ from shardlib.explain.report import ring_wire_bytes as ring_wire  # the one ring
 from shardlib.mesh import Axis
 from shardlib.parallel import ParallelPlan, rules_for_mesh
 from shardlib.planner.workload import ParamInfo, Workload
+from shardlib.rules import resolve_spec
+from shardlib.strategies.fsdp import vocab_parallel_pays
 from shardlib.strategies.pipeline import PipelineSpec
 
 if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
@@ -146,6 +148,21 @@ class Context:
         return param_table(self.w, self.p.axes)
 
     @cached_property
+    def vocab_tables(self) -> tuple[str, ...]:
+        """The vocab-sized tables FSDP splits on vocab, its lookup and logits vocab-parallel
+        (``ParallelPlan.for_target``, ``strategies.fsdp.vocab_parallel_pays``): ``terms.fsdp``
+        costs their activation collectives instead of table gathers, and ``terms.tensor`` /
+        ``terms.dp`` leave out what those replace. Never under a pipeline (the trainer's
+        choice: the head runs outside the stage loop)."""
+        p, w = self.p, self.w
+        tokens = w.global_batch * w.seq // max(p.batch_ways // p.fsdp, 1)
+        if p.fsdp <= 1 or p.stage > 1:
+            return ()
+        if not vocab_parallel_pays(tokens, w.vocab, p.fsdp, p.tensor):
+            return ()
+        return ("embedding", "lm_head")
+
+    @cached_property
     def layer_elements(self) -> float:
         """One layer's parameter elements on one device (every axis's split)."""
         return sum(param.numel / ways for param, ways, _ in self.table if param.per_layer)
@@ -246,19 +263,20 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
     on one mesh share it. Raises ShardingError when a dim does not divide.
     """
     sizes = {str(a): s for a, s in axes if s > 1}
-    rules = rules_for_mesh(sizes or {"data": 1}).params
+    rules = rules_for_mesh(sizes or {"data": 1})
     where = " x ".join(f"{a}={s}" for a, s in sizes.items()) or "data=1"
     out: dict[str, dict[str, int]] = {}
     for param in w.params:
+        names = tuple(name for name, _ in param.dims)
+        shape = tuple(size for _, size in param.dims)
+        try:  # the trainer's own resolution: FSDP's one dim per tensor included
+            spec = resolve_spec(param.name, shape, names, rules, sizes or {"data": 1})
+        except ShardingError as error:
+            raise ShardingError(f"plan {where}: {error}") from None
         split: dict[str, int] = {}
-        for name, size in param.dims:
-            axes = [a for a in rules.get(name, ()) if a in sizes]
-            ways = math.prod(sizes[a] for a in axes)
-            if size % ways:
-                raise ShardingError(
-                    f"plan {where}: {param.name} dim {name!r} ({size}) is not divisible by {ways}."
-                )
-            split.update((a, sizes[a]) for a in axes)
+        for entry in spec:
+            entry = (entry,) if isinstance(entry, str) else entry or ()
+            split.update((a, sizes[a]) for a in entry)
         out[param.name] = split
     return out
 

@@ -20,7 +20,9 @@ Data and context together: what the compiled programs do (8 devices, llama-small
   reduction (``terms.fsdp``), except one of the two vocab-sized matrices (the output
   projection, or the embedding when there is a data axis too): its context all-reduce runs
   on the whole matrix, before the FSDP slice. Either way that matrix costs the separate
-  form, 2(c-1)/c·M_full + 2(d-1)/d·M_shard on top of the FSDP reduction.
+  form, 2(c-1)/c·M_full + 2(d-1)/d·M_shard on top of the FSDP reduction. Not when FSDP
+  runs the head vocab-parallel (``Context.vocab_tables``): its context all-reduce then
+  runs on the FSDP shard, as every other matrix's.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def gradient_reduction(ctx: Context) -> Contribution:
         merged = [a for a in (data, context) if sizes[a] > 1]
         if p.expert > 1 and expert not in ctx.splits[param.name]:
             merged.append(expert)
-        if p.context > 1 and (p.fsdp == 1 or param.name == _SEPARATE_WITH_FSDP):
+        separate = param.name == _SEPARATE_WITH_FSDP and param.name not in ctx.vocab_tables
+        if p.context > 1 and (p.fsdp == 1 or separate):
             # the separate form: a context all-reduce of the whole matrix, then the rest
             buffers[((context,), param.per_layer)] += param.numel / no_fsdp * MASTER_BYTES
             merged.remove(context)

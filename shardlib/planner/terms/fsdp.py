@@ -5,11 +5,14 @@ pass and again in the backward pass (XLA does not keep the gathered copy across 
 and each layer's gradient is reduced: REFERENCE.md's 3Ψ on the wire against DP's 2Ψ. The
 GPU/TPU pipelines emit a reduce-scatter; the CPU backend an all-reduce of the full gradient
 followed by a slice (2x the wire bytes of a reduce-scatter), which is what ``backend="cpu"``
-predicts. Outside the layer loop the compiled program gathers the embedding table once (its
-lookup wants it whole along ``embed``) and the final norm in forward and backward; the
-output projection twice when it is also tensor-split, but once when it is not (XLA keeps
-the gathered copy for the backward pass then: observed on jax 0.10.2, CPU). Gathered
-weights live briefly: the embedding and head copies are the transient memory.
+predicts. Outside the layer loop the embedding table and the output projection are split
+on vocab (``Context.vocab_tables``): neither is gathered; four batch-sized activation
+collectives per micro-batch replace their gathers and gradient reductions. Where vocab does
+not divide (or under a pipeline) the compiled program gathers the embedding table once and
+the output projection twice when it is also tensor-split, but once when it is not (XLA
+keeps the gathered copy for the backward pass then: observed on jax 0.10.2, CPU). The final
+norm is gathered in forward and backward. Gathered weights live briefly: the layer's and
+the outer ones are the transient memory.
 """
 
 from __future__ import annotations
@@ -85,8 +88,11 @@ def fsdp(ctx: Context) -> Contribution:
         ),
     ]
     gathered_outer = 0.0
+    tables = ctx.vocab_tables
+    if tables:
+        comms += _vocab_parallel_comms(ctx, m)
     for param, _, ways in ctx.table:
-        if param.per_layer:
+        if param.per_layer or param.name in tables:
             continue
         full = param.numel / ways  # after the gather
         gathered_outer += full * weight_bytes
@@ -116,6 +122,34 @@ def fsdp(ctx: Context) -> Contribution:
     if m > 1:  # accumulating: the outer weights' unreduced fp32 gradients stay live
         transient += gathered_outer / weight_bytes * MASTER_BYTES
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
+
+
+def _vocab_parallel_comms(ctx: Context, m: int) -> list[Comm]:
+    """The vocab-parallel lookup, logits and loss per micro-batch (jax 0.10.2, CPU), on the
+    rows of one FSDP group, [b·fsdp, s, h]: the lookup's partial rows reduce-scattered over
+    ``fsdp`` (``shardlib.lookup``: a real reduce-scatter on every backend) and, with
+    ``tensor``, summed over it at 1/fsdp; its cotangent and the head's input gathered over
+    ``fsdp``; the head's input cotangent summed over every axis that splits vocab (where
+    it replaces Megatron's all-reduce); the loss's max, sum and target pick over the split
+    vocab (three of b·fsdp·s fp32 values)."""
+    p, w = ctx.p, ctx.w
+    fsdp, n = (str(Axis.FSDP),), p.fsdp
+    vocab = fsdp + ((str(Axis.TENSOR),) if p.tensor > 1 else ())
+    ways = p.fsdp * p.tensor
+    tokens = ctx.micro_batch * n * ctx.local_seq
+    rows = tokens * w.embed * w.compute_bytes
+    comms = [
+        Comm("fsdp", "activations", "reduce-scatter", fsdp, n, rows, m, False),
+        Comm("fsdp", "activations", "all-gather", fsdp, n, rows, 2 * m, False),
+        Comm("fsdp", "activations", "all-reduce", vocab, ways, rows, m, False),
+        Comm("fsdp", "softmax", "all-reduce", vocab, ways, tokens * 4, 3 * m, False),
+    ]
+    if p.tensor > 1:
+        tensor = (str(Axis.TENSOR),)
+        comms.append(
+            Comm("fsdp", "activations", "all-reduce", tensor, p.tensor, rows / n, m, False)
+        )
+    return comms
 
 
 def _head_over_stage(ctx: Context) -> bool:

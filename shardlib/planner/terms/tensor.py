@@ -7,7 +7,9 @@ products so that these gradients are summed locally before the one all-reduce, a
 Megatron: 4 all-reduces of b·s·h per layer in all. Outside
 the loop: the vocab-parallel embedding lookup (one b·s·h all-reduce), the softmax's max,
 sum and target pick over the split vocab (three of b·s fp32 values) and the head's input
-gradient (b·s·h). These sit on the critical path: nothing overlaps them.
+gradient (b·s·h). These sit on the critical path: nothing overlaps them. Under FSDP's
+vocab-parallel head (``Context.vocab_tables``) the vocab splits over fsdp x tensor and
+those run over both axes (``terms.fsdp``).
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def tensor(ctx: Context) -> Contribution:
     per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
     if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
         per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
-    return Contribution(
-        comms=(
-            Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False),
+    comms = [Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False)]
+    if not ctx.vocab_tables:  # else FSDP's vocab-parallel head runs them over fsdp x tensor
+        comms += [
             Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
             Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
-        )
-    )
+        ]
+    return Contribution(comms=tuple(comms))
