@@ -276,7 +276,7 @@ def cmd_generate(args, console: Console) -> int:
     model = load_model(source, mesh, rules)
     tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab, args.checkpoint)
     if hasattr(tok, "path"):
-        console.print(f"tokenizer {tok.path}")
+        console.print(f"tokenizer {tok.path}", soft_wrap=True)  # a path stays whole
     prompt = [tok.encode(args.prompt)] * args.samples
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
