@@ -172,11 +172,13 @@ class ParallelPlan:
         """Under a pipeline, never: the head runs outside the stage loop on the whole data
         shard, where the vocab-split tables cost more memory than they save (fsdp 2 x
         stage 4, llama-small: +33 MiB per device, jax 0.10.2, CPU), and the planner costs
-        whole-table gathers there (``planner.terms.base.Context.vocab_tables``)."""
+        whole-table gathers there (``planner.terms.base.Context.vocab_tables``). Under
+        ZeRO++, never: its quantized gathers need every parameter's data and fsdp splits on
+        one dim, and ZeRO never splits vocab over data (``strategies.zero``)."""
         axes = self.mesh_axes
         if axes.get(Axis.FSDP, 1) <= 1 or "vocab" not in target.dims:
             return True  # nothing to decide (no fsdp axis, or a model without vocab)
-        if axes.get(Axis.STAGE, 1) > 1:
+        if axes.get(Axis.STAGE, 1) > 1 or self.data.zeropp:
             return False
         others = math.prod(axes[a] for a in self.rules.activations["batch"] if a != Axis.FSDP)
         tensor = math.prod(axes[a] for a in self.rules.params["vocab"] if a != Axis.FSDP)
