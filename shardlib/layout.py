@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.rules import Kind, Rules, resolve_spec, shared_dims
+from shardlib.rules import Kind, Rules, entry_without, resolve_spec, shared_dims
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "shardlib_layout", default=None
@@ -105,14 +105,8 @@ def activation_spec(
         full, sizes = (*names, *beside), (*shape, *beside.values())
         dims = shared_dims(rules, full, sizes, "activations", axes)
         moved = {a for d, e in dims.items() if d >= len(names) for a in e if a in rules.shared}
-        spec = P(*(_without(entry, moved) for entry in spec))
+        spec = P(*(entry_without(entry, moved) for entry in spec))
     return spec
-
-
-def _without(entry, drop: set[str]):
-    """A PartitionSpec entry less the mesh axes in ``drop``."""
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in drop)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _call_site(names: tuple[str | None, ...], frame) -> str:

@@ -27,13 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.kernels import shard_map
 from shardlib.layout import activation_spec, active_layout, constrain, mesh_axes
+from shardlib.rules import entry_axes
 
 TABLE = ("vocab", "embed")
 TOKENS = ("batch", "seq")
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
@@ -51,7 +48,7 @@ def lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     axes = mesh_axes(mesh)
     vocab = table_VD.shape[0]
     table_spec = activation_spec("embedding table", table_VD.shape, TABLE, rules, axes)
-    vocab_axes = _axes(table_spec[0] if len(table_spec) else None)
+    vocab_axes = entry_axes(table_spec[0] if len(table_spec) else None)
     shared = tuple(a for a in vocab_axes if a in rules.shared and axes[a] > 1)
     if not shared:
         return jnp.take(table_VD, tokens_BL, axis=0)
@@ -59,9 +56,9 @@ def lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     tok_spec = activation_spec(where, tokens_BL.shape, TOKENS, rules, axes, {"vocab": vocab})
     tok_spec = (*tok_spec, *(None,) * (2 - len(tok_spec)))
     embed_entry = table_spec[1] if len(table_spec) > 1 else None
-    batch = _axes(tok_spec[0])
+    batch = entry_axes(tok_spec[0])
     out_spec = P((*batch, *shared), tok_spec[1], embed_entry)
-    token_axes = (*batch, *_axes(tok_spec[1]))  # they hold different tokens: sum the grads
+    token_axes = (*batch, *entry_axes(tok_spec[1]))  # they hold different tokens: sum the grads
     kernel = _kernel(mesh, vocab_axes, shared, token_axes, P(*tok_spec), out_spec, table_spec)
     return kernel(table_VD, tokens_BL)
 

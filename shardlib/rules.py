@@ -314,6 +314,17 @@ def resolve_spec(
     return _spec(parts)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def entry_without(entry, axes) -> str | tuple[str, ...] | None:
+    """One PartitionSpec entry without the mesh axes in ``axes``, in the entry's form."""
+    kept = tuple(a for a in entry_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def _spec(parts: list) -> P:
     """P(None, "x", None) and P(None, "x") are one layout: keep the short form."""
     while parts and parts[-1] is None:

@@ -42,23 +42,15 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.layout import active_layout, mesh_axes, use_layout
 from shardlib.mesh import Axis
-from shardlib.rules import Rules
+from shardlib.rules import Rules, entry_without
 
 GATHER_WEIGHTS = ("microbatch", "step")
 _CANDIDATES = (Axis.DATA, Axis.FSDP)  # axes whose replicas differ only in their batch rows
 
 
-def _drop(entry, axes: tuple[str, ...]):
-    """One PartitionSpec entry without ``axes`` (None, an axis, or a tuple of axes)."""
-    if entry is None:
-        return None
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
-
-
 def drop_axes(spec: P, axes: tuple[str, ...]) -> P:
     """``spec`` with the mesh ``axes`` removed from every dim."""
-    return P(*(_drop(e, axes) for e in spec))
+    return P(*(entry_without(e, axes) for e in spec))
 
 
 def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
