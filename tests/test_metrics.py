@@ -9,9 +9,11 @@ import pytest
 
 from shardlib.cli import main
 from shardlib.errors import ShardingError
+from shardlib.mesh import single_device_mesh
 from shardlib.train.config import train_config
 from shardlib.train.goodput import Goodput
 from shardlib.train.loop import run
+from shardlib.train.profiling import CPU_MULTI_DEVICE, compile_cache
 from shardlib.train.setup import make_setup
 from shardlib.xla_flags import GPU_FLAGS, with_gpu_flags
 
@@ -64,10 +66,27 @@ def test_a_profile_of_steps_5_to_7_is_written_and_loads(tmp_path):
     assert any("CPU" in name for name in planes), planes
 
 
+JAX_CACHE = ("jax_enable_compilation_cache", "jax_compilation_cache_dir")
+
+
 @pytest.mark.slow
-def test_the_compiled_step_is_stored_in_the_cache(tmp_path):
-    run(_setup(tmp_path, steps=1), show=False)
+def test_the_compiled_step_is_stored_in_the_cache_and_jax_is_left_as_it_was(tmp_path):
+    before = {name: getattr(jax.config, name) for name in JAX_CACHE}
+    cfg = train_config(compile_cache=str(tmp_path / "cache"), **{**TINY, "steps": 1})
+    run(make_setup(cfg, single_device_mesh()), show=False)
     assert any((tmp_path / "cache").iterdir())
+    # scoped to the step's compile: later programs in this process do not use the cache
+    assert {name: getattr(jax.config, name) for name in JAX_CACHE} == before
+
+
+def test_the_cache_is_off_on_a_multi_device_cpu_mesh_and_the_run_says_why(tmp_path):
+    """Executables loaded from JAX's cache can deadlock in XLA's in-process CPU collectives
+    (a restarted 2 x 2 x 2 GPipe step aborted after 40 s in rendezvous.cc)."""
+    devices = jax.devices()[:2]
+    assert compile_cache(str(tmp_path / "cache"), devices) == (None, CPU_MULTI_DEVICE)
+    assert compile_cache("auto", devices) == (None, CPU_MULTI_DEVICE)
+    assert compile_cache("off", devices) == (None, "")
+    assert compile_cache(str(tmp_path / "one"), devices[:1]) == (tmp_path / "one", "")
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from shardlib.train.metrics import (
 )
 from shardlib.train.precision import check_record
 from shardlib.train.preempt import Preemption
-from shardlib.train.profiling import ProfileWindow, enable_compile_cache
+from shardlib.train.profiling import ProfileWindow, compile_cache, persistent_cache
 from shardlib.train.setup import TrainSetup
 
 
@@ -136,14 +136,16 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def compile_step(setup: TrainSetup, state: dict, tokens) -> tuple:
-    """The train step compiled ahead of time for these inputs, and the seconds it took.
+def compile_step(setup: TrainSetup, state: dict, tokens, cache: Path | None = None) -> tuple:
+    """The train step compiled ahead of time for these inputs (through the persistent cache
+    in ``cache``, if any), and the seconds it took.
 
     Compiling before step 1 keeps compilation out of every step time (and out of a profile
     window), reports it on its own, and hands MFU the executable's FLOPs.
     """
     t0 = time.perf_counter()
-    compiled = setup.train_step.lower(state, tokens).compile()
+    with persistent_cache(cache):
+        compiled = setup.train_step.lower(state, tokens).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -174,7 +176,9 @@ def run(
     t_start, started_at = time.perf_counter(), time.time()
     source = open_data(setup)
     evaluation = Evaluation(setup, source)
-    enable_compile_cache(cfg.run.compile_cache)
+    cache, cache_off = compile_cache(cfg.run.compile_cache, list(setup.mesh.devices.flat))
+    if cache_off and cfg.run.compile_cache != "auto":
+        say(cache_off)
     ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
     with ExitStack() as stack:
         preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
@@ -226,7 +230,7 @@ def run(
         for step, batch in batches(setup, start, source):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
-                compiled, seconds = compile_step(setup, state, batch)
+                compiled, seconds = compile_step(setup, state, batch, cache)
                 goodput.compile_s += seconds  # an earlier attempt's compilation counts too
                 hw_flops = compiled_flops(compiled) * devices
                 step_memory = _compiled_memory(compiled)
