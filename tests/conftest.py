@@ -7,7 +7,9 @@ needs fewer builds a mesh over ``jax.devices()[:n]``.
 
 import os
 
+from xla_test_flags import FAST_COMPILE
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

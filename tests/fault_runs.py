@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_test_flags import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,7 @@ def child_env(cache: Path) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         COLUMNS="1000",  # rich wraps long lines at 80 columns when not on a terminal
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="",
+        XLA_FLAGS=FAST_COMPILE,  # each process sets its own device count
         JAX_COMPILATION_CACHE_DIR=str(cache),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

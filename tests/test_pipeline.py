@@ -62,11 +62,9 @@ def _mesh(axes):
     return mesh_spec(**axes).build(jax.devices()[: math.prod(axes.values())])
 
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def compile_fast(jitted, *args):
-    return jitted.lower(*args).compile(compiler_options=FAST)
+    """Compiled without LLVM's backend optimisations: conftest's XLA_FLAGS (xla_test_flags)."""
+    return jitted.lower(*args).compile()
 
 
 def flops(exe) -> int:

@@ -119,10 +119,6 @@ def _abstract(m):
     return rest, blocks, jax.ShapeDtypeStruct((m * B, SEQ + 1), jnp.int32)
 
 
-# HLO passes and buffer assignment as usual (FLOPs, memory), no LLVM optimisation: faster
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def _flops(exe):
     module = hlo.parse_module(exe.as_text())
     return hlo.count_flops(module, hlo.call_multipliers(module)[0])
@@ -149,7 +145,7 @@ def _one_device(m):
         zero = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), (rest, blocks)))
         return jax.lax.scan(body, zero, micro)[0]
 
-    return jax.jit(step).lower(*_abstract(m)).compile(compiler_options=FAST)
+    return jax.jit(step).lower(*_abstract(m)).compile()
 
 
 def _bounded(v, m):
@@ -157,7 +153,7 @@ def _bounded(v, m):
     vg = bounded_value_and_grad(
         spec, block_fn=_block, stage_layers=scan_blocks, embed=_embed, head_loss=_head_loss
     )
-    return jax.jit(vg).lower(*_abstract(m)).compile(compiler_options=FAST)
+    return jax.jit(vg).lower(*_abstract(m)).compile()
 
 
 @pytest.mark.slow

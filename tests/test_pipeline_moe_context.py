@@ -1,8 +1,8 @@
 """MoE models and context parallelism under a pipeline (issue 14, build item 4).
 
 One step's loss, the model's metrics and every gradient leaf against one device (fp32,
-1e-5 relative), one compile per layout (``lower().compile()`` without LLVM's backend
-optimisations, as ``test_pipeline.py`` does). An MoE's statistics ride through the stages
+1e-5 relative), one compile per layout (``lower().compile()``; like every test, without
+LLVM's backend optimisations: ``xla_test_flags.py``). An MoE's statistics ride through the stages
 with their micro-batch (``strategies/pipeline_stats.py``) and the total is their mean over
 the m micro-batches, so the one-device reference accumulates gradients over the same m
 micro-batches (``parallel.data.microbatches = m``): the load-balancing loss is a product of
@@ -26,7 +26,6 @@ from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
 from shardlib.train.step import accumulate_grads, grad_function, make_loss_fn
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 M = 2  # pipeline micro-batches
 
 
@@ -73,7 +72,7 @@ class Step:
             load_tokens(d.path), 0, d.batch, d.seq, cfg.run.seed, setup.batch_sharding
         )
         params = jax.device_put(state["params"], setup.param_shardings)
-        self.exe = jax.jit(step).lower(params, tokens).compile(compiler_options=FAST)
+        self.exe = jax.jit(step).lower(params, tokens).compile()
         self.loss, self.metrics, self.grads = jax.device_get(self.exe(params, tokens))
 
     def collectives(self):

@@ -32,11 +32,6 @@ def _cfg(**overrides) -> TrainConfig:
     return override(BASE, overrides)
 
 
-# Compiled without LLVM's backend optimisations (as in test_pipeline.py): HLO, buffers and
-# therefore memory and FLOP figures are unchanged, compile time halves.
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 @pytest.fixture(scope="module")
 def runs():
     """policy -> (losses and grad norms of 3 steps, temp bytes, FLOPs, optimized HLO)."""
@@ -48,7 +43,7 @@ def runs():
         if key not in cache:
             setup = make_setup(_cfg(**overrides), single_device_mesh())
             lowered = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch())
-            exe = lowered.compile(compiler_options=FAST)
+            exe = lowered.compile()
             if not initial:  # every policy starts from the same parameters
                 initial["state"] = jax.device_get(setup.init_state())
             state = jax.device_put(initial["state"], setup.state_shardings)
