@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.lora import adapted, add_lora, update
+from models.norm import rms_norm
 from shardlib.layout import constrain
 from shardlib.ops import Packed, attention, lookup, run_blocks
 
@@ -186,12 +187,10 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init(None, (cfg.embed,), jnp.float32))  # [embed]
 
     def __call__(self, x_BLD):
-        x32 = x_BLD.astype(jnp.float32)
-        norm = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # the scale in the residual stream's layout (FSDP splits it on embed: gathered here,
         # or XLA may broadcast it to the batch's shape first and gather that)
         scale_D = constrain(self.scale[...], ("res_embed",))
-        return (x32 * norm).astype(x_BLD.dtype) * scale_D.astype(x_BLD.dtype)
+        return rms_norm(x_BLD, scale_D, self.eps)  # its gradient keeps only x (models/norm.py)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
@@ -278,8 +277,9 @@ class Attention(nnx.Module):
             axis=2,
         ).astype(dt)
         qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
-        q = qkv_BLGJK[:, :, :, : h // g].reshape(b, l, h, d)
-        k, v = qkv_BLGJK[:, :, :, h // g], qkv_BLGJK[:, :, :, h // g + 1]
+        # split, not sliced: the gradient is then one concatenation, not a padded copy each
+        q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
+        q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
                    v + update(self, "v", x_BLD, 1, s))  # fmt: skip
@@ -316,8 +316,9 @@ class MLP(nnx.Module):
         w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
         gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
-        gate_BLF = gate_up_BLJF[:, :, 0] + update(self, "gate", x_BLD, 1, s)
-        up_BLF = gate_up_BLJF[:, :, 1] + update(self, "up", x_BLD, 1, s)
+        gate_BLF, up_BLF = (t[:, :, 0] for t in jnp.split(gate_up_BLJF, 2, axis=2))  # as q, k, v
+        gate_BLF = gate_BLF + update(self, "gate", x_BLD, 1, s)
+        up_BLF = up_BLF + update(self, "up", x_BLD, 1, s)
         h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
         out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))

@@ -4,6 +4,8 @@ Everything is derived from the plan's remat, pipeline and offload sections and t
 in this one place:
 
 * ``remat`` wraps the per-layer ``block_fn`` in ``jax.checkpoint`` (strategies/remat.py);
+  ``full`` outside a pipeline keeps each block's input split over ``tensor`` where the
+  residual stream is replicated there (``partition_saved_inputs``);
 * a ``stage`` mesh axis of size p > 1 switches the pipeline on: GPipe and circular replace
   the model's ``layers`` function (strategies/pipeline.py), the bounded schedule replaces
   ``jax.value_and_grad`` itself (strategies/pipeline_1f1b.py). The pipeline's micro-batches
@@ -31,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardlib.ops import scan_blocks
 from shardlib.strategies.pipeline import PipelineSpec, pipeline_layers
 from shardlib.strategies.pipeline_1f1b import bounded_value_and_grad
-from shardlib.strategies.remat import remat_block
+from shardlib.strategies.remat import partition_saved_inputs, remat_block
 
 FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
 
@@ -66,7 +68,10 @@ def layer_loop(plan, target, dtype):
     def stage_layers(block_fn, blocks_state, x):
         if offload:
             block_fn = _fetch(block_fn, dtype)
-        block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
+        if remat.mode == "full" and not offload and spec is None:
+            block_fn = partition_saved_inputs(block_fn)  # split over tensor where replicated
+        else:
+            block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()

@@ -245,3 +245,22 @@ def test_shard_map_and_einsum_exchange_agree_on_an_expert_mesh():
         logits, loss = compiled(state, tokens_BL)
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=dispatch)
         np.testing.assert_allclose(loss, ref_aux["loss"], rtol=1e-5, err_msg=dispatch)
+
+
+def test_rms_norm_gradient_is_autodiff_of_the_norm():
+    """models/norm.py's hand-written gradient (it keeps only x) equals autodiff's."""
+    from models.norm import rms_norm
+
+    def plain(x, scale):
+        x32 = x.astype(jnp.float32)
+        r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+        return (x32 * r).astype(x.dtype) * scale.astype(x.dtype)
+
+    kx, ks, kg = jax.random.split(jax.random.key(0), 3)
+    x, scale = jax.random.normal(kx, (2, 8, 16)), 1 + jax.random.normal(ks, (16,))
+    g = jax.random.normal(kg, (2, 8, 16))
+    got = jax.vjp(lambda a, b: rms_norm(a, b, 1e-5), x, scale)
+    ref = jax.vjp(plain, x, scale)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(got[1](g), ref[1](g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from shardlib.train.setup import make_setup
 
 CFG = train_config(steps=5, batch=16, seq=32)
 CFG_ACCUM = train_config(steps=5, batch=16, seq=32, data_microbatches=2)
+CFG_FULL_REMAT = train_config(steps=5, batch=16, seq=32, remat="full")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,16 @@ def test_parity_fp32(name, reference):
     result = compare(setup, reference(CFG))
     assert result.max_rel_loss_err <= FP32_TOLERANCE, result
     assert result.max_rel_grad_err <= FP32_TOLERANCE, result
+    assert result.ok(), result
+
+
+@pytest.mark.slow
+def test_parity_with_partitioned_saved_inputs(reference):
+    """Full remat under tensor parallelism keeps each block's input split over ``tensor``
+    (``strategies.remat.partition_saved_inputs``) and trains like one device without remat
+    (remat changes no arithmetic: test_remat.py)."""
+    setup = make_setup(CFG_FULL_REMAT, mesh_spec(**MESHES["3d"]).build())
+    result = compare(setup, reference(CFG))
     assert result.ok(), result
 
 

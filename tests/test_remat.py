@@ -5,13 +5,16 @@ and measured (memory_analysis temp bytes, FLOPs with loop trips counted).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from shardlib import ShardingError
+from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.explain import hlo
+from shardlib.layout import use_layout
 from shardlib.mesh import single_device_mesh
-from shardlib.strategies.remat import parse_remat
+from shardlib.strategies.remat import _saved_layouts, parse_remat
 from shardlib.train.config import TrainConfig, override, train_config
 from shardlib.train.data import global_batch, load_tokens
 from shardlib.train.setup import make_setup
@@ -115,3 +118,23 @@ def test_bad_remat_settings_are_clear_errors():
         parse_remat("some")
     with pytest.raises(ShardingError, match="names no intermediate 'mlp_out'"):
         make_setup(_cfg(remat="names:mlp_out"), single_device_mesh())
+
+
+@pytest.mark.parametrize(
+    ("axes", "sp", "part"),
+    [
+        ({"tensor": 8}, False, P("tensor")),  # replicated over tensor: split, flattened
+        ({"data": 2, "fsdp": 2, "tensor": 2}, False, P(("data", "fsdp", "tensor"))),
+        ({"fsdp": 8}, False, None),  # no tensor axis
+        ({"tensor": 4}, True, None),  # sequence parallel splits the residual already
+        ({"tensor": 2, "tensor2": 2}, False, None),  # 2D: so does the width split
+    ],
+)
+def test_full_remat_splits_saved_inputs_only_where_tensor_replicates_them(axes, sp, part):
+    """Megatron's distribute-saved-activations: the block input full remat keeps is split
+    over ``tensor`` when the residual stream is whole there, and left alone otherwise."""
+    mesh = mesh_spec(**axes).build(jax.devices()[: int(np.prod(list(axes.values())))])
+    x = jnp.zeros((8, 16, 64))
+    with use_layout(mesh, rules_for_mesh(mesh, sequence_parallel=sp)):
+        layouts = _saved_layouts(x)
+    assert (None if layouts is None else layouts[1].spec) == part

@@ -38,6 +38,8 @@ def layer_activation_bytes(
     tokens = micro_batch * ctx.local_seq
     policy = p.remat if policy is None else policy
     k = remat.saved_coefficients(policy, c)
+    if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
+        k["h"] -= remat.KEPT["full"]["h"] * (1 - 1 / remat.saved_input_split(ctx))
     if not scores:
         k["scores"] = 0.0
     qkv = (w.heads + 2 * w.kv_heads) * w.head_dim

@@ -15,7 +15,9 @@ coefficients are these extras, non-negative):
   by 1.76x (issue 15). The scores and softmax are dropped; the backward recomputes q·kᵀ
   and the softmax: half the attention forward, 2·a·s·d FLOPs per token.
 - ``full``: the layer input only (REFERENCE.md's "full recompute 2sbh" in fp16 bytes), and
-  the whole layer forward again: about one extra forward pass (~33%).
+  the whole layer forward again: about one extra forward pass (~33%). Outside a pipeline
+  and context parallelism the trainer keeps that input split over ``tensor`` too
+  (``strategies.remat.partition_saved_inputs``): h/t per token (``saved_input_split``).
 
 Either way one layer's recomputed intermediates are live while its backward runs
 (``working_bytes``): the attention probabilities (``remat_scores``) and, under ``full``,
@@ -42,6 +44,14 @@ def saved_coefficients(policy: str, calib: dict) -> dict[str, float]:
         kept = KEPT[policy]
         return {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
     raise ValueError(f"unknown remat policy {policy!r}")
+
+
+def saved_input_split(ctx: Context) -> int:
+    """Ways ``full`` keeps a layer's input split beyond the residual stream's own layout:
+    the tensor degree where ``partition_saved_inputs`` applies (no pipeline stages, no
+    context split of the tokens; the planner searches no sequence parallelism), else 1."""
+    p = ctx.p
+    return p.tensor if p.remat == "full" and p.stage == 1 and p.context == 1 else 1
 
 
 def recompute_flops(ctx: Context, tokens: float, layer_flops: float, attn_flops: float) -> float:
