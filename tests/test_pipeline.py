@@ -3,10 +3,10 @@
 Every program is compiled once (module-scoped cache, ``lower().compile()`` on abstract
 inputs) and the same executable is both run (parity) and measured (memory_analysis, FLOPs
 with loop trips counted), so no test compiles a program twice. To stay inside the test
-budget, programs are compiled without LLVM's backend optimisations (HLO passes, buffer
-assignment and so memory and FLOP figures are unchanged) and every setup starts from the
-one-device initial state moved onto its shardings (the same values: init is
-partitionable) instead of compiling its own sharded init.
+budget, programs are compiled without LLVM's backend optimisations (``xla_test_flags.py``:
+HLO passes, buffer assignment and so memory and FLOP figures are unchanged) and every
+setup starts from the one-device initial state moved onto its shardings (the same values:
+init is partitionable) instead of compiling its own sharded init.
 """
 
 import math
@@ -62,11 +62,6 @@ def _mesh(axes):
     return mesh_spec(**axes).build(jax.devices()[: math.prod(axes.values())])
 
 
-def compile_fast(jitted, *args):
-    """Compiled without LLVM's backend optimisations: conftest's XLA_FLAGS (xla_test_flags)."""
-    return jitted.lower(*args).compile()
-
-
 def flops(exe) -> int:
     module = hlo.parse_module(exe.as_text())
     return hlo.count_flops(module, hlo.call_multipliers(module)[0])
@@ -89,7 +84,7 @@ class Compiled:
 
     def __init__(self, setup):
         self.setup = setup
-        self.exe = compile_fast(setup.train_step, setup.abstract_state(), setup.abstract_batch())
+        self.exe = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
         self.temp_bytes = self.exe.memory_analysis().temp_size_in_bytes
         self.flops = flops(self.exe)
 
@@ -148,7 +143,7 @@ def test_bounded_gradients_leaf_by_leaf():
                 return grad_fn(params, tokens)[1]
 
         jitted = jax.jit(grad, in_shardings=(setup.param_shardings, setup.batch_sharding))
-        exe = compile_fast(jitted, setup.abstract_state()["params"], setup.abstract_batch())
+        exe = jitted.lower(setup.abstract_state()["params"], setup.abstract_batch()).compile()
         tokens = global_batch(
             load_tokens(None), 0, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
         )

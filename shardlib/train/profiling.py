@@ -128,15 +128,14 @@ def compile_cache(setting: str, devices: Sequence) -> tuple[Path | None, str]:
     directory = cache_directory(setting)
     if directory is None:
         return None, ""
-    if setting != "auto":  # a bad directory is refused even where the cache stays off
-        writable_dir(directory, "run.compile_cache")
-    if len(devices) > 1 and devices[0].platform == "cpu":
-        return None, CPU_MULTI_DEVICE
+    off = len(devices) > 1 and devices[0].platform == "cpu"
     if setting == "auto":
+        if off:  # nothing to check and no per-user directory to create
+            return None, CPU_MULTI_DEVICE
         if jax.config.jax_compilation_cache_dir:
             directory = Path(jax.config.jax_compilation_cache_dir)
-        writable_dir(directory, "run.compile_cache")
-    return directory, ""
+    writable_dir(directory, "run.compile_cache")  # a bad directory is refused even when off
+    return (None, CPU_MULTI_DEVICE) if off else (directory, "")
 
 
 @contextmanager
