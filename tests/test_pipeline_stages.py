@@ -5,7 +5,7 @@ different test workers: each is a few minutes of compiles.
 """
 
 import pytest
-from test_pipeline import _mesh, compile_fast, flops
+from test_pipeline import _mesh, flops
 
 from benchmarks._programs import layer_stack_program
 from shardlib import ShardingError
@@ -31,7 +31,7 @@ def stack_flops():
         cfg = override(BUBBLE_BASE, overrides)
         setup = make_setup(cfg, _mesh({"stage": p}) if p > 1 else single_device_mesh())
         jitted, args = layer_stack_program(setup)
-        result = flops(compile_fast(jitted, *args))
+        result = flops(jitted.lower(*args).compile())
         if p == 1 and not overrides:
             one_device[1] = result
         return result
