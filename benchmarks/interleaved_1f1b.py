@@ -34,7 +34,7 @@ from rich.table import Table  # noqa: E402
 
 from benchmarks.pipeline_scale import LAYOUTS, console  # noqa: E402  (simulates devices)
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import explain, hlo  # noqa: E402
+from shardlib.explain import explain, hlo, hlo_flops  # noqa: E402
 from shardlib.explain.report import format_bytes  # noqa: E402
 from shardlib.layout import use_layout  # noqa: E402
 from shardlib.ops import scan_blocks  # noqa: E402
@@ -92,7 +92,7 @@ def matmul_flops(text: str, skip_dim: int | None = None) -> int:
             shapes = [inst.arrays] + [hlo.parse_type(types[o]) for o in inst.operands if o in types]
             if skip_dim is not None and any(skip_dim in a.dims for s in shapes for a in s):
                 continue
-            total += mult[comp.name] * hlo.instruction_flops(inst, types)
+            total += mult[comp.name] * hlo_flops.instruction_flops(inst, types)
     return total
 
 

@@ -35,7 +35,7 @@ from rich.table import Table  # noqa: E402
 
 from benchmarks._programs import layer_stack_program  # noqa: E402
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import hlo  # noqa: E402
+from shardlib.explain import hlo, hlo_flops  # noqa: E402
 from shardlib.explain.report import format_bytes  # noqa: E402
 from shardlib.mesh import single_device_mesh  # noqa: E402
 from shardlib.train.config import TrainConfig, train_config  # noqa: E402
@@ -60,7 +60,7 @@ def compile_step(setup):
 
 def flops(compiled) -> int:
     module = hlo.parse_module(compiled.as_text())
-    return hlo.count_flops(module, hlo.call_multipliers(module)[0])
+    return hlo_flops.count_flops(module, hlo.call_multipliers(module)[0])
 
 
 def stack_flops(config: TrainConfig, p: int) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
-from models.llama import rotary
+from models.rotary import rotary
 from shardlib import Rules, ShardingError, base_rules, compose
 from shardlib.attention import AttentionPlan, zigzag_order
 from shardlib.kernels.blockwise import chunked_attention, dense_attention

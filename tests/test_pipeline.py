@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardlib import mesh_spec
-from shardlib.explain import hlo
+from shardlib.explain import hlo, hlo_flops
 from shardlib.layout import use_layout
 from shardlib.mesh import single_device_mesh
 from shardlib.parity import FP32_TOLERANCE
@@ -64,7 +64,7 @@ def _mesh(axes):
 
 def flops(exe) -> int:
     module = hlo.parse_module(exe.as_text())
-    return hlo.count_flops(module, hlo.call_multipliers(module)[0])
+    return hlo_flops.count_flops(module, hlo.call_multipliers(module)[0])
 
 
 _INITIAL = {}

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from shardlib import ShardingError, mesh_spec, parity
-from shardlib.explain import hlo
+from shardlib.explain import hlo, hlo_flops
 from shardlib.mesh import reference_mesh
 from shardlib.ops import scan_blocks
 from shardlib.strategies.pipeline import PipelineSpec
@@ -121,7 +121,7 @@ def _abstract(m):
 
 def _flops(exe):
     module = hlo.parse_module(exe.as_text())
-    return hlo.count_flops(module, hlo.call_multipliers(module)[0])
+    return hlo_flops.count_flops(module, hlo.call_multipliers(module)[0])
 
 
 def _one_device(m):

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
-from shardlib.explain import hlo
+from shardlib.explain import hlo, hlo_flops
 from shardlib.layout import use_layout
 from shardlib.mesh import single_device_mesh
 from shardlib.strategies.remat import _saved_layouts, parse_remat
@@ -59,7 +59,7 @@ def runs():
                 state, metrics = exe(state, batch)
                 out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
             module = hlo.parse_module(exe.as_text())
-            flops = hlo.count_flops(module, hlo.call_multipliers(module)[0])
+            flops = hlo_flops.count_flops(module, hlo.call_multipliers(module)[0])
             temp = exe.memory_analysis().temp_size_in_bytes
             cache[key] = (np.array(out), temp, flops, exe.as_text())
         return cache[key]

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardlib.errors import ShardingError
-from shardlib.explain import attribute, hlo
+from shardlib.explain import attribute, hlo, hlo_flops
 from shardlib.explain.collective import collective_op
 from shardlib.explain.reduce_scatter import as_gpu_runs, cpu_reduce_scatters, gpu_collectives
 from shardlib.explain.report import (
@@ -113,7 +113,7 @@ def explain(
         params_count=sum(int(np.prod(t.shape)) for t in param_list),
         params_bytes=sum(t.bytes for t in param_list),
         memory=memory,
-        flops_per_device=hlo.count_flops(module, multipliers),
+        flops_per_device=hlo_flops.count_flops(module, multipliers),
         xla_cost_analysis_flops=_xla_flops(compiled),
         collectives=ops,
         warnings=warnings + memory_warnings,

@@ -24,11 +24,11 @@ weights are regrouped once per step (an all-to-all over ``stage``, measured by e
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
 memory does not ((interleaved) 1F1B, bubble (p-1)/(m·v) too). Every schedule runs once per
-data replica under ``vmap``
-(``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
+data replica under ``vmap`` (``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
 over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
 only for circular). Layers that do not divide into p·v stages are padded with identity
-slots (``pipeline_partition.py``).
+slots (``pipeline_partition.py``). The ``[p, v, k, ...]`` views and micro-batch cuts both
+schedules share are in ``pipeline_stages.py``.
 
 Blocks that return statistics (an MoE router's losses) have them carried with their
 micro-batch (``pipeline_stats.py``; such models run without data replicas, see
@@ -45,16 +45,23 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
 
 from shardlib.errors import ShardingError
-from shardlib.layout import active_layout, constrain, logical_names, mesh_axes
+from shardlib.layout import constrain
 from shardlib.mesh import Axis
 from shardlib.rules import Rules, resolve_spec
 from shardlib.strategies.pipeline_partition import balanced_stages, masked, pad_stages
 from shardlib.strategies.pipeline_replicas import GATHER_WEIGHTS, replicas
+from shardlib.strategies.pipeline_stages import (
+    merge_microbatches,
+    split_microbatches,
+    stage_axes,
+    stage_mask,
+    stage_state,
+    to_replicas,
+    to_stages,
+)
 from shardlib.strategies.pipeline_stats import (
     check_block_stats,
     join_carry,
@@ -254,89 +261,6 @@ class PipelineParallel:
         b = target.micro_batch // spec.microbatches
         what = f"pipeline micro-batch ({target.micro_batch} sequences / {spec.microbatches})"
         resolve_spec(what, (b, target.seq), ("batch", "seq"), rules, mesh_axes, "activations")
-
-
-def stage_axes():
-    """Mesh axes of the activation ``stage`` dim under the active layout (for vmap)."""
-    active = active_layout()
-    if active is None:
-        return None
-    axes = active[1].activations.get("stage", ())
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def constrain_param(w: jax.Array, names: tuple[str | None, ...] | None, what: str):
-    """Pin a (reshaped) parameter to the layout its logical names give in the params rules."""
-    active = active_layout()
-    if active is None or names is None:
-        return w
-    mesh, rules = active
-    spec = resolve_spec(what, tuple(w.shape), names, rules, mesh_axes(mesh), "params")
-    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
-
-
-def staged_names(names: tuple | None) -> tuple | None:
-    """``("layers", *rest)`` -> ``("stage", None, None, *rest)`` for a [p, v, k, ...] view."""
-    if names is None:
-        return None
-    if names[0] != "layers":
-        raise ShardingError(f"stacked parameter {names} does not lead with 'layers'.")
-    return ("stage", None, None, *names[1:])
-
-
-def to_stages(w_L: jax.Array, names, p: int, v: int) -> jax.Array:
-    """[L, ...] -> [p, v, k, ...]: virtual stage r·p + s (layers in order) on device s."""
-    k = w_L.shape[0] // (p * v)
-    w = jnp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
-    return constrain_param(w, staged_names(names), "staged parameter")
-
-
-def from_stages(w_pvk: jax.Array, names) -> jax.Array:
-    """Inverse of ``to_stages``: [p, v, k, ...] -> [L, ...] in the stored layout."""
-    p, v, k = w_pvk.shape[:3]
-    w = jnp.swapaxes(w_pvk, 0, 1).reshape(p * v * k, *w_pvk.shape[3:])
-    return constrain_param(w, names, "stacked parameter")
-
-
-def variable_names(blocks_state) -> list:
-    """The logical names of every leaf of an nnx State (None for an unannotated leaf)."""
-    variables = jax.tree.leaves(blocks_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [logical_names(var) if isinstance(var, nnx.Variable) else None for var in variables]
-
-
-def to_replicas(reps, blocks_state):
-    """Every stacked leaf as [R, L, ...]: one copy per replica (``pipeline_replicas``)."""
-    axes = mesh_axes(reps.mesh)
-    leaves, treedef = jax.tree.flatten(blocks_state)
-    out = []
-    for w, names in zip(leaves, variable_names(blocks_state), strict=True):
-        spec = resolve_spec("stacked parameter", w.shape, names, reps.outer, axes, "params")
-        out.append(reps.broadcast(w, spec))
-    return treedef.unflatten(out)
-
-
-def stage_state(blocks_state, p: int, v: int):
-    """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
-    names = variable_names(blocks_state)
-    leaves, treedef = jax.tree.flatten(blocks_state)
-    return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
-
-
-def split_microbatches(x_B: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [m, B/m, ...] taking rows i, i+m, ... : each device keeps its own rows."""
-    b = x_B.shape[0] // m
-    return jnp.swapaxes(x_B.reshape(b, m, *x_B.shape[1:]), 0, 1)
-
-
-def merge_microbatches(x_M: jax.Array) -> jax.Array:
-    """Inverse of ``split_microbatches``."""
-    m, b = x_M.shape[:2]
-    return jnp.swapaxes(x_M, 0, 1).reshape(m * b, *x_M.shape[2:])
-
-
-def stage_mask(p: int, ndim: int) -> jax.Array:
-    """Stage ids [p, 1, ..., 1] that broadcast against a [p, ...] buffer of rank ``ndim``."""
-    return jnp.arange(p).reshape(p, *([1] * (ndim - 1)))
 
 
 def pipeline_layers(spec: PipelineSpec, stage_layers):

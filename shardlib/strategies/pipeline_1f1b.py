@@ -43,9 +43,11 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.explain.hlo import ONE_TRIP_SCOPE
 from shardlib.layout import constrain
-from shardlib.strategies.pipeline import (
-    STATE_NAMES,
-    PipelineSpec,
+from shardlib.strategies.pipeline import STATE_NAMES, PipelineSpec
+from shardlib.strategies.pipeline_partition import masked, pad_stages, unpad_stages
+from shardlib.strategies.pipeline_replicas import replicas
+from shardlib.strategies.pipeline_schedule import Schedule
+from shardlib.strategies.pipeline_stages import (
     constrain_param,
     from_stages,
     split_microbatches,
@@ -56,9 +58,6 @@ from shardlib.strategies.pipeline import (
     to_stages,
     variable_names,
 )
-from shardlib.strategies.pipeline_partition import masked, pad_stages, unpad_stages
-from shardlib.strategies.pipeline_replicas import replicas
-from shardlib.strategies.pipeline_schedule import Schedule
 
 RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]
 ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carry

@@ -228,8 +228,8 @@ def model_flops(setup) -> tuple[float, str]:
 
 def compiled_flops(compiled) -> float:
     """FLOPs per device of one run of a compiled program, loops counted per trip."""
-    from shardlib.explain import hlo
+    from shardlib.explain import hlo, hlo_flops
 
     module = hlo.parse_module(compiled.as_text())
     multipliers, _ = hlo.call_multipliers(module)
-    return float(hlo.count_flops(module, multipliers))
+    return float(hlo_flops.count_flops(module, multipliers))
