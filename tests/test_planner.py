@@ -206,6 +206,20 @@ def test_prediction_matches_the_compiled_step():
     assert abs(check.wire_ratio - 1) <= 0.05, check
 
 
+def test_full_remat_gathers_its_split_saved_inputs_over_tensor():
+    """remat=full under TP keeps each layer's input split over tensor and all-gathers it
+    before the recompute (``partition_saved_inputs``): one b·s·h gather per layer, priced on
+    the tensor axis exactly as the compiled step sends it."""
+    from shardlib.planner.validate import validate
+
+    w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2)
+    check = validate(w, candidate(data=4, tensor=2, remat="full"))
+    predicted, compiled = check.predicted_wire_by_axes, check.compiled_wire_by_axes
+    assert predicted["tensor"] == pytest.approx(compiled["tensor"], rel=1e-3), check
+    gathers = [c for c in estimate(w, check.plan).comms if c.what == "saved inputs"]
+    assert len(gathers) == 1 and gathers[0].count == 2  # one per layer
+
+
 @pytest.mark.slow
 def test_zero_remat_and_offload_terms_match_the_compiled_step():
     """ZeRO-1 with accumulation (its per-micro-batch re-gather), selective remat and the

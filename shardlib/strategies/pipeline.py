@@ -24,11 +24,11 @@ weights are regrouped once per step (an all-to-all over ``stage``, measured by e
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
 memory does not ((interleaved) 1F1B, bubble (p-1)/(m·v) too). Every schedule runs once per
-data replica under ``vmap`` (``pipeline_replicas.py``): gradients accumulate per replica in the loop and are reduced
-over ``data`` once per step. Any m >= p that divides the per-replica batch works (m >= p
-only for circular). Layers that do not divide into p·v stages are padded with identity
-slots (``pipeline_partition.py``). The ``[p, v, k, ...]`` views and micro-batch cuts both
-schedules share are in ``pipeline_stages.py``.
+data replica under ``vmap`` (``pipeline_replicas.py``): gradients accumulate per replica in
+the loop and are reduced over ``data`` once per step. Any m >= p that divides the
+per-replica batch works (m >= p only for circular). Layers that do not divide into p·v
+stages are padded with identity slots (``pipeline_partition.py``). The ``[p, v, k, ...]``
+views and micro-batch cuts both schedules share are in ``pipeline_stages.py``.
 
 Blocks that return statistics (an MoE router's losses) have them carried with their
 micro-batch (``pipeline_stats.py``; such models run without data replicas, see

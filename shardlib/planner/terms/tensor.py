@@ -7,7 +7,9 @@ products so that these gradients are summed locally before the one all-reduce, a
 Megatron: 4 all-reduces of b·s·h per layer in all. Outside
 the loop: the vocab-parallel embedding lookup (one b·s·h all-reduce), the softmax's max,
 sum and target pick over the split vocab (three of b·s fp32 values) and the head's input
-gradient (b·s·h). These sit on the critical path: nothing overlaps them. Under FSDP's
+gradient (b·s·h). Under full remat the saved layer input is kept split over tensor and
+all-gathered once per layer before its recompute (``terms.remat.saved_input_split``). These
+sit on the critical path: nothing overlaps them. Under FSDP's
 vocab-parallel head (``Context.vocab_tables``) the vocab splits over fsdp x tensor and
 those run over both axes (``terms.fsdp``).
 """
@@ -18,6 +20,7 @@ import math
 
 from shardlib.mesh import Axis
 from shardlib.planner.terms.base import Comm, Context, Contribution, SearchAxis
+from shardlib.planner.terms.remat import saved_input_split
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
@@ -63,6 +66,9 @@ def tensor(ctx: Context) -> Contribution:
     if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
         per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
     comms = [Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False)]
+    if saved_input_split(ctx) > 1:  # each layer's split input, gathered before its recompute
+        gathers = ctx.layer_runs
+        comms.append(Comm("tensor", "saved inputs", "all-gather", axes, t, bsh, gathers, False))
     if not ctx.vocab_tables:  # else FSDP's vocab-parallel head runs them over fsdp x tensor
         comms += [
             Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
