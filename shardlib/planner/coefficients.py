@@ -41,7 +41,13 @@ COEFFICIENTS: dict[str, float] = {
 # remat``) on the remat probes and the published-width probes (``calibration.REMAT_RECORDS``,
 # tensor 1-8, h up to 12288; 34 probes, regenerated): worst 7.8% among them, 8.1% over all 99.
 # remat=full keeps exactly its input per layer (terms.remat.KEPT, split over tensor where the
-# trainer splits it); the fit finds nothing else of the layer live (full_layer_live 0). The
-# held-out validation (benchmarks/planner_validation.py) has not been rerun on these values.
+# trainer splits it); the fit finds nothing else of the layer live (full_layer_live 0).
+# Held-out (benchmarks/planner_validation.py, 2026-11-26): 44 of 46 plans within 10%; over
+# are the 64-device fsdp 16 x tensor 4 remat=full plan (1.117: the loss head's buffers
+# outweigh one layer's, and the sum counts both) and circular data 16 x stage 2 x fsdp 2
+# (1.165; 8-device circular probes with fsdp or data replicas read 1.06-1.14 alike: the
+# program keeps [trips, ...] copies of a round's weights that the linear terms share out
+# with the activations). Refits that add such probes (worst 19%) or take the larger of the
+# head's and a layer's working set (22%) moved the misses elsewhere and were not kept.
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
