@@ -45,9 +45,12 @@ COEFFICIENTS: dict[str, float] = {
 # Held-out (benchmarks/planner_validation.py, 2026-11-26): 44 of 46 plans within 10%; over
 # are the 64-device fsdp 16 x tensor 4 remat=full plan (1.117: the loss head's buffers
 # outweigh one layer's, and the sum counts both) and circular data 16 x stage 2 x fsdp 2
-# (1.165; 8-device circular probes with fsdp or data replicas read 1.06-1.14 alike: the
-# program keeps [trips, ...] copies of a round's weights that the linear terms share out
-# with the activations). Refits that add such probes (worst 19%) or take the larger of the
-# head's and a layer's working set (22%) moved the misses elsewhere and were not kept.
+# (1.165; 8-device circular probes with fsdp, data or tensor read 1.08-1.14 alike). XLA's
+# memory-usage report shows one per-trip copy of a round's weights (pipe_circular_weights
+# books 1.6: it also stands in for the regrouped [p, v, k] copy and its weight-sized
+# gradient and all-to-all buffers, which no term books and which dominate at 70B widths).
+# Refits that add such probes (worst held-out 19%), take the larger of the head's and a
+# layer's working set (22%), or book the regrouped copy with the per-trip copy at 1.0
+# (70B-width circular probe 0.878) moved the misses elsewhere and were not kept.
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
