@@ -22,13 +22,10 @@ from models.lora import adapted, add_lora, update
 from models.norm import rms_norm
 from models.rotary import rotary
 from shardlib.layout import constrain
+from shardlib.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
 from shardlib.ops import attention, lookup, run_blocks
 
 init_normal = nnx.initializers.normal
-# The residual stream between blocks (and the norms on it) has its own logical dims, so that
-# Megatron-SP can split its tokens and 2D/3D tensor parallelism its width without touching
-# the layout inside attention and the MLP.
-RESIDUAL = ("batch", "res_seq", "res_embed")
 
 # Intermediates a rematerialisation policy can save or offload by name (``remat=names:...``).
 CHECKPOINT_NAMES = (

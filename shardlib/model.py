@@ -35,6 +35,12 @@ from shardlib.values import convert_value
 
 ENTRY_POINT_GROUP = "shardlib.models"
 
+RESIDUAL = ("batch", "res_seq", "res_embed")
+"""Logical names of the residual stream [batch, seq, embed] between a ``Decoder``'s blocks
+(the layer loop's carry). Its own names, apart from ``seq``/``embed`` inside attention and
+the MLP, let Megatron-SP and 2D/3D tensor parallelism split it alone; the library reads the
+carry's layout from them (``strategies.remat.partition_saved_inputs``)."""
+
 
 @runtime_checkable
 class Decoder(Protocol):

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib.errors import ShardingError
 from shardlib.layout import activation_spec, active_layout, mesh_axes
 from shardlib.mesh import Axis
+from shardlib.model import RESIDUAL
 from shardlib.rules import entry_axes
 
 MODES = ("none", "full", "dots", "selective", "names", "offload")
@@ -144,10 +145,6 @@ def remat_block(block_fn: Callable, spec: RematSpec, never_save: tuple[str, ...]
     return jax.checkpoint(block_fn, policy=spec.policy(), prevent_cse=False)
 
 
-RESIDUAL = ("batch", "res_seq", "res_embed")
-"""The layer loop's carry: the residual stream between blocks (the ``Decoder`` protocol)."""
-
-
 def _saved_layouts(x_BLD) -> tuple[NamedSharding, NamedSharding] | None:
     """(the residual's layout, its flattened copy split over ``tensor`` as well), or None
     where there is nothing to split: no active layout or no ``tensor`` axis, a residual
@@ -182,11 +179,11 @@ def partition_saved_inputs(block_fn: Callable) -> Callable:
     full = remat_block(block_fn, RematSpec(mode="full"))
 
     def run(layer_state, carry):
-        layouts = [_saved_layouts(x) for x in jax.tree.leaves(carry)]
+        leaves, treedef = jax.tree.flatten(carry)
+        layouts = [_saved_layouts(x) for x in leaves]
         if not any(layouts):
             return full(layer_state, carry)
-        treedef = jax.tree.structure(carry)
-        shapes = [x.shape for x in jax.tree.leaves(carry)]
+        shapes = [x.shape for x in leaves]
 
         def leafwise(fn, c):
             """``fn(x, layout)`` on the leaves of ``c`` that are split; the others as they are."""
