@@ -28,7 +28,7 @@ def test_cluster_presets_load_and_say_when_to_use_them():
     for path in paths:
         assert path.read_text().lower().startswith("# use this when"), path
         cluster = load_cluster(path)
-        assert cluster.num_devices >= 8 and cluster.peak_flops > 0
+        assert cluster.num_devices >= 1 and cluster.peak_flops > 0
     big = load_cluster("h100-512")
     assert big.num_devices == 512 and big.inter_host_bw < big.intra_host_bw
     with pytest.raises(ShardingError, match="cluster description"):

@@ -13,11 +13,12 @@ import pytest
 
 from shardlib.mesh import MeshSpec
 from shardlib.planner import PlanView, Workload, candidate, estimate, load_cluster
-from shardlib.planner.megatron import Megatron, megatron_program
+from shardlib.planner.megatron import GPT_TRAFFIC, Megatron, megatron_program
 from shardlib.planner.search import Space, search
 from shardlib.planner.terms.base import Comm
 from shardlib.planner.throughput import (
     BACKWARD_SHARE,
+    LLAMA_TRAFFIC,
     TILE,
     Matmul,
     collective_seconds,
@@ -46,6 +47,27 @@ def test_a_matmul_runs_at_the_roofline_with_a_half_wave_tail():
     small = Matmul("small", 256, 8192, 1024)
     per_flop = [mm.seconds(A100, 2) / mm.flops for mm in (big, small)]
     assert per_flop[1] > 1.1 * per_flop[0]
+
+
+def test_fused_attention_writes_no_scores_and_saves_none():
+    """attention_impl=cudnn (measured on an H200, docs/gpu.md): the planner costs it as
+    one kernel. The score matrix leaves the activations (saved and recomputed) and the
+    elementwise traffic; the two attention products move only q, k, v and the output."""
+    h200 = load_cluster("h200-1")
+    llama_1b = Workload.from_preset("llama-1b", 4, 2048)
+    for remat in ("none", "full"):
+        dense = estimate(llama_1b, candidate(remat=remat), h200)
+        fused_plan = dataclasses.replace(
+            candidate(remat=remat),
+            context=dataclasses.replace(candidate().context, attention_impl="cudnn"),
+        )
+        fused = estimate(llama_1b, fused_plan, h200)
+        scores = 4 * 2048 * llama_1b.heads * 2048 * 2  # one layer's [b, h, s, s] in bf16
+        assert dense.memory["activations"] - fused.memory["activations"] >= scores
+        assert fused.compute_parts["elementwise"] < dense.compute_parts["elementwise"]
+        assert fused.step_s < dense.step_s and fused.flops == dense.flops
+    scores = Matmul("scores", 2048, 64, 2048, 32, moved=2 * 2048 * 64)
+    assert scores.seconds(h200, 2) > scores.bytes(2) / h200.hbm_bw  # compute-bound now
 
 
 def test_rate_grows_with_the_micro_batch_and_falls_with_tensor(gpt_1_7b):
@@ -125,8 +147,9 @@ def test_calibration_table_is_computed_from_the_model():
 
 def test_megatron_program_moves_what_megatron_moves(gpt_1_7b):
     """Megatron's 1F1B sends b·s·h/t per GPU per hand-over, 2(m+p-1) of them (not
-    shardlib's SPMD ring), 4 tensor all-reduces per layer (6 under full recompute), and
-    its GPT block streams more bytes (dropout) than shardlib's Llama block."""
+    shardlib's SPMD ring), 4 tensor all-reduces per layer (6 under full recompute), and its
+    GPT block streams the attention scores fewer times (one fused softmax kernel, plus
+    dropout) than XLA's dense attention as measured on a GPU."""
     c = A100.with_hosts(4)
     p, m, t = 4, 8, 8
     plan = candidate(stage=p, tensor=t, microbatches=m, remat="full")
@@ -140,7 +163,8 @@ def test_megatron_program_moves_what_megatron_moves(gpt_1_7b):
     assert sum(x.count for x in layers) == 6 * 24 // p * m
     # across hosts (the stage axis): t times less than the whole b·s·h, and no ring
     assert theirs.wire_by_axes()["stage"] < ours.wire_by_axes()["stage"] / 10
-    assert theirs.compute_parts["elementwise"] > ours.compute_parts["elementwise"]
+    assert GPT_TRAFFIC.scores < LLAMA_TRAFFIC.scores and GPT_TRAFFIC.embed > LLAMA_TRAFFIC.embed
+    assert theirs.compute_parts["elementwise"] < ours.compute_parts["elementwise"]
     assert theirs.update_s == ours.update_s > 0
 
 

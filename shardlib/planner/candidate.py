@@ -108,6 +108,7 @@ class PlanView:
         "virtual",
         "remat",
         "offload",
+        "fused_attention",
     )
 
     def __init__(self, plan: ParallelPlan):
@@ -135,6 +136,9 @@ class PlanView:
         self.remat: str = plan.remat.policy
         self.offload: bool = plan.offload.optimizer
         """Optimizer state in host memory between steps."""
+        self.fused_attention: bool = plan.context.attention_impl == "cudnn"
+        """One fused kernel (cuDNN's flash attention): the score matrix never reaches HBM,
+        is never saved for the backward pass, and its products run at the kernel's rate."""
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:

@@ -133,7 +133,9 @@ def _unmodelled(p: PlanView) -> str:
         "offload.params": plan.offload.params,
         "tensor.sequence_parallel or 2D/3D tensor axes": plan.tensor != default.tensor
         or any(a in p.sizes for a in ("tensor2", "tensor3")),
-        "context attention other than ring": plan.context != default.context,
+        "context attention other than ring": plan.context.attention != default.context.attention
+        or plan.context.load_balance != default.context.load_balance,
+        "attention_impl=cudnn across a context axis": p.fused_attention and p.context > 1,
         f"expert.dispatch={plan.expert.dispatch}": plan.expert != default.expert,
     }
     return next((what for what, present in settings.items() if present), "")

@@ -65,6 +65,11 @@ data-parallel reduction overlaps."""
 TILE = 128
 """Output tile edge of a cuBLAS matmul (the guide's "Typical tile dimensions": 256x128 and
 128x128; the smaller, which cuBLAS falls back to for small products)."""
+FUSED_ATTENTION = 0.92
+"""Fraction of the matmul ceiling a fused attention kernel's products reach, counted over
+the planner's attention FLOPs (which include the half the causal mask skips). Measured:
+cuDNN's kernel on an H200 reached 0.61-1.23 of it over Llama 1B's and 7B's heads at seq
+2048-8192, median 0.92 (``benchmarks/gpu_attention.py``, docs/gpu.md)."""
 EXPOSED = frozenset({"tensor", "expert", "pipeline"})
 """Strategies whose collectives sit on the critical path (``Comm.strategy``)."""
 
@@ -86,9 +91,12 @@ class BlockTraffic:
     """Over the q and k widths: rotary (read, write)."""
     mlp: float = 3
     """Over the MLP width: SwiGLU's silu(gate) * up (read two, write one)."""
-    scores: float = 2
+    scores: float = 6
     """Over the attention scores (heads x keys per token) that dense attention writes to HBM:
-    scale, mask and softmax in one fused pass (read, write)."""
+    scale, mask and softmax. Measured, not counted: XLA's GPU program of the dense kernel
+    streamed 5.3-6.8 widths per score element beyond its two products (median 5.9) on an
+    H200 (``benchmarks/gpu_attention.py``: fwd + bwd of Llama 1B's and 7B's heads at seq
+    2048-8192, docs/gpu.md); one fused read + write would be 2."""
 
 
 LLAMA_TRAFFIC = BlockTraffic()
@@ -105,6 +113,11 @@ class Matmul:
     n: float
     batch: float = 1.0
     """Independent products (attention: sequences x heads on the device)."""
+    moved: float | None = None
+    """Elements read and written per product where an operand or the result stays on chip
+    (a fused attention kernel: the score matrix never reaches HBM); None: all three move."""
+    ceiling: float = 1.0
+    """Fraction of the cluster's matmul ceiling this kernel reaches (``FUSED_ATTENTION``)."""
 
     @property
     def flops(self) -> float:
@@ -112,7 +125,8 @@ class Matmul:
 
     def bytes(self, itemsize: int) -> float:
         """Operands read and result written once (the roofline's minimum traffic)."""
-        return itemsize * (self.m * self.k + self.k * self.n + self.m * self.n) * self.batch
+        moved = self.m * self.k + self.k * self.n + self.m * self.n
+        return itemsize * (moved if self.moved is None else self.moved) * self.batch
 
     def waves(self, cluster: Cluster) -> float:
         """Output tiles per pass of all the streaming multiprocessors."""
@@ -122,7 +136,7 @@ class Matmul:
     def seconds(self, cluster: Cluster, itemsize: int) -> float:
         """Roofline time (compute-bound at the ceiling, or memory-bound below the ridge),
         plus the last wave's idle SMs: half a wave on average."""
-        math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency)
+        math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency * self.ceiling)
         if cluster.sms:
             waves = self.waves(cluster)
             math_s *= (waves + 0.5) / waves
@@ -142,11 +156,16 @@ class Shape:
     """Blocks on one device."""
     traffic: BlockTraffic = LLAMA_TRAFFIC
     """What the program's elementwise kernels stream per token."""
+    fused: bool = False
+    """Attention in one fused kernel (``attention_impl=cudnn``): no score matrix in HBM."""
 
     @classmethod
     def of(cls, ctx: Context, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
         p = ctx.p
-        return cls(ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device, traffic)
+        return cls(
+            ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device, traffic,
+            p.fused_attention,
+        )  # fmt: skip
 
     @property
     def tokens(self) -> int:
@@ -164,10 +183,14 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     # attention: per sequence and local head, [s/c, d] x [d, s]; ring attention runs c
     # blocks of s/c keys each (the same FLOPs, narrower products)
     keys, passes = (s_q, shape.context) if shape.context > 1 else (w.seq, 1)
+    # a fused kernel reads q and k, and v, and writes the output: never the [s, s] scores
+    fused = dict(ceiling=FUSED_ATTENTION) if shape.fused else {}
+    scores_io = dict(moved=s_q * d + d * keys) if shape.fused else {}
+    values_io = dict(moved=keys * d + s_q * d) if shape.fused else {}
     return (
         Matmul("qkv", shape.tokens, w.embed, qkv),  # [b·s, h] x [h, (a+2kv)·d/t]
-        Matmul("scores", s_q, d, keys, b * heads * passes),  # [s, d] x [d, s] per head
-        Matmul("values", s_q, keys, d, b * heads * passes),  # [s, s] x [s, d] per head
+        Matmul("scores", s_q, d, keys, b * heads * passes, **scores_io, **fused),  # [s,d]x[d,s]
+        Matmul("values", s_q, keys, d, b * heads * passes, **values_io, **fused),  # [s,s]x[s,d]
         Matmul("out", shape.tokens, heads * d, w.embed),  # [b·s, a·d/t] x [a·d/t, h]
         Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp),  # SwiGLU gate and up: [h, 2f/t]
         Matmul("mlp_out", shape.tokens, mlp, w.embed),  # [b·s, f/t] x [f/t, h]
@@ -188,7 +211,7 @@ def elementwise_bytes(shape: Shape) -> float:
         k.embed * w.embed
         + k.rotary * 2 * w.heads * w.head_dim / t  # q and k get rotary
         + k.mlp * (w.mlp or w.expert_mlp) / t
-        + k.scores * w.heads / t * keys
+        + (0.0 if shape.fused else k.scores * w.heads / t * keys)
     )
     return shape.tokens * widths * w.compute_bytes
 

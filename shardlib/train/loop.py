@@ -301,7 +301,16 @@ def _compiled_memory(compiled) -> dict:
         return {}
     held = stats.argument_size_in_bytes + stats.output_size_in_bytes
     held += stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    return {"memory_step_bytes": float(held)}
+    out = {"memory_step_bytes": float(held)}
+    # host offload (optimizer state, offloaded residuals): pinned host memory the step uses;
+    # GPU and TPU report it, the CPU backend lowers the moves to plain copies and reports 0
+    host = sum(
+        getattr(stats, f"host_{part}_size_in_bytes", 0) or 0
+        for part in ("argument", "output", "temp")
+    ) - (getattr(stats, "host_alias_size_in_bytes", 0) or 0)
+    if host:
+        out["memory_host_bytes"] = float(host)
+    return out
 
 
 def _memory_in_use() -> dict:

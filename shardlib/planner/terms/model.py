@@ -40,7 +40,7 @@ def layer_activation_bytes(
     k = remat.saved_coefficients(policy, c)
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= remat.KEPT["full"]["h"] * (1 - 1 / remat.saved_input_split(ctx))
-    if not scores:
+    if not scores or p.fused_attention:  # a fused kernel saves its output and row statistics
         k["scores"] = 0.0
     qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
     if p.context > 1:  # ring attention saves no score matrix: its own count (terms.context)
@@ -76,8 +76,9 @@ def activations(ctx: Context, in_flight: float = 1, head_batch: int | None = Non
     saved = per_layer * ctx.layers_per_device * in_flight
     working = 0.0
     w, p, c = ctx.w, ctx.p, ctx.calib
-    if p.remat != "none" and p.context == 1:  # the recomputed probabilities
-        # of one layer are live again (ring attention keeps no score matrix)
+    if p.remat != "none" and p.context == 1 and not p.fused_attention:
+        # the recomputed probabilities of one layer are live again (ring attention and a
+        # fused kernel keep no score matrix)
         scores = w.heads * ctx.local_seq / p.tensor
         working = c["remat_scores"] * b * ctx.local_seq * scores * w.compute_bytes
     if p.remat == "full":  # and the rest of the recomputed layer: part of the none set

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One lease of a single-GPU machine (issue 22): install the project as it is, measure, test.
+#
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_session.sh [budget_seconds]
+#   SMOKE=1 OUT=/tmp/smoke bash benchmarks/gpu_session.sh     # the script itself, on a CPU
+#
+# Wheels of what the machine's image lacks (grain, tensorboardX and their own needs) travel
+# in .whl/ (docs/gpu.md says which and how). Sections run in order of importance, each in its
+# own process under a timeout; none starts after the budget is spent. The CPU test suite
+# runs niced beside them (the GPU sections need a few of the 16 cores). Everything lands
+# under $OUT: env.txt, log.txt, matmul.json, runs.jsonl, attention.json, pytest_*.txt.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+BUDGET=${1:-470}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.90
+T0=$SECONDS
+say() { echo "== $((SECONDS - T0)) s: $*" | tee -a "$OUT/log.txt"; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+section() {  # section NAME TIMEOUT COMMAND...: run it if the budget allows, log its output
+  local name=$1 limit=$2
+  shift 2
+  if [ "$(left)" -lt 20 ]; then say "$name: skipped (budget spent)"; return; fi
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  say "$name (up to $limit s)"
+  timeout -k 5 "$limit" "$@" >>"$OUT/log.txt" 2>&1
+  say "$name: exit $?"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 --version
+} >"$OUT/env.txt" 2>&1
+if [ -z "${SMOKE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$OUT/env.txt" 2>&1
+  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 ||
+    echo "pip install -e . failed: importing from the checkout" >>"$OUT/env.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+python3 -c "import jax, flax, optax, orbax.checkpoint, shardlib; print('jax', jax.__version__, \
+'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" >>"$OUT/env.txt" 2>&1
+shardlib --help >/dev/null 2>>"$OUT/env.txt" && echo "shardlib CLI: ok" >>"$OUT/env.txt"
+cat "$OUT/env.txt"
+
+SMALL=()
+QUICK=()
+ATT=()
+SUITE=(python3 -m pytest -n 8 -p no:cacheprovider -o addopts="-q --dist loadfile")
+if [ -n "${SMOKE:-}" ]; then  # tiny shapes, one CPU test file: checks the script, not a GPU
+  SMALL=(--set model=llama-small,seq=128,steps=3)
+  QUICK=(--quick)
+  ATT=(--seqs 128 --batch 1)
+  SUITE=(python3 -m pytest -p no:cacheprovider -o addopts="-q" tests/test_mesh.py)
+fi
+
+# the CPU suite, as CI runs it, on this machine's software (niced: the GPU work comes first)
+(JAX_PLATFORMS=cpu nice -n 19 timeout -k 5 $((BUDGET + 60)) "${SUITE[@]}" \
+  >"$OUT/pytest_cpu.txt" 2>&1) &
+CPU_SUITE=$!
+
+R=(python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --cluster h200-1 "${SMALL[@]}")
+section matmul 90 python3 benchmarks/matmul.py --cluster h200-1 --json "$OUT/matmul.json" "${QUICK[@]}"
+section "train: 1B, remat none/selective/full" 200 "${R[@]}" --only 1b-none,1b-selective,1b-full
+section "attention: cuDNN vs dense" 120 python3 benchmarks/gpu_attention.py --json "$OUT/attention.json" "${ATT[@]}"
+section "train: cuDNN attention, host offload" 200 \
+  "${R[@]}" --only 1b-cudnn-none,1b-cudnn-full,1b-full-offload-opt,1b-offload-residuals
+section "GPU tests" 150 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python3 -m pytest tests/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA
+section "fp32 precision: GPU against CPU" 60 env JAX_PLATFORMS=cuda,cpu \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_precision.py default highest
+section "train: 7B width, 8 layers" 200 "${R[@]}" --only 7b8-none,7b8-selective,7b8-full
+section "train: without shardlib's XLA flags" 90 "${R[@]}" --only 1b-selective --no-gpu-flags --tag=-noflags
+section "train: seq 8192" 120 "${R[@]}" --only 1b-cudnn-seq8192,1b-dense-seq8192
+
+say "waiting for the CPU suite"
+wait $CPU_SUITE
+say "CPU suite: exit $? ($(tail -1 "$OUT/pytest_cpu.txt"))"
+python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --table
+grep -E "passed|failed" "$OUT/log.txt" | tail -3
+say "done"
