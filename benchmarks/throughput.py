@@ -9,8 +9,9 @@ divides by the cluster preset's peak: MFU. It also times an all-reduce over ever
 (bus bandwidth 2(N-1)/N x bytes / time) and prints the planner's predicted step for the same
 plan next to the measured one, with the ``matmul_efficiency`` that would make them agree:
 on a GPU or TPU that is how the preset's compute and bandwidth figures get calibrated.
-With simulated CPU devices (this repository's CI, and the session this was written in: no
-GPU was available) the numbers describe 8 fake devices sharing a few cores, not hardware.
+With simulated CPU devices (this repository's CI) the numbers describe 8 fake devices
+sharing a few cores, not hardware. On one real GPU, ``benchmarks/gpu_train.py`` runs this
+same loop over the configurations of issue 22 in one process (docs/gpu.md: an H200).
 """
 
 from __future__ import annotations
