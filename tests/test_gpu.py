@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.gpu_attention import attention_fn, fwd_bwd, rel_err
 from shardlib import parity
-from shardlib.attention import AttentionPlan, local_kernel
 from shardlib.mesh import MeshSpec
 from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
@@ -44,34 +44,20 @@ def _memory(setup, state):
     return setup.train_step.lower(state, setup.abstract_batch()).compile().memory_analysis()
 
 
-def _fwd_bwd(kernel, q, k, v, do):
-    out, vjp = jax.vjp(kernel, q, k, v)
-    return (out, *vjp(do))
-
-
 def test_cudnn_attention_matches_dense():
     """cuDNN's fused kernel against dense attention in fp32 (same bf16 inputs): its error is
-    no larger than bf16 dense attention's own, output and the three input gradients."""
+    no larger than bf16 dense attention's own, output and the three input gradients
+    (the kernels and the error are ``benchmarks/gpu_attention.py``'s)."""
     b, seq, h, g, d = 2, 512, 8, 4, 64
     keys = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(keys[0], (b, seq, h, d), jnp.bfloat16)
     k, v = (jax.random.normal(key, (b, seq, g, d), jnp.bfloat16) for key in keys[1:3])
     do = jax.random.normal(keys[3], (b, seq, h, d), jnp.bfloat16)
-    pos = jnp.arange(seq)
-
-    def kernel(impl, dtype):
-        inner = local_kernel(AttentionPlan(impl=impl), True, seq)
-        return lambda q, k, v: inner(q.astype(dtype), k.astype(dtype), v.astype(dtype), pos, pos)
-
-    fp32 = kernel("dense", jnp.float32)
-    want = jax.jit(_fwd_bwd, static_argnums=0)(fp32, q, k, v, do.astype(jnp.float32))
+    want = fwd_bwd(attention_fn("dense", seq, jnp.float32))(q, k, v, do.astype(jnp.float32))
 
     def err(impl):
-        got = jax.jit(_fwd_bwd, static_argnums=0)(kernel(impl, jnp.bfloat16), q, k, v, do)
-        return max(
-            float(jnp.max(jnp.abs(a.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w)))
-            for a, w in zip(got, want, strict=True)
-        )
+        got = fwd_bwd(attention_fn(impl, seq))(q, k, v, do)
+        return max(rel_err(a, w) for a, w in zip(got, want, strict=True))
 
     dense, cudnn = err("dense"), err("cudnn")
     assert cudnn <= max(dense, 1e-3) * 2, (cudnn, dense)

@@ -183,14 +183,15 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     # attention: per sequence and local head, [s/c, d] x [d, s]; ring attention runs c
     # blocks of s/c keys each (the same FLOPs, narrower products)
     keys, passes = (s_q, shape.context) if shape.context > 1 else (w.seq, 1)
-    # a fused kernel reads q and k, and v, and writes the output: never the [s, s] scores
-    fused = dict(ceiling=FUSED_ATTENTION) if shape.fused else {}
-    scores_io = dict(moved=s_q * d + d * keys) if shape.fused else {}
-    values_io = dict(moved=keys * d + s_q * d) if shape.fused else {}
+    # a fused kernel reads q and k (scores), v, and writes the output (values): (s + s)·d
+    # elements each, never the [s, s] scores
+    moved = (s_q + keys) * d if shape.fused else None
+    ceiling = FUSED_ATTENTION if shape.fused else 1.0
+    attn = b * heads * passes
     return (
         Matmul("qkv", shape.tokens, w.embed, qkv),  # [b·s, h] x [h, (a+2kv)·d/t]
-        Matmul("scores", s_q, d, keys, b * heads * passes, **scores_io, **fused),  # [s,d]x[d,s]
-        Matmul("values", s_q, keys, d, b * heads * passes, **values_io, **fused),  # [s,s]x[s,d]
+        Matmul("scores", s_q, d, keys, attn, moved, ceiling),  # [s, d] x [d, s] per head
+        Matmul("values", s_q, keys, d, attn, moved, ceiling),  # [s, s] x [s, d] per head
         Matmul("out", shape.tokens, heads * d, w.embed),  # [b·s, a·d/t] x [a·d/t, h]
         Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp),  # SwiGLU gate and up: [h, 2f/t]
         Matmul("mlp_out", shape.tokens, mlp, w.embed),  # [b·s, f/t] x [f/t, h]
