@@ -21,6 +21,13 @@ change to those terms refits without compiling anything:
     python -m shardlib.planner.calibration --group remat --save /tmp/remat.jsonl
     python -m shardlib.planner.calibration --group scale --save /tmp/scale.jsonl
     cat /tmp/remat.jsonl /tmp/scale.jsonl > shardlib/planner/remat_probes.jsonl
+    # the pipeline coefficients alone, after a pipeline change (re-measure its probes first):
+    python -m shardlib.planner.calibration --group small --save /tmp/small.jsonl
+    python -m shardlib.planner.calibration --records /tmp/small.jsonl \
+        shardlib/planner/remat_probes.jsonl --free pipeline
+
+``--group head`` compiles probes that are not fitted (``HEAD_PROBES``): pass their records
+with the others to see the head's miss.
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ REMAT_RECORDS = "shardlib/planner/remat_probes.jsonl"
 """The compiled ``remat`` and ``scale`` probe groups (jax 0.10.2, CPU, fp32)."""
 FREE_SETS: dict[str, tuple[str, ...]] = {
     "remat": tuple(k for k in FREE if k.startswith(("selective_", "full_", "remat_"))),
+    "pipeline": tuple(k for k in FREE if k.startswith("pipe_")),
 }
-"""Coefficient subsets ``--free`` refits alone (on ``--group remat`` and ``scale`` records):
-a change to one policy's buffers needs no recompile of the other probes."""
+"""Coefficient subsets ``--free`` refits alone: a change to one policy's buffers (``remat``:
+on ``--group remat`` and ``scale`` records) or to the pipelines' (``pipeline``: on all
+records, its own probes re-measured) leaves the other coefficients as they are."""
 
 Probe = tuple[ParallelPlan, str]
 """A plan and the workload it is compiled on (``TrainConfig`` words: model, batch, seq and
@@ -163,6 +172,18 @@ PIPELINE_PROBES: tuple[Probe, ...] = (
         candidate(data=2, stage=4, schedule="circular", virtual=2, microbatches=4),
         "batch=16 model.layers=8",
     ),
+    (
+        candidate(stage=2, fsdp=4, schedule="circular", virtual=2, microbatches=2),
+        "batch=16 model.layers=4",
+    ),
+    (
+        candidate(data=2, stage=2, tensor=2, schedule="circular", virtual=2, microbatches=4),
+        "batch=16 model.layers=8 model.mlp=2048",
+    ),
+    (
+        candidate(stage=2, data=4, schedule="circular", virtual=4, microbatches=2),
+        "batch=16 model.layers=8 seq=256",
+    ),
 )
 # Published widths at tensor 1-8, with the buffers that grow with them (issue 15): 7B-class
 # (h 4096), 39B-class (h 8192) and 175B-class (h 12288) layers, seq 2048, a few layers each
@@ -207,9 +228,35 @@ SCALE_PROBES: tuple[Probe, ...] = (
         f"{_W39} batch=2 model.layers=4",
     ),
 )
+# Vocab moved apart from h (h 256-512 at vocab 2048-32768; 7B width at 8192 and 128256),
+# where the fitted probes keep vocab / h near 32 at small widths. Measured, not fitted: the
+# head's sum of fp32 logits-sized and h-sized buffers does not hold them (coefficients.py).
+HEAD_PROBES: tuple[Probe, ...] = tuple(
+    (candidate(**plan), words)
+    for plan, words in (
+        (dict(data=8), "batch=16 model.layers=2 model.vocab=32768"),
+        (dict(data=8), "batch=16 model.layers=2 model.vocab=2048"),
+        (dict(data=8, remat="full"), "batch=16 model.layers=2 model.vocab=32768 model.embed=512"),
+        (dict(fsdp=8), "batch=16 model.layers=2 model.vocab=32768"),
+        (dict(fsdp=4, tensor=2, remat="full"), "batch=16 model.layers=4 seq=256 model.vocab=32768"),
+        (dict(fsdp=2, tensor=4, remat="full"), "batch=8 model.layers=4 seq=256"),
+        (dict(fsdp=2, tensor=4, remat="full"), "batch=8 model.layers=4 seq=256 model.vocab=32768"),
+        (
+            dict(fsdp=2, tensor=4, remat="full"),
+            "batch=8 model.layers=4 seq=256 model.vocab=2048 model.embed=512",
+        ),
+        (
+            dict(data=2, tensor=4, remat="selective"),
+            "batch=4 model.layers=2 seq=256 model.vocab=32768",
+        ),
+        (dict(tensor=8, remat="full"), f"{_W7} batch=2 model.layers=2 model.vocab=128256"),
+        (dict(fsdp=4, tensor=2, remat="full"), f"{_W7} batch=4 model.layers=2 model.vocab=8192"),
+    )
+)
 GROUPS: dict[str, tuple[Probe, ...]] = {
     "small": PROBES + CONTEXT_PROBES + MOE_PROBES + PIPELINE_PROBES,
     "scale": SCALE_PROBES,
+    "head": HEAD_PROBES,
 }
 GROUPS["remat"] = tuple(
     (plan, words) for plan, words in GROUPS["small"] if plan.remat.policy != "none"

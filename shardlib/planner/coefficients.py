@@ -28,9 +28,10 @@ COEFFICIENTS: dict[str, float] = {
     "moe_slot_hidden": 6.408,  # MoE: elements of width expert_mlp saved per slot per MoE block
     "moe_working_hidden": 6.018,  # ... live once (one MoE block's backward)
     "moe_dense_mlp": 6.514,  # MoE models: extra elements of width mlp per dense block
-    "pipe_logits": 0.0,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
-    "pipe_tables": 1.845,  # ... extra fp32 vocab x embed tables (their gradients)
-    "pipe_circular_weights": 1.647,  # circular: a round's weights saved again per loop trip
+    "pipe_logits": 0.973,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
+    "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
+    "pipe_circular_weights": 0.102,  # circular: weight-sized buffers of the regrouping's way
+    # back, per regrouped copy (itself counted by definition: terms.pipeline)
 }
 # Refitted on all 99 probes (``calibration.PROBES``) after issue 16's memory changes (RMSNorm
 # keeps only its input, q/k/v and gate/up cut by split, full remat's input split over tensor:
@@ -42,15 +43,19 @@ COEFFICIENTS: dict[str, float] = {
 # tensor 1-8, h up to 12288; 34 probes, regenerated): worst 7.8% among them, 8.1% over all 99.
 # remat=full keeps exactly its input per layer (terms.remat.KEPT, split over tensor where the
 # trainer splits it); the fit finds nothing else of the layer live (full_layer_live 0).
-# Held-out (benchmarks/planner_validation.py, 2026-11-26): 44 of 46 plans within 10%; over
-# are the 64-device fsdp 16 x tensor 4 remat=full plan (1.117: the loss head's buffers
-# outweigh one layer's, and the sum counts both) and circular data 16 x stage 2 x fsdp 2
-# (1.165; 8-device circular probes with fsdp, data or tensor read 1.08-1.14 alike). XLA's
-# memory-usage report shows one per-trip copy of a round's weights (pipe_circular_weights
-# books 1.6: it also stands in for the regrouped [p, v, k] copy and its weight-sized
-# gradient and all-to-all buffers, which no term books and which dominate at 70B widths).
-# Refits that add such probes (worst held-out 19%), take the larger of the head's and a
-# layer's working set (22%), or book the regrouped copy with the per-trip copy at 1.0
-# (70B-width circular probe 0.878) moved the misses elsewhere and were not kept.
+# Held-out (benchmarks/planner_validation.py, 2026-11-26): 45 of 46 plans within 10%; over
+# is the 64-device fsdp 16 x tensor 4 remat=full plan (1.117: the loss head's buffers
+# outweigh one layer's, and the sum counts both). Refits that take the larger of the head's
+# and a layer's working set (22%) moved the miss elsewhere and were not kept; so did probes
+# that move vocab apart from h (vocab 2048-32768 at h 256-512, tensor 1-4: they show two
+# fp32 logits-sized buffers live where the fit books 0.8 plus 11.7 h-wide ones; refitted
+# with them the worst probe is 12.5% and 9 held-out plans miss).
+# The pipeline coefficients (pipe_*) were refitted alone (``--free pipeline``, 102 probes)
+# after two fixes to the circular schedule (``strategies.pipeline._round_policy``): it kept
+# per-trip copies of a round's weights, and its checkpoint sat outside the block's remat
+# policy, which JAX then ignores (remat=full kept everything). The 70B-width circular probe
+# went from 22.6 to 14.3 GB. Circular now needs little beyond GPipe's terms and its
+# regrouped copy (pipe_circular_weights 0.1, was 1.6 copies per loop trip); the circular
+# held-out plan went from 1.165 to 1.094, the pipeline probes' worst is 7.2%.
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.

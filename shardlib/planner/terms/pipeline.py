@@ -70,10 +70,10 @@ STAGE_ALL_REDUCES = 2
 # so its fp32 logits and their gradient do not share buffers with anything
 # (``pipe_logits``: extra fp32 logits-sized buffers, vocab / tensor, beyond ``head_vocab``),
 # and the embedding/head tables' gradients are live there too (``pipe_tables``: extra fp32
-# vocab x embed / tensor tables). Circular: ``save_anything_except_these_names`` still
-# saves, per loop trip, the layout copies XLA derives from the picked round weights (stacked
-# [trips, ...] buffers of w1/w3, w2, wq/wk/wv, wo in the memory report):
-# ``pipe_circular_weights`` of a round's weights per trip (about 0.7).
+# vocab x embed / tensor tables). Circular keeps the regrouped [p, v, k] copy of the
+# device's weights (``regrouped_weights``, by definition) and, fitted, the weight-sized
+# buffers of its way back (``pipe_circular_weights``: the gradients' regrouping and
+# all-to-all). Per-trip copies of a round's weights are not saved (``pipeline._round_policy``).
 
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
@@ -241,10 +241,9 @@ def pipeline(ctx: Context) -> Contribution:
         c = ctx.calib
         tokens = head_batch(ctx) * ctx.local_seq
         buffers = (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.vocab / p.tensor * 4
-        if p.schedule == "circular":
-            layer = ctx.layer_elements
-            per_round = layer * ctx.layers_per_device / p.virtual * w.compute_bytes
-            buffers += c["pipe_circular_weights"] * trips * per_round
+        if p.schedule == "circular":  # the regrouped copy, and what moves it back (fitted)
+            regrouped = regrouped_weights(ctx)
+            buffers += (1 + c["pipe_circular_weights"]) * regrouped
     return Contribution(
         memory={"pipeline buffers": buffers}, comms=tuple(comms), flops=bubble + recompute
     )
