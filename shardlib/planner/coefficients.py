@@ -58,14 +58,17 @@ COEFFICIENTS: dict[str, float] = {
 # regrouped copy (pipe_circular_weights 0.1, was 1.6 copies per loop trip); the circular
 # held-out plan went from 1.165 to 1.094, the pipeline probes' worst is 7.2%.
 # Known miss, not fitted: GPipe and circular at published widths with 8 or more layers per
-# device are under-predicted (8 devices, 39B-class width, tensor 4, remat=full: 0.77-0.86;
-# the 39B layout of benchmarks/pipeline_scale.py at full depth: GPipe 0.74-0.81, circular
-# 0.81-0.85), while the probes (2-4 layers) and the held-out plans read within 10%. The
-# memory report shows several weight-sized fp32 buffers of the stage in the loop's backward
-# beyond the accumulated gradients; terms for them (a trip's stage gradients, a recomputed
-# layer's working set) fitted 0.83 and 0 and left the W39 circular probes at 1.14 and 0.86,
-# so they were not kept. The search picks GPipe at four points of benchmarks/planner_scale.py
-# (1.7B-39B on 1024-3072 GPUs) and circular at one (175B on 3072: predicted 72.5 GiB,
-# compiled 64.4 GiB at data 12 of 24, 1.126); 1F1B is costed within 8% (pipeline_scale.py).
+# device are under-predicted (8 devices, 39B-class width, tensor 2-4: GPipe 0.87-0.98,
+# circular 0.79; the 39B layout of benchmarks/pipeline_scale.py at full depth: GPipe
+# 0.83-0.93, circular 0.81-0.85), while the probes (2-4 layers) and the held-out plans read
+# within 10%. XLA's live-range dump shows weight-sized fp32 buffers of the stage in the
+# loop's backward beyond the accumulated gradients; terms for them (a trip's stage gradients,
+# a recomputed layer's working set) fitted 0.83 and 0 and left the W39 circular probes at
+# 1.14 and 0.86, so they were not kept. GPipe picks the stage's layers inside each block
+# now, like circular (27.1 -> 24.5 GiB on the first probe above: no hoisted weight forms
+# with gradients accumulated in their form). The search picks GPipe at four points of
+# benchmarks/planner_scale.py (1.7B-39B on 1024-3072 GPUs) and circular at one (175B on
+# 3072: predicted 73.4 GiB, compiled 69.8 GiB at data 16 of 32, 1.052); 1F1B is costed
+# within 8% (pipeline_scale.py).
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.

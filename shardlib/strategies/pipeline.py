@@ -73,7 +73,7 @@ from shardlib.strategies.pipeline_stats import (
 SCHEDULES = ("gpipe", "circular", "bounded")
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
 BUFFER_NAMES = (None, "batch", "seq", "embed")  # [m, b, seq, embed]
-_PICKED = "pipeline_round_weights"  # a circular round's layers, picked from [v, k, ...]
+_PICKED = "pipeline_round_weights"  # a stage's layer, picked from [v, k, ...] per trip
 
 
 _REARRANGE = frozenset(
@@ -83,14 +83,14 @@ _REARRANGE = frozenset(
 
 
 def _round_policy(prim, *_, **params) -> bool:
-    """What a circular stage saves for its backward pass: everything it computes, but not
-    the round's picked weights (``_PICKED``) nor what only rearranges values.
+    """What a pipeline stage saves for its backward pass: everything it computes, but not
+    its picked weights (``_PICKED``) nor what only rearranges values.
 
-    The round's weights differ per loop trip, so any form of them the backward pass needs
-    (a block's fused q/k/v or gate/up ``concatenate``, a transposed or reshaped matrix)
-    would otherwise be saved once per trip: v·m + p - 1 copies of a round's weights
-    (llama-small, 8 devices: 230 MiB with them, 202 MiB without). Not saved, each is
-    rebuilt in the backward pass from the master weights, which the loop keeps anyway.
+    A circular round's weights differ per loop trip, so any form of them the backward
+    pass needs (a block's fused q/k/v or gate/up ``concatenate``, a reshaped matrix) would
+    otherwise be saved once per trip: v·m + p - 1 copies of a round's weights (llama-small,
+    8 devices: 230 MiB with them, 202 MiB without). Not saved, each is rebuilt in the
+    backward pass from the master weights, which the loop keeps anyway.
     Rearranged activations are rebuilt from their (saved) inputs: the same bytes.
     """
     if str(prim) == "name":
@@ -329,11 +329,13 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
         def run_stage(w_vk, repeat, stage_carry):
             # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
             dtype = split_carry(stage_carry)[0].dtype
-            if v == 1:  # the same layers every trip: loop-invariant, kept once
-                w_k = jax.tree.map(lambda w: w[0].astype(dtype), w_vk)
-                return stage_layers(block_fn, w_k, stage_carry)
 
-            def block(j, x):  # layer j of this trip's round, picked inside the block
+            # layer j of this trip's round, picked inside the block: not as the layer loop's
+            # xs, whose slices (and the forms the block derives from them) the loop would
+            # save per trip under circular, and whose loop-invariant forms it would hoist
+            # and accumulate gradients for in that form under GPipe (39B-class width,
+            # 8 layers, 8 devices: 27.1 GiB as xs, 24.5 GiB picked)
+            def block(j, x):
                 def pick(w):
                     w = jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
                     w = jax.lax.dynamic_index_in_dim(w, j, 0, False)
@@ -343,7 +345,7 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
 
             # inside the remat policy's checkpoint (``stage_layers`` wraps the block): of two
             # nested checkpoints JAX follows the outer policy, so this one decides only
-            # under remat=none
+            # under remat=none (GPipe: repeat is always 0)
             block = jax.checkpoint(block, policy=_round_policy, prevent_cse=False)
             k = jax.tree.leaves(w_vk)[0].shape[1]
             return stage_layers(block, jnp.arange(k), stage_carry)
