@@ -64,6 +64,13 @@ def _mesh(axes):
     return mesh_spec(**axes).build(jax.devices()[: math.prod(axes.values())])
 
 
+def block_bytes(setup) -> int:
+    """fp32 bytes of the stacked blocks' weights on one device (its shard of each)."""
+    shapes, shardings = setup.param_shapes["blocks"], setup.param_shardings["blocks"]
+    per = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 4, shapes, shardings)
+    return sum(jax.tree.leaves(per))
+
+
 def flops(exe) -> int:
     module = hlo.parse_module(exe.as_text())
     return hlo_flops.count_flops(module, hlo.call_multipliers(module)[0])
@@ -175,15 +182,12 @@ def test_circular_saves_no_per_trip_weight_copies(compiled, monkeypatch):
     pass needs (a fused gate/up stack, a reshaped matrix) used to be saved once per trip:
     ``pipeline._round_policy`` rebuilds them in the backward pass instead. The old policy
     (save all but the picked weights) costs 0.6 x trips x a round's weights more here (the
-    rest of the copies share buffers), 0.78 x at llama-small (8 devices, 26 of 230 MiB)."""
+    rest of the copies share buffers; llama-small on 8 devices: 230 MiB with it, 202 now)."""
     name = "circular-p2-fsdp4"
     cfg, axes = _cfg(name), CASES[name][0]
     now = compiled(cfg, axes)
-    setup = now.setup
-    shapes, shardings = setup.param_shapes["blocks"], setup.param_shardings["blocks"]
-    per = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 4, shapes, shardings)
-    spec = setup.plan.pipeline_spec()
-    round_bytes = sum(jax.tree.leaves(per)) / spec.virtual_stages
+    spec = now.setup.plan.pipeline_spec()
+    round_bytes = block_bytes(now.setup) / spec.virtual_stages
     old = jax.checkpoint_policies.save_anything_except_these_names(pipeline._PICKED)
     monkeypatch.setattr(pipeline, "_round_policy", old)
     before = Compiled(make_setup(cfg, _mesh(axes))).temp_bytes
@@ -207,11 +211,8 @@ def test_circular_follows_the_remat_policy(compiled):
 
 @pytest.mark.slow
 def test_parameter_bytes_per_device_fall_as_one_over_p():
-    def block_bytes(p):
-        setup = make_setup(_cfg("gpipe-p8"), _mesh({"stage": p}))
-        shapes, shardings = setup.param_shapes["blocks"], setup.param_shardings["blocks"]
-        per = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 4, shapes, shardings)
-        return sum(jax.tree.leaves(per))
+    def stage_bytes(p):
+        return block_bytes(make_setup(_cfg("gpipe-p8"), _mesh({"stage": p})))
 
-    one = block_bytes(1)
-    assert [block_bytes(p) * p for p in (2, 4, 8)] == [one] * 3
+    one = stage_bytes(1)
+    assert [stage_bytes(p) * p for p in (2, 4, 8)] == [one] * 3

@@ -48,12 +48,12 @@ def fsdp(ctx: Context) -> Contribution:
     # (``pipeline.gradient_reductions``). Gathers with stages: each trip runs its L/(p·v)
     # blocks in an inner scan and gathers per block and trip, unless that is one block of
     # fixed weights (v = 1): then XLA hoists the gather out of the loop. GPipe/circular
-    # gather forward and backward, 1F1B forward, recomputed forward and backward.
+    # gather forward and backward, 1F1B forward, recomputed forward and backward. Under
+    # remat=full GPipe/circular gather some weights a third time, for the recompute (outside
+    # a pipeline one gather serves recompute and backward, inside its loop not: the stacked
+    # gate/up under GPipe, all but the down projection under circular, llama-small on 8
+    # devices; 0.76 of a pass at 175B): counted as a whole pass, as for 1F1B
     layer_grads, outer_grads = gradient_reductions(ctx)
-    # 1F1B recomputes every chunk; GPipe/circular under remat=full gather some weights again
-    # for the recompute (XLA keeps one gather for recompute and backward outside a pipeline,
-    # but not inside its loop: the stacked gate/up under GPipe, all but the down projection
-    # under circular, llama-small on 8 devices; 0.76 of a pass at 175B): a third pass
     recompute = p.schedule == "bounded" or p.remat == "full"
     passes = 3 if p.stage > 1 and recompute else 2
     if p.stage == 1:
