@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.layout import constrain, use_layout
-from shardlib.staging import cast_params, master_blocks
+from shardlib.core.layout import constrain, use_layout
+from shardlib.parallel.layer_loop import cast_params, master_blocks
 
 
 def layer_stack_program(setup):

@@ -10,7 +10,7 @@ table, one row per figure: plan, measured, formula (REFERENCE.md), ratio.
 Sections:
 1. Megatron-SP vs TP: wire bytes per layer, all-reduces left in the layer. CPU compiles
    reduce-scatter as all-reduce + dynamic-slice; "GPU form" counts those pairs as the
-   reduce-scatter GPU/TPU pipelines fuse them into (shardlib/explain/reduce_scatter.py).
+   reduce-scatter GPU/TPU pipelines fuse them into (shardlib/analysis/reduce_scatter.py).
 2. Ulysses: all-to-all bytes per device per layer (forward) vs 4·s·h/N.
 3. Ring attention: temp bytes of the train step at a fixed global s over N = 1, 2, 4, 8.
 4. Chunked attention: temp bytes over s = 1k..16k on one device, next to dense.
@@ -32,9 +32,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import explain  # noqa: E402
-from shardlib.explain.reduce_scatter import gpu_collectives  # noqa: E402
-from shardlib.layout import use_layout  # noqa: E402
+from shardlib.analysis import explain  # noqa: E402
+from shardlib.analysis.reduce_scatter import gpu_collectives  # noqa: E402
+from shardlib.core.layout import use_layout  # noqa: E402
 from shardlib.train.config import TrainConfig, override, train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 from shardlib.train.step import make_loss_fn  # noqa: E402

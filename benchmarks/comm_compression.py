@@ -5,7 +5,7 @@
 
 Bytes: each program is compiled on 8 simulated CPU devices from abstract shapes (nothing
 runs) and its optimized HLO's collectives are summed by kind, dtype and mesh axis
-(``shardlib.explain``'s parser; ring wire bytes of REFERENCE.md). Formulas:
+(``shardlib.analysis``'s parser; ring wire bytes of REFERENCE.md). Formulas:
 
 * 1-bit Adam after warm-up: an all-to-all and an all-gather of Ψ/8 bytes of signs,
   2(N-1)/N · Ψ/8, against the fp32 gradient all-reduce's 2(N-1)/N · 4Ψ: 1/32 (+ scales).
@@ -42,9 +42,9 @@ def collective_bytes(hlo_text: str, mesh) -> dict[tuple[str, str], dict]:
     A tuple-shaped collective (XLA combines several into one) is split by its arrays'
     dtypes; loop bodies count once per trip (``hlo.call_multipliers``).
     """
-    from shardlib.explain import hlo
-    from shardlib.explain.collective import collective_op
-    from shardlib.explain.report import axes_key, ring_wire_bytes
+    from shardlib.analysis import hlo
+    from shardlib.analysis.collective import collective_op
+    from shardlib.analysis.report import axes_key, ring_wire_bytes
 
     module = hlo.parse_module(hlo_text)
     multipliers, _ = hlo.call_multipliers(module)
@@ -75,7 +75,7 @@ def _grad_program(setup):
     from abstract shapes."""
     import jax
 
-    from shardlib.strategies import zeropp
+    from shardlib.parallel import zeropp
     from shardlib.train.step import make_loss_fn
 
     fn = jax.jit(zeropp.value_and_grad(setup, make_loss_fn(setup, with_metrics=True)))
@@ -193,7 +193,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardlib.explain.report import format_bytes
+    from shardlib.analysis.report import format_bytes
 
     console = Console()
     rows, psi = wire_rows(args.model, console)

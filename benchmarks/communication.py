@@ -30,8 +30,8 @@ from benchmarks.reference import (  # noqa: E402
     zero_memory,
     zero_wire,
 )
-from shardlib.explain import explain  # noqa: E402
-from shardlib.explain.report import format_bytes, ring_wire_bytes  # noqa: E402
+from shardlib.analysis import explain  # noqa: E402
+from shardlib.analysis.report import format_bytes, ring_wire_bytes  # noqa: E402
 from shardlib.train.config import train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 

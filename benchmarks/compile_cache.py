@@ -26,7 +26,7 @@ from rich.table import Table
 
 def start(mesh: str, cache: str, metrics: Path, settings: list[str]) -> float:
     """Compile seconds of one fresh-process start of the run."""
-    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", mesh, "steps=2"]
+    command = [sys.executable, "-m", "shardlib.tools.cli", "train", "--mesh", mesh, "steps=2"]
     command += [f"compile_cache={cache}", f"metrics={metrics}", *settings]
     subprocess.run(command, check=True, capture_output=True, text=True)
     first = json.loads(metrics.read_text().splitlines()[0])

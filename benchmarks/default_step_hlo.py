@@ -16,8 +16,8 @@ import re
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
-from shardlib.mesh import load_mesh  # noqa: E402
-from shardlib.parallel import ParallelPlan  # noqa: E402
+from shardlib.core.mesh import load_mesh  # noqa: E402
+from shardlib.parallel.plan import ParallelPlan  # noqa: E402
 from shardlib.train.config import TrainConfig, override  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 

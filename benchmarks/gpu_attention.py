@@ -3,7 +3,8 @@
     python benchmarks/gpu_attention.py                       # seq 2048, 4096, 8192 (1 min)
     python benchmarks/gpu_attention.py --json attention.json
 
-Both kernels are the ones ``attention_impl`` selects (``shardlib.attention.local_kernel``),
+Both kernels are the ones ``attention_impl`` selects
+(``shardlib.core.attention.LocalAttention.kernel``),
 causal, with Llama-1B's grouped heads (32 query heads over 8 K/V heads, head_dim 64) and
 Llama-7B's (32 x 128, no grouping), bf16 inputs. Parity: the output and the gradients of q,
 k and v for a random cotangent, each kernel against dense attention computed in fp32 from
@@ -38,9 +39,9 @@ def attention_fn(impl: str, seq: int, dtype=None):
     to ``dtype`` first where given (the fp32 reference)."""
     import jax.numpy as jnp
 
-    from shardlib.attention import AttentionPlan, local_kernel
+    from shardlib.core.attention import LocalAttention
 
-    inner = local_kernel(AttentionPlan(impl=impl), True, seq)
+    inner = LocalAttention(impl=impl).kernel(True, seq)
     pos = jnp.arange(seq, dtype=jnp.int32)
 
     def attend(q, k, v):

@@ -7,7 +7,7 @@ For each matmul precision named (JAX's ``default``, or ``highest`` through
 ``jax.default_matmul_precision``) it prints the largest ||g_gpu - g_cpu|| / ||g_cpu|| over
 the parameters of llama-tiny's first step (``parity.first_grads`` from ``random_state``) and
 the next three leaves. On an H200 with jax 0.11.2 (docs/gpu.md): default 1.1e-7 (with or
-without ``NVIDIA_TF32_OVERRIDE=0``), highest 8.9e-4: the reason ``tests/test_gpu.py``'s CPU
+without ``NVIDIA_TF32_OVERRIDE=0``), highest 8.9e-4: the reason ``tests/tools/test_gpu.py``'s CPU
 parity test runs at the default precision.
 """
 
@@ -17,8 +17,8 @@ import sys
 import jax
 import numpy as np
 
-from shardlib import parity
-from shardlib.mesh import MeshSpec
+from shardlib.core.mesh import MeshSpec
+from shardlib.tools import parity
 from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
 

@@ -54,7 +54,7 @@ if [ -n "${SMOKE:-}" ]; then  # tiny shapes, one CPU test file: checks the scrip
   SMALL=(--set model=llama-small,seq=128,steps=3)
   QUICK=(--quick)
   ATT=(--seqs 128 --batch 1)
-  SUITE=(python3 -m pytest -p no:cacheprovider -o addopts="-q" tests/test_mesh.py)
+  SUITE=(python3 -m pytest -p no:cacheprovider -o addopts="-q" tests/core/test_mesh.py)
 fi
 
 # the CPU suite, as CI runs it, on this machine's software (niced: the GPU work comes first)
@@ -69,7 +69,7 @@ section "attention: cuDNN vs dense" 120 python3 benchmarks/gpu_attention.py --js
 section "train: cuDNN attention, host offload" 200 \
   "${R[@]}" --only 1b-cudnn-none,1b-cudnn-full,1b-full-offload-opt,1b-offload-residuals
 section "GPU tests" 150 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  python3 -m pytest tests/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA
+  python3 -m pytest tests/tools/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA
 section "fp32 precision: GPU against CPU" 60 env JAX_PLATFORMS=cuda,cpu \
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_precision.py default highest
 section "train: 7B width, 8 layers" 200 "${R[@]}" --only 7b8-none,7b8-selective,7b8-full

@@ -150,7 +150,7 @@ def main() -> int:
         print_table(args.jsonl, args.cluster)
         return 0
 
-    from shardlib.xla_flags import apply_gpu_defaults
+    from shardlib.train.xla_flags import apply_gpu_defaults
 
     added = apply_gpu_defaults(not args.no_gpu_flags)  # before JAX starts its backend
     print(f"XLA flags added: {added or 'none'}", flush=True)

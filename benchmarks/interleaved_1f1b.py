@@ -34,12 +34,12 @@ from rich.table import Table  # noqa: E402
 
 from benchmarks.pipeline_scale import LAYOUTS, console  # noqa: E402  (simulates devices)
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import explain, hlo, hlo_flops  # noqa: E402
-from shardlib.explain.report import format_bytes  # noqa: E402
-from shardlib.layout import use_layout  # noqa: E402
-from shardlib.ops import scan_blocks  # noqa: E402
-from shardlib.staging import cast_params  # noqa: E402
-from shardlib.strategies.remat import remat_block  # noqa: E402
+from shardlib.analysis import explain, hlo, hlo_flops  # noqa: E402
+from shardlib.analysis.report import format_bytes  # noqa: E402
+from shardlib.core.layout import use_layout  # noqa: E402
+from shardlib.core.ops import scan_blocks  # noqa: E402
+from shardlib.parallel.layer_loop import cast_params  # noqa: E402
+from shardlib.parallel.remat import remat_block  # noqa: E402
 from shardlib.train.config import train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 

@@ -26,7 +26,7 @@ import time
 
 TOKENS = 8192  # one step of batch 4 x seq 2048 on one device
 SQUARE = (512, 1024, 2048, 4096, 8192, 16384)
-# (name, M, K, N) of one block's forward products at TOKENS tokens (models/llama.py fuses
+# (name, M, K, N) of one block's forward products at TOKENS tokens (models/llama/model.py fuses
 # q/k/v and gate/up), and the output head
 MODEL = (
     ("1b qkv", TOKENS, 2048, 3072),
@@ -105,7 +105,7 @@ def main() -> int:
     from rich.table import Table
 
     from shardlib.planner import load_cluster
-    from shardlib.planner.throughput import Matmul
+    from shardlib.planner.cost.throughput import Matmul
 
     cluster = load_cluster(args.cluster)
     device = jax.devices()[0]

@@ -45,7 +45,7 @@ DEFAULT_MESHES = ["e1", "e2", "e4", "e8", "d2e4", "f2e4", "e4t2"]
 
 def measure(cfg, axes: dict, devices) -> dict:
     from shardlib import mesh_spec
-    from shardlib.explain import explain
+    from shardlib.analysis import explain
     from shardlib.train.setup import make_setup
 
     setup = make_setup(cfg, mesh_spec(**axes).build(devices[: math.prod(axes.values())]))
@@ -90,7 +90,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardlib.explain import format_bytes
+    from shardlib.analysis import format_bytes
     from shardlib.train.config import train_config
 
     table = Table(

@@ -10,7 +10,7 @@ tensor2 and tensor=8, it prints per device, for shardlib and for the hand-writte
 
 * memory: argument + output + temp - alias of the compiled step's ``memory_analysis()``;
 * collective bytes per step: the result-shape bytes of every collective of the optimized
-  HLO, a collective inside a loop counted once per trip (``shardlib.explain.hlo``);
+  HLO, a collective inside a loop counted once per trip (``shardlib.analysis.hlo``);
 * step time as shardlib / baseline: the median of 3 rounds of paired runs, the order of the
   two programs alternating from round to round so that neither always runs on a warmer (or
   busier) machine.
@@ -43,7 +43,7 @@ ROWS = (("fp32", "full"), ("bf16", "full"), ("fp32", "none"), ("fp32", "dots"))
 
 def figures(compiled) -> tuple[int, int]:
     """(memory bytes, collective result bytes per step) of one compiled step."""
-    from shardlib.explain import hlo
+    from shardlib.analysis import hlo
 
     mem = compiled.memory_analysis()
     memory = (mem.argument_size_in_bytes + mem.output_size_in_bytes
@@ -63,9 +63,10 @@ def shardlib_program(mesh_name: str, precision: str, remat: str):
     import jax
     import numpy as np
 
-    from shardlib.mesh import load_mesh
-    from shardlib.parallel import ParallelPlan
-    from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
+    from shardlib.core.mesh import load_mesh
+    from shardlib.core.values import flatten_table
+    from shardlib.parallel.plan import ParallelPlan
+    from shardlib.train.config import TrainConfig, override, parse_overrides
     from shardlib.train.setup import make_setup
 
     spec = load_mesh(ROOT / "meshes" / MESH_FILES[mesh_name])

@@ -35,9 +35,9 @@ from rich.table import Table  # noqa: E402
 
 from benchmarks._programs import layer_stack_program  # noqa: E402
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import hlo, hlo_flops  # noqa: E402
-from shardlib.explain.report import format_bytes  # noqa: E402
-from shardlib.mesh import single_device_mesh  # noqa: E402
+from shardlib.analysis import hlo, hlo_flops  # noqa: E402
+from shardlib.analysis.report import format_bytes  # noqa: E402
+from shardlib.core.mesh import single_device_mesh  # noqa: E402
 from shardlib.train.config import TrainConfig, train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 

@@ -57,8 +57,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # 
 from rich.table import Table  # noqa: E402
 
 from shardlib import mesh_spec  # noqa: E402
-from shardlib.explain import explain  # noqa: E402
-from shardlib.explain.report import format_bytes  # noqa: E402
+from shardlib.analysis import explain  # noqa: E402
+from shardlib.analysis.report import format_bytes  # noqa: E402
 from shardlib.train.config import train_config  # noqa: E402
 from shardlib.train.setup import make_setup  # noqa: E402
 
@@ -111,7 +111,7 @@ def compile_report(cfg, axes: dict):
 
 def predicted(layout: str, schedule: str, m: int, precision: str, v: int):
     from shardlib.planner import Workload, candidate
-    from shardlib.planner.cost import estimate
+    from shardlib.planner.cost.total import estimate
 
     model, axes, per_replica = LAYOUTS[layout]
     w = Workload.from_preset(

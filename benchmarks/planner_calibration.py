@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.planner import PlanView, Workload, candidate, estimate, load_cluster, throughput
+from shardlib.planner import PlanView, Workload, candidate, estimate, load_cluster
+from shardlib.planner.calibrate.megatron import Megatron, megatron_program
 from shardlib.planner.candidate import AXIS_ORDER
-from shardlib.planner.megatron import Megatron, megatron_program
+from shardlib.planner.cost import throughput
 
 README = "Megatron-LM README (2022), MFU table; layouts: Korthikanti et al. 2022, Table 3"
 ABSTRACT = "Korthikanti et al. 2022, arXiv:2205.05198, abstract"

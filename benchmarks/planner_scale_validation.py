@@ -79,7 +79,7 @@ SCALES = {
 
 def picked(workload, devices: int):
     """The plan ``shardlib plan --cluster a100-8 --hosts devices/8`` writes (bf16)."""
-    from shardlib.planner.cluster import load_cluster
+    from shardlib.planner.inputs.cluster import load_cluster
     from shardlib.planner.search import search
 
     cluster = load_cluster("a100-8").with_hosts(devices // 8)
@@ -128,7 +128,7 @@ def run(scales: list[str], progress) -> list[dict]:
 def render(rows: list[dict], console) -> bool:
     from rich.table import Table
 
-    from shardlib.explain.report import format_bytes
+    from shardlib.analysis.report import format_bytes
 
     table = Table(title="planner memory (cpu backend, fp32) vs compiled, per device, full depth")
     for col in ("scale", "", "plan", "knobs", "predicted", "compiled", "ratio", "bytes/axis"):

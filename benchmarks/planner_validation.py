@@ -235,7 +235,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from shardlib.explain.report import format_bytes
+    from shardlib.analysis.report import format_bytes
 
     table = Table(title="planner prediction (cpu backend, fp32) vs compiled, per device and step")
     for col in (

@@ -7,7 +7,7 @@ benchmark or test can print measured / formula side by side. Ψ is the parameter
 
 from __future__ import annotations
 
-from shardlib.explain.report import ring_wire_bytes
+from shardlib.analysis.report import ring_wire_bytes
 
 
 def dp_gradient_allreduce(psi: int, n: int, param_bytes: int = 4) -> float:

@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="NAME=VALUE")
     args = parser.parse_args()
 
-    from shardlib.mesh import load_mesh, simulate_cpu_devices
+    from shardlib.core.mesh import load_mesh, simulate_cpu_devices
 
     spec = load_mesh(args.mesh)
     if spec.platform == "cpu":
@@ -58,9 +58,10 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from shardlib.parallel import ParallelPlan
+    from shardlib.core.values import flatten_table
+    from shardlib.parallel.plan import ParallelPlan
     from shardlib.planner import PlanView, Workload, estimate, load_cluster
-    from shardlib.train.config import TrainConfig, flatten_table, override, parse_overrides
+    from shardlib.train.config import TrainConfig, override, parse_overrides
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
 

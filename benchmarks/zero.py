@@ -28,7 +28,7 @@ def main() -> None:
     from rich.table import Table
 
     from benchmarks.zero_figures import zero_figures
-    from shardlib.explain.report import format_bytes
+    from shardlib.analysis.report import format_bytes
     from shardlib.train.config import override, train_config
     from shardlib.train.setup import make_setup
 

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from benchmarks.reference import zero_memory, zero_wire
-from shardlib.explain import LayoutReport, explain
-from shardlib.train.layouts import HOST_KINDS
+from shardlib.analysis import LayoutReport, explain
+from shardlib.parallel.state_layouts import HOST_KINDS
 
 
 @dataclass(frozen=True)

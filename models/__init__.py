@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 from flax import nnx
 
 from models import llama, moe
-from shardlib.model import ModelEntry
+from shardlib.core.model import ModelEntry
 
 _FAMILIES = {
     "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),

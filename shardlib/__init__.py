@@ -8,14 +8,14 @@ mesh, the rules and the strategies that fill them, building a model on one devic
 shards, the shardings of the batch and of optax's state, ``explain`` and ``show_sharding``.
 """
 
-from shardlib.errors import ShardingError
-
-# Imported eagerly so that the name ``shardlib.explain`` is the function: importing the
+# Imported eagerly so that the name ``shardlib.analysis`` is the function: importing the
 # submodule later must not rebind the package attribute to the module.
-from shardlib.explain import explain
-from shardlib.explain.report import LayoutReport, format_bytes
-from shardlib.layout import constrain, named_shardings, param_layout, shard_model, use_layout
-from shardlib.mesh import (
+from shardlib.analysis import explain
+from shardlib.analysis.picture import ShardingPicture, sharding_picture, show_sharding
+from shardlib.analysis.report import LayoutReport, format_bytes
+from shardlib.core.errors import ShardingError
+from shardlib.core.layout import constrain, named_shardings, param_layout, shard_model, use_layout
+from shardlib.core.mesh import (
     Axis,
     MeshSpec,
     load_mesh,
@@ -23,18 +23,9 @@ from shardlib.mesh import (
     reference_mesh,
     simulate_cpu_devices,
 )
-from shardlib.parallel import ParallelPlan, rules_for_mesh
-from shardlib.picture import ShardingPicture, sharding_picture, show_sharding
-from shardlib.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
-from shardlib.state import (
-    abstract_optimizer_state,
-    abstract_params,
-    batch_sharding,
-    build_model,
-    init_optimizer,
-    optimizer_shardings,
-)
-from shardlib.strategies import (
+from shardlib.core.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
+from shardlib.data.tokens import embedded_corpus, global_batch
+from shardlib.parallel import (
     context_parallel,
     data_parallel,
     expert_parallel,
@@ -44,7 +35,15 @@ from shardlib.strategies import (
     tensor_3d,
     tensor_parallel,
 )
-from shardlib.train.data import embedded_corpus, global_batch
+from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
+from shardlib.parallel.state import (
+    abstract_optimizer_state,
+    abstract_params,
+    batch_sharding,
+    build_model,
+    init_optimizer,
+    optimizer_shardings,
+)
 
 __all__ = [
     "LOGICAL_NAMES",

@@ -1,4 +1,4 @@
-"""Subprocess helpers of tests/test_faults.py: bounded runs of the CLI, on loopback.
+"""Subprocess helpers of tests/distributed/test_faults.py: bounded runs of the CLI, on loopback.
 
 Every process started here runs under a timeout and is killed by PID when the caller is done.
 """
@@ -41,7 +41,16 @@ def child_env(cache: Path) -> dict[str, str]:
 def train_command(tmp_path: Path, *settings: str) -> list[str]:
     mesh = tmp_path / "one.toml"
     mesh.write_text(ONE_DEVICE)
-    return [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh), *TINY, *settings]
+    return [
+        sys.executable,
+        "-m",
+        "shardlib.tools.cli",
+        "train",
+        "--mesh",
+        str(mesh),
+        *TINY,
+        *settings,
+    ]
 
 
 def run_bounded(command: list[str], env: dict, timeout: float) -> tuple[int, str, float]:
@@ -66,7 +75,7 @@ def assert_one_line_error(text: str, pattern: str) -> None:
     assert len(errors) == 1 and re.search(pattern, errors[0]), text
 
 
-HOLD = "from shardlib.train.dirlock import DirectoryLock as L; import sys, time\n" + (
+HOLD = "from shardlib.checkpoint.dirlock import DirectoryLock as L; import sys, time\n" + (
     "L(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
 )
 
@@ -149,7 +158,7 @@ def start_rank(
     """One of two processes with one CPU device each (a small mesh compiles fast)."""
     mesh = tmp_path / "two.toml"
     mesh.write_text('# Use this when: two processes\nplatform = "cpu"\n[mesh]\ndata = 2\n')
-    command = [sys.executable, "-m", "shardlib.cli", "train", "--mesh", str(mesh)]
+    command = [sys.executable, "-m", "shardlib.tools.cli", "train", "--mesh", str(mesh)]
     command += ["--cpu-devices", "1", "--coordinator", f"127.0.0.1:{port}", "--job-id", job]
     command += ["--num-processes", "2", "--process-id", str(rank), "--heartbeat-timeout", "6"]
     command += ["--init-timeout", str(init_timeout), *TINY, *settings]

@@ -33,7 +33,7 @@ def preempt_when_logged(metrics: Path, records: int) -> threading.Thread:
 def main() -> int:
     coordinator, process_id, out, *settings = sys.argv[1:]
     out = Path(out)
-    from shardlib.cli import main as cli
+    from shardlib.tools.cli import main as cli
 
     for name, mesh in PHASES.items():
         metrics = out / f"{name}.jsonl"
@@ -64,7 +64,7 @@ def main() -> int:
     # Which process holds each position of the 2x2x2 mesh (data, fsdp, tensor)?
     import json
 
-    from shardlib.mesh import load_mesh
+    from shardlib.core.mesh import load_mesh
 
     grid = load_mesh(PHASES["3d"]).build().devices
     owners = [[[d.process_index for d in row] for row in plane] for plane in grid]

@@ -1,15 +1,29 @@
-"""The library's import graph: dependencies point one way (models -> ops -> core).
+"""The library's import graph: packages in layers, dependencies pointing one way.
 
 Read from the source with ``ast``: every runtime import, also those inside functions, so a
-cycle cannot hide behind a lazy import (``if TYPE_CHECKING:`` imports are for annotations).
-No cycle among ``shardlib`` modules, and no ``shardlib`` module imports the model zoo
-``models`` (the trainer and planner take model factories).
+dependency cannot hide behind a lazy import (``if TYPE_CHECKING:`` imports are for
+annotations only). A module may import its own package and any package of a lower layer,
+never one of its own layer or above; so there is no cycle between packages and none between
+modules. No ``shardlib`` module imports the model zoo ``models`` (the trainer and planner
+take model factories).
 """
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+LAYERS = (
+    ("core",),
+    ("parallel", "data", "distributed"),
+    ("analysis", "checkpoint"),
+    ("interop",),
+    ("train",),
+    ("planner",),
+    ("tools",),
+)
+"""Lowest first; the README's map states the same order."""
+LAYER = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 
 
 def _modules() -> dict[str, Path]:
@@ -48,6 +62,31 @@ def _graph() -> dict[str, set[str]]:
     return {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
 
 
+def _package(module: str) -> str | None:
+    """``shardlib.parallel.context.ring`` -> ``parallel``; the top-level ``shardlib`` -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in _modules()} - {None}
+    assert packages <= set(LAYER), sorted(packages - set(LAYER))
+
+
+def test_imports_point_down_the_layers():
+    """A lower layer never imports a higher one, nor a sibling package of its own layer."""
+    wrong = []
+    for module, deps in _graph().items():
+        here = _package(module)
+        for dep in deps:
+            there = _package(dep)
+            if here is None or there == here:
+                continue  # the public API (shardlib/__init__) may import anything below it
+            if there is None or LAYER[there] >= LAYER[here]:
+                wrong.append(f"{module} -> {dep}")
+    assert sorted(wrong) == []
+
+
 def test_no_shardlib_module_imports_models():
     offenders = {
         m: sorted(i for i in _imports(p) if i == "models" or i.startswith("models."))
@@ -56,28 +95,43 @@ def test_no_shardlib_module_imports_models():
     assert {m: i for m, i in offenders.items() if i} == {}
 
 
-def test_no_import_cycle_inside_shardlib():
-    graph, cycles = _graph(), []
-    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}  # state 1: on the current path, 2: finished
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for dep in sorted(graph[module]):
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
                 cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, [*path, dep])
-        state[module] = 2
+        state[node] = 2
 
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert cycles == []
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    """Collapsed to packages (``core``, ``parallel``, ...), the graph has no cycle either."""
+    packages: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        here = _package(module) or "shardlib"
+        packages.setdefault(here, set()).update(
+            _package(d) or "shardlib" for d in deps if (_package(d) or "shardlib") != here
+        )
+    assert _cycles(packages) == []
 
 
 def test_the_graph_is_read():
     """The walk sees the library's real edges (a broken walk would pass the tests above)."""
     graph = _graph()
-    assert "shardlib.rules" in graph["shardlib.parallel"]
-    assert "shardlib.parallel" in graph["shardlib.train.config"]
+    assert "shardlib.core.rules" in graph["shardlib.parallel.plan"]
+    assert "shardlib.parallel.plan" in graph["shardlib.train.config"]
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
     assert len(graph) > 40

@@ -16,8 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shardlib.checkpoint import complete_steps, fingerprints, tensor_names
-from shardlib.mesh import MeshSpec
+from shardlib.checkpoint.store import complete_steps, fingerprints, tensor_names
+from shardlib.core.mesh import MeshSpec
 from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup

@@ -4,7 +4,7 @@ from the same machine code and compare bit for bit).
 
 ``FAST_COMPILE`` skips LLVM's backend optimisations: the optimised HLO, buffer assignment
 and so every memory, FLOP and collective figure a test reads stay the same, while compiles
-take about a third less time (``tests/test_parity.py -k "dp8 or tp8 or 3d"``, one process:
+take about a third less time (``tests/parallel/test_parity.py -k "dp8 or tp8 or 3d"``, one process:
 77 s -> 50 s). The tests' programs are tiny, so the slower machine code costs little.
 """
 

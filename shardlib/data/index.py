@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlib.errors import ShardingError
+from shardlib.core.errors import ShardingError
 
 FORMAT = "shardlib-tokens/1"
 INDEX = "index.json"

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from shardlib.core.errors import ShardingError
 from shardlib.data.index import Prepared, is_prepared
-from shardlib.errors import ShardingError
 
 
 def parse_mix(path: str | None, mix: str) -> list[tuple[str, float]]:

@@ -7,10 +7,10 @@ per-strategy terms, and the fastest plan that fits is written as a mesh preset (
 own ``[mesh]`` and ``[parallel.*]`` tables) that ``shardlib train --mesh`` runs.
 """
 
+from shardlib.core.workload import Workload
 from shardlib.planner.candidate import PlanView, candidate
-from shardlib.planner.cluster import Cluster, load_cluster
-from shardlib.planner.cost import Estimate, estimate
-from shardlib.planner.workload import Workload
+from shardlib.planner.cost.total import Estimate, estimate
+from shardlib.planner.inputs.cluster import Cluster, load_cluster
 
 __all__ = [
     "Cluster",

@@ -1,6 +1,6 @@
 """The planner's candidates are ``ParallelPlan``s; ``PlanView`` reads the numbers terms need.
 
-A candidate is the very object the trainer runs (``shardlib.parallel.ParallelPlan``), so
+A candidate is the very object the trainer runs (``shardlib.parallel.plan.ParallelPlan``), so
 what the planner costs, writes and validates is one description with no translation in
 between. ``candidate(...)`` builds one from the search's knobs: the mesh axes with size > 1
 in ``AXIS_ORDER`` and the sections those knobs set. ``PlanView`` is a read-only lens on a
@@ -22,13 +22,13 @@ import functools
 import math
 from collections.abc import Mapping
 
-from shardlib.mesh import Axis, MeshSpec
-from shardlib.parallel import ParallelPlan
-from shardlib.planner.terms import SEARCH_AXES
-from shardlib.strategies.data import DataParallel
-from shardlib.strategies.offload import Offload
-from shardlib.strategies.pipeline import PipelineParallel
-from shardlib.strategies.remat import Remat
+from shardlib.core.mesh import Axis, MeshSpec
+from shardlib.parallel.data import DataParallel
+from shardlib.parallel.offload import Offload
+from shardlib.parallel.pipeline.gpipe import PipelineParallel
+from shardlib.parallel.plan import ParallelPlan
+from shardlib.parallel.remat import Remat
+from shardlib.planner.cost.terms import SEARCH_AXES
 
 AXIS_ORDER: tuple[Axis, ...] = tuple(a.axis for a in sorted(SEARCH_AXES, key=lambda a: a.placement))
 """The searched mesh axes, outermost first (by their terms' ``placement``)."""

@@ -7,13 +7,13 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.explain.report import format_bytes
+from shardlib.analysis.report import format_bytes
+from shardlib.core.workload import Workload
 from shardlib.planner.candidate import PlanView
-from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate, collective_seconds
+from shardlib.planner.cost.throughput import is_exposed
+from shardlib.planner.cost.total import Estimate, collective_seconds
+from shardlib.planner.inputs.cluster import Cluster
 from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
-from shardlib.planner.throughput import is_exposed
-from shardlib.planner.workload import Workload
 
 
 def plans_table(result: Result, cluster: Cluster, title: str) -> Table:

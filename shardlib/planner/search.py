@@ -28,14 +28,14 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from shardlib.errors import ShardingError
-from shardlib.parallel import ParallelPlan
+from shardlib.core.errors import ShardingError
+from shardlib.core.workload import Workload
+from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, batch_ways, candidate
-from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate, collective_seconds, estimate
-from shardlib.planner.terms import SEARCH_AXES
-from shardlib.planner.throughput import is_exposed
-from shardlib.planner.workload import Workload
+from shardlib.planner.cost.terms import SEARCH_AXES
+from shardlib.planner.cost.throughput import is_exposed
+from shardlib.planner.cost.total import Estimate, collective_seconds, estimate
+from shardlib.planner.inputs.cluster import Cluster
 
 
 @dataclass(frozen=True)

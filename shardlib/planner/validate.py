@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardlib.errors import ShardingError
-from shardlib.parallel import ParallelPlan
+from shardlib.core.errors import ShardingError
+from shardlib.core.workload import Workload
+from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import PlanView
-from shardlib.planner.cost import estimate
-from shardlib.planner.workload import Workload
+from shardlib.planner.cost.total import estimate
 
 MAX_SIMULATED = 2048
 """Most simulated CPU devices one process compiles for: above it the CPU backend refuses
@@ -99,7 +99,7 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     """Compile ``plan`` (fp32) on the simulated devices present and compare."""
     import jax
 
-    from shardlib.explain import explain
+    from shardlib.analysis import explain
     from shardlib.train.setup import make_setup
 
     size = PlanView(plan).size

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 
-from shardlib.explain.report import format_bytes
+from shardlib.analysis.report import format_bytes
+from shardlib.core.workload import Workload
 from shardlib.planner.candidate import PlanView
-from shardlib.planner.cluster import Cluster
-from shardlib.planner.cost import Estimate
-from shardlib.planner.workload import Workload
+from shardlib.planner.cost.total import Estimate
+from shardlib.planner.inputs.cluster import Cluster
 
 
 def model_fields(workload: Workload) -> dict[str, object]:

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardlib.errors import ShardingError
-from shardlib.parallel import ParallelPlan
-from shardlib.values import replace_path
+from shardlib.core.errors import ShardingError
+from shardlib.core.values import replace_path
+from shardlib.parallel.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Run:
     profile_dir: str = "profiles"
     """Directory of the trace (``plugins/profile/<time>/*.xplane.pb`` below it)."""
     gpu_flags: bool = True
-    """On GPUs, add shardlib's XLA performance flags (``shardlib.xla_flags``) to XLA_FLAGS;
+    """On GPUs, add shardlib's XLA performance flags (``shardlib.train.xla_flags``) to XLA_FLAGS;
     a flag already in XLA_FLAGS keeps the user's value."""
 
     def __post_init__(self) -> None:
@@ -186,7 +186,7 @@ class Checkpoint:
     never: start fresh (and refuse a checkpoint dir that already holds checkpoints)."""
     init_from: str | None = None
     """A fresh run starts from these parameters (fresh optimizer, step 0): a shardlib
-    checkpoint_dir or a Hugging Face Llama directory (``shardlib.init_from``)."""
+    checkpoint_dir or a Hugging Face Llama directory (``shardlib.train.init_from``)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class TrainConfig:
     """Everything a run needs: the model and one section per concern."""
 
     model: str = "llama-tiny"
-    """A registered model name (``shardlib.model.registered()``) or ``package.module:factory``."""
+    """A registered model name (``core.model.registered()``) or ``package.module:factory``."""
     model_overrides: tuple[tuple[str, Any], ...] = ()
     """Model settings given as ``model.NAME=VALUE`` (pairs: hashable)."""
     run: Run = field(default_factory=Run)
@@ -224,7 +224,7 @@ class TrainConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     lora: Lora = field(default_factory=Lora)
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
-    """The mesh and every parallelism strategy (``shardlib.parallel``)."""
+    """The mesh and every parallelism strategy (``shardlib.parallel.plan``)."""
 
 
 def _sections(obj, prefix: str = "") -> dict[str, Any]:
@@ -310,14 +310,3 @@ def parse_overrides(args: list[str], base: TrainConfig | None = None) -> TrainCo
             raise ShardingError(f"override {arg!r} is not NAME=VALUE (e.g. steps=50).")
         pairs[key] = value
     return override(base or TrainConfig(), pairs)
-
-
-def flatten_table(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A TOML table (nested or dotted keys) as ``{"data.batch": 64, ...}``."""
-    out = {}
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            out.update(flatten_table(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out

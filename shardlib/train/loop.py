@@ -19,10 +19,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from shardlib.checkpoint import jsonable
-from shardlib.errors import ShardingError
-from shardlib.train.checkpoints import RunCheckpoints
-from shardlib.train.data import FlatData, check_vocab, load_tokens
+from shardlib.checkpoint.resume import RunCheckpoints
+from shardlib.checkpoint.store import jsonable
+from shardlib.core.errors import ShardingError
+from shardlib.data.tokens import FlatData, check_vocab, load_tokens
+from shardlib.distributed.preempt import Preemption
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -33,7 +34,6 @@ from shardlib.train.metrics import (
     previous_records,
 )
 from shardlib.train.precision import check_record
-from shardlib.train.preempt import Preemption
 from shardlib.train.profiling import ProfileWindow, compile_cache, persistent_cache
 from shardlib.train.setup import TrainSetup
 
@@ -70,7 +70,6 @@ def open_data(setup: TrainSetup):
 
     data, seed, vocab = setup.cfg.data, setup.cfg.run.seed, setup.target.dims.get("vocab", 0)
     if data.mix or is_prepared(data.path):
-        from shardlib.attention import check_packed
         from shardlib.data.loader import PreparedData
 
         if setup.plan.pipeline_spec() is not None:
@@ -78,7 +77,7 @@ def open_data(setup: TrainSetup):
                 "a prepared dataset's packed rows cannot run through a pipeline schedule yet. "
                 "Fix: a mesh without a stage axis, or a flat token file."
             )
-        check_packed(setup.plan.attention_plan())
+        setup.plan.check_packed()
         return PreparedData.open(
             data.path, data.mix, seq=data.seq, batch=data.batch, seed=seed, vocab=vocab
         )

@@ -24,7 +24,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from shardlib.errors import ShardingError
+from shardlib.core.errors import ShardingError
 
 # bf16 dense peak FLOP/s per device, from the vendors' data sheets (device_kind substring,
 # most specific first)
@@ -212,7 +212,7 @@ def device_peak(device, override: float = 0.0) -> tuple[float, str]:
 
 def model_flops(setup) -> tuple[float, str]:
     """(forward + backward FLOPs of one step without recompute, how they were counted)."""
-    from shardlib.planner.workload import Workload
+    from shardlib.core.workload import Workload
 
     cfg = setup.cfg
     try:
@@ -228,7 +228,7 @@ def model_flops(setup) -> tuple[float, str]:
 
 def compiled_flops(compiled) -> float:
     """FLOPs per device of one run of a compiled program, loops counted per trip."""
-    from shardlib.explain import hlo, hlo_flops
+    from shardlib.analysis import hlo, hlo_flops
 
     module = hlo.parse_module(compiled.as_text())
     multipliers, _ = hlo.call_multipliers(module)

@@ -37,9 +37,9 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from shardlib.compression import onebit_compress, onebit_decompress
-from shardlib.errors import ShardingError
-from shardlib.mesh import Axis
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import Axis
+from shardlib.parallel.compression import onebit_compress, onebit_decompress
 
 if TYPE_CHECKING:
     from shardlib.train.setup import TrainSetup

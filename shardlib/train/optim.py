@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules by name, all from optax, plus gradient clipping.
 
 Every optimizer here keeps its state as trees shaped like the parameters (adafactor's
-factored statistics drop one dim of their parameter), so ``shardlib.train.layouts`` can lay
+factored statistics drop one dim of their parameter), so ``shardlib.parallel.state_layouts`` can lay
 each state tensor out like its parameter. Weight decay skips norms and biases everywhere.
 """
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardlib.errors import ShardingError
+from shardlib.core.errors import ShardingError
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam")

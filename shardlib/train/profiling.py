@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from shardlib.errors import ShardingError
+from shardlib.core.errors import ShardingError
 from shardlib.train.metrics import writable_dir
 
 

@@ -20,15 +20,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.layout import mesh_axes, named_shardings, resolve_specs
-from shardlib.model import Inventory, ModelFactory, inventory, resolve_model
-from shardlib.parallel import ParallelPlan, suggest_presets
-from shardlib.rules import Rules
-from shardlib.strategies.offload import HOST_MEMORY
-from shardlib.target import Target
-from shardlib.train import layouts, precision
+from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
+from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_model
+from shardlib.core.rules import Rules
+from shardlib.core.target import Target
+from shardlib.data.tokens import BATCH_NAMES
+from shardlib.parallel import state_layouts as layouts
+from shardlib.parallel.offload import HOST_MEMORY
+from shardlib.parallel.plan import ParallelPlan, suggest_presets
+from shardlib.train import precision
 from shardlib.train.config import TrainConfig
-from shardlib.train.data import BATCH_NAMES
 from shardlib.train.optim import build_optimizer, freeze_base, schedule
 
 
@@ -83,7 +84,10 @@ class TrainSetup:
         if not self.plan.offload.params:
             return shardings
         host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings["blocks"])
-        return {**shardings, "blocks": host}  # fetched one layer at a time (shardlib/staging.py)
+        return {
+            **shardings,
+            "blocks": host,
+        }  # fetched one layer at a time (shardlib/parallel/layer_loop.py)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -198,7 +202,7 @@ class TrainSetup:
             state = self._init(jax.random.key(self.cfg.run.seed))
         source = self.cfg.checkpoint.init_from
         if source:  # parameters only: the optimizer state stays fresh (all zeros)
-            from shardlib.init_from import load_initial_params, overlay
+            from shardlib.train.init_from import load_initial_params, overlay
 
             abstract = self.abstract_state()["params"]
             loaded = load_initial_params(source, abstract, self.model_cfg)

@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardlib.layout import constrain, use_layout
-from shardlib.ops import Packed, run_blocks
-from shardlib.staging import cast_params, master_blocks, on_device
-from shardlib.strategies import zeropp
-from shardlib.strategies.offload import DEVICE_MEMORY
-from shardlib.strategies.pipeline_stats import stats_tokens
-from shardlib.train import layouts, precision
-from shardlib.train.data import BATCH_NAMES
+from shardlib.core.layout import constrain, use_layout
+from shardlib.core.ops import Packed, run_blocks
+from shardlib.data.tokens import BATCH_NAMES
+from shardlib.parallel import state_layouts as layouts
+from shardlib.parallel import zeropp
+from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
+from shardlib.parallel.offload import DEVICE_MEMORY
+from shardlib.parallel.pipeline.stats import stats_tokens
+from shardlib.train import precision
 from shardlib.train.optim import stop_base_gradients
 
 if TYPE_CHECKING:

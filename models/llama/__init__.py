@@ -1,0 +1,6 @@
+"""Llama-style decoder: the model (``model``), its KV cache for generation (``cache``), LoRA
+adapters (``lora``), and the layers it is built from (``norm``, ``rotary``)."""
+
+from models.llama.model import PRESETS, Llama, LlamaConfig, preset
+
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "preset"]

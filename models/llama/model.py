@@ -1,0 +1,370 @@
+"""A Llama-style decoder in Flax NNX, annotated with logical axis names only.
+
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP. The blocks
+are created with ``nnx.vmap`` so every weight has a leading ``layers`` dim, and applied with
+``jax.lax.scan``: compile time stays flat as depth grows. The model follows shardlib's
+``Decoder`` protocol (``embed``, ``blocks``, ``head``), so a trainer can drive the layer loop
+itself. Nothing here names a mesh axis or a strategy; shardlib's rules decide where each
+logical dim lives, and ``shardlib.core.ops`` which attention kernel runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.llama.lora import adapted, add_lora, update
+from models.llama.norm import rms_norm
+from models.llama.rotary import rotary
+from shardlib.core.layout import constrain
+from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
+from shardlib.core.ops import attention, lookup, run_blocks
+
+init_normal = nnx.initializers.normal
+
+# Intermediates a rematerialisation policy can save or offload by name (``remat=names:...``).
+CHECKPOINT_NAMES = (
+    "attn_q",  # [batch, seq, heads, head_dim] after rotary
+    "attn_k",  # [batch, seq, kv_heads, head_dim] after rotary
+    "attn_v",  # [batch, seq, kv_heads, head_dim]
+    "attn_context",  # [batch, seq, heads, head_dim] softmax(qk) v, before the output projection
+    "attn_residual",  # [batch, seq, embed] the residual stream between attention and MLP
+    "mlp_hidden",  # [batch, seq, mlp] silu(gate) * up
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of the decoder."""
+
+    vocab: int = 256
+    """Vocabulary size (256 = bytes, for the embedded default dataset)."""
+    embed: int = 64
+    """Model width d_model."""
+    layers: int = 2
+    """Number of decoder blocks (scanned)."""
+    heads: int = 16
+    """Query heads."""
+    kv_heads: int = 8
+    """Key/value heads; heads must be a multiple (grouped-query attention)."""
+    head_dim: int = 8
+    """Width of one head (even, for rotary embeddings)."""
+    mlp: int = 256
+    """SwiGLU hidden width."""
+    rope_theta: float = 10_000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama 3's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    original_max_positions), as in Hugging Face's ``rope_type="llama3"``; None: plain RoPE."""
+    max_positions: int = 8192
+    """Longest sequence (prompt + generated tokens) ``shardlib generate`` accepts; Hugging
+    Face's ``max_position_embeddings``."""
+    tie_embeddings: bool = False
+    """The LM head is the embedding table transposed (no ``lm_head`` parameter)."""
+    lora_rank: int = 0
+    """LoRA adapters' rank on ``lora_targets`` (0: none). The base weights stay, frozen by
+    the trainer; adapters are ``nnx.LoRAParam``s."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / rank) * A @ B (Hu et al. 2021)."""
+    lora_targets: tuple[str, ...] = ("q", "v")
+    """Projections that get adapters, from q, k, v, o, gate, up, down."""
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if bad or self.lora_rank < 0:
+            raise ValueError(
+                f"model: lora_targets={self.lora_targets}, lora_rank={self.lora_rank}: "
+                f"targets must come from {', '.join(LORA_TARGETS)} and rank be >= 0."
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}. "
+                "Fix: choose kv_heads dividing heads."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model: head_dim={self.head_dim} must be even for rotary embeddings.")
+
+    def param_count(self) -> int:
+        e, h, k, d, f, v, n = (
+            self.embed,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.mlp,
+            self.vocab,
+            self.layers,
+        )
+        block = 2 * e + e * h * d * 2 + e * k * d * 2 + 3 * e * f
+        r = self.lora_rank
+        sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
+        sizes |= {"gate": (e, f), "up": (e, f), "down": (f, e)}
+        block += sum(r * sum(sizes[t]) for t in self.lora_targets) if r else 0
+        return n * block + (1 if self.tie_embeddings else 2) * v * e + e
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Llama 3.1's published RoPE scaling (factor, low_freq_factor, high_freq_factor, original ctx)
+LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, LlamaConfig] = {
+    # tests and the default training run: a few hundred thousand parameters
+    "llama-tiny": LlamaConfig(),
+    # ~12M parameters: memory and communication measurements
+    "llama-small": LlamaConfig(
+        vocab=8192, embed=256, layers=8, heads=8, kv_heads=4, head_dim=32, mlp=1024
+    ),
+    # the published shapes, for `explain` with abstract inputs (nothing is allocated)
+    "llama-1b": LlamaConfig(
+        vocab=128_256,
+        embed=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        head_dim=64,
+        mlp=8192,
+        rope_theta=500_000.0,
+    ),
+    "llama-7b": LlamaConfig(
+        vocab=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11_008
+    ),
+    "llama-70b": LlamaConfig(
+        vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672
+    ),
+    # published Hugging Face shapes (config.json of meta-llama/*): `init_from` checks them
+    "llama2-7b": LlamaConfig(
+        vocab=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11_008,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama2-13b": LlamaConfig(
+        vocab=32_000, embed=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13_824,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama2-70b": LlamaConfig(
+        vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
+        norm_eps=1e-5, max_positions=4096,
+    ),
+    "llama3-8b": LlamaConfig(  # Llama 3.1 8B
+        vocab=128_256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14_336,
+        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
+    ),
+    "llama3-70b": LlamaConfig(  # Llama 3.1 70B
+        vocab=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
+        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
+    ),
+    "llama3-405b": LlamaConfig(  # Llama 3.1 405B
+        vocab=128_256, embed=16_384, layers=126, heads=128, kv_heads=8, head_dim=128,
+        mlp=53_248, rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE,
+        max_positions=131_072,
+    ),
+}  # fmt: skip
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}. Presets: {', '.join(PRESETS)}.")
+    return replace(PRESETS[name], **overrides)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int):
+    init = nnx.with_partitioning(init_normal(fan_in**-0.5), names)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.eps = cfg.norm_eps
+        init = nnx.with_partitioning(nnx.initializers.ones, ("embed",))
+        self.scale = nnx.Param(init(None, (cfg.embed,), jnp.float32))  # [embed]
+
+    def __call__(self, x_BLD):
+        # the scale in the residual stream's layout (FSDP splits it on embed: gathered here,
+        # or XLA may broadcast it to the batch's shape first and gather that)
+        scale_D = constrain(self.scale[...], ("res_embed",))
+        return rms_norm(
+            x_BLD, scale_D, self.eps
+        )  # its gradient keeps only x (models/llama/norm.py)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        e, h, g, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)  # [embed, heads, hd]
+        self.wk = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
+        self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
+        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
+        for t, w, names in (
+            ("q", self.wq, ("embed", "heads", "head_dim")),
+            ("k", self.wk, ("embed", "kv_heads", "head_dim")),
+            ("v", self.wv, ("embed", "kv_heads", "head_dim")),
+        ):
+            add_lora(self, cfg, rngs, t, w, names, inputs=1)
+        add_lora(self, cfg, rngs, "o", self.wo, ("heads", "head_dim", "embed"), inputs=2)
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(wq, wk, wv, wo) with their LoRA updates added (the base weights without any)."""
+        return tuple(
+            adapted(self, t, w, self.lora_scale)
+            for t, w in (("q", self.wq), ("k", self.wk), ("v", self.wv), ("o", self.wo))
+        )
+
+    def rotary(self, x_BLHK, positions_L=None):
+        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling)
+
+    def __call__(self, x_BLD, positions_L=None):
+        dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        wq, wk, wv, wo = self.wq[...], self.wk[...], self.wv[...], self.wo[...]
+        # One product for q, k and v (each K/V head next to its query heads): the backward
+        # pass then sums the three input gradients before one reduction, not after three.
+        w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
+            [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
+            axis=2,
+        ).astype(dt)
+        qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
+        # split, not sliced: the gradient is then one concatenation, not a padded copy each
+        q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
+        q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
+                   v + update(self, "v", x_BLD, 1, s))  # fmt: skip
+        q = constrain(self.rotary(q, positions_L), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(self.rotary(k, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q, k, v = (
+            checkpoint_name(q, "attn_q"),
+            checkpoint_name(k, "attn_k"),
+            checkpoint_name(v, "attn_v"),
+        )
+        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = checkpoint_name(out_BLHK, "attn_context")
+        out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
+        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, wo.astype(dt))
+        out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
+        return constrain(out_BLD, RESIDUAL)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        e, f = cfg.embed, cfg.mlp
+        self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), e)  # [embed, mlp]
+        self.w_up = _param(rngs, (e, f), ("embed", "mlp"), e)  # [embed, mlp]
+        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), f)  # [mlp, embed]
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
+        add_lora(self, cfg, rngs, "gate", self.w_gate, ("embed", "mlp"), inputs=1)
+        add_lora(self, cfg, rngs, "up", self.w_up, ("embed", "mlp"), inputs=1)
+        add_lora(self, cfg, rngs, "down", self.w_down, ("mlp", "embed"), inputs=1)
+
+    def __call__(self, x_BLD):
+        dt = x_BLD.dtype
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
+        gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        gate_BLF, up_BLF = (t[:, :, 0] for t in jnp.split(gate_up_BLJF, 2, axis=2))  # as q, k, v
+        gate_BLF = gate_BLF + update(self, "gate", x_BLD, 1, s)
+        up_BLF = up_BLF + update(self, "up", x_BLD, 1, s)
+        h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
+        h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
+        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        return constrain(out_BLD + update(self, "down", h_BLF, 1, s), RESIDUAL)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BLD, positions_L=None):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
+        x_BLD = checkpoint_name(x_BLD, "attn_residual")
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, RESIDUAL)
+
+
+def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs):
+    """``count`` blocks as one module whose every weight has a leading ``layers`` dim."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(rngs)
+
+    return make(rngs)
+
+
+class Llama(nnx.Module):
+    """Embedding, ``layers`` stacked ``Block``s, final norm and LM head (``Decoder``)."""
+
+    checkpoint_names = CHECKPOINT_NAMES
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab, cfg.embed), ("vocab", "embed"), 1)  # [V, E]
+        self.blocks = self.make_blocks(cfg, rngs)  # every weight: [layers, ...]
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:  # tied: the head reads the embedding table
+            self.lm_head = _param(rngs, (cfg.embed, cfg.vocab), ("embed", "vocab"), cfg.embed)
+
+    def make_blocks(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+        """The stack a subclass replaces (the MoE model stacks groups of blocks)."""
+        return stack_blocks(lambda r: Block(cfg, r), cfg.layers, rngs)
+
+    def __call__(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
+        """Logits [batch, seq, vocab] in fp32 (and ``aux`` when the blocks report stats).
+
+        ``dtype`` is the compute dtype; ``positions_L`` the tokens' true positions when the
+        sequence arrives reordered (default 0..L-1). This is the one-device path: a trainer
+        that remats, pipelines or offloads drives ``embed``, ``blocks`` and ``head`` itself.
+        """
+        block_graph, blocks_state = nnx.split(self.blocks)
+        x_BLD = self.embed(tokens_BL, dtype=dtype)
+        x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L)
+        logits_BLV = self.head(x_BLD, dtype=dtype)
+        if totals is None:
+            return logits_BLV
+        return logits_BLV, self.aux(totals, tokens_BL.size)
+
+    def embed(self, tokens_BL, *, dtype=jnp.float32):
+        """Token ids [batch, seq] -> residual stream [batch, seq, embed] (before the blocks)."""
+        # vocab-parallel (Megatron's masked lookup) wherever the table is split on vocab
+        x_BLD = lookup(self.embedding[...], tokens_BL).astype(dtype)
+        return constrain(x_BLD, RESIDUAL)
+
+    def head(self, x_BLD, *, dtype=jnp.float32):
+        """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32."""
+        x_BLD = self.final_norm(x_BLD)
+        # gathered in the logits' batch layout (vocab-parallel under FSDP: over fsdp only)
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"), beside={"vocab": self.cfg.vocab})
+        if self.cfg.tie_embeddings:
+            logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(dtype))
+        else:
+            logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
+        return constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
+        """Logits [batch, T, vocab] of T new tokens at positions start.., and the KV cache
+        with their keys and values written in (``models.llama.cache``: prefill and decode)."""
+        from models.llama.cache import decode
+
+        if not isinstance(self.blocks, Block):
+            raise ValueError(f"generate: {type(self).__name__} blocks have no KV-cache path.")
+        return decode(self, tokens_BT, cache, start, dtype=dtype)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
+        """Zeroed keys and values [layers, batch, length, kv_heads, head_dim]."""
+        from models.llama.cache import init_cache
+
+        return init_cache(self.cfg, batch, length, dtype)

@@ -1,0 +1,145 @@
+"""The training loop's side of checkpoints: resume at the start, save on schedule and at the end.
+
+``cfg.checkpoint.dir`` names the run's directory. At start-up ``resume`` decides between the
+latest complete checkpoint and a fresh initialisation (``checkpoint.resume``); during the run a
+save starts every ``checkpoint.every`` steps, at the last step and when the run is told to
+stop (SIGTERM/SIGINT). The writer is created only after a successful restore, so a run that
+fails to read its checkpoint (damaged, another model) has not touched the directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardlib.checkpoint.dirlock import RunLock
+from shardlib.checkpoint.saver import Saver
+from shardlib.checkpoint.store import CheckpointError, complete_steps, jsonable, read_meta, restore
+from shardlib.core.errors import ShardingError
+from shardlib.core.values import flatten_table
+
+RESUME_MODES = ("auto", "require", "never")
+# Settings that do not change what a step computes: a resumed run may change them freely.
+NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
+                  "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.resume", "checkpoint.init_from", "data.allow_changed",
+                  "data.eval_every", "data.eval_batches"}  # fmt: skip
+NOT_TRAJECTORY_SECTIONS = ("metrics.",)
+
+if TYPE_CHECKING:  # the trainer's side of checkpoints: it reads a TrainSetup, never builds one
+    from shardlib.train.setup import TrainSetup
+
+
+def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
+    now, saved = flatten_table(jsonable(setup.cfg)), flatten_table(saved)
+    return [
+        f"{k} {saved.get(k)!r} -> {v!r}"
+        for k, v in now.items()
+        if k not in NOT_TRAJECTORY
+        and not k.startswith(NOT_TRAJECTORY_SECTIONS)
+        and k in saved
+        and saved[k] != v
+    ]
+
+
+class RunCheckpoints:
+    """Resume, then save: used by ``loop.run`` as a context manager around the steps."""
+
+    def __init__(self, setup: TrainSetup, say: Callable[[str], None]) -> None:
+        cfg = setup.cfg.checkpoint
+        if cfg.resume not in RESUME_MODES:
+            raise ShardingError(
+                f"config: resume={cfg.resume!r}; use one of {', '.join(RESUME_MODES)}."
+            )
+        if cfg.every < 0 or cfg.keep < 0:
+            raise ShardingError("config: checkpoint.every and checkpoint.keep must be >= 0.")
+        self.setup = setup
+        self.directory = Path(cfg.dir)
+        self.say = say
+        self.last: Path | None = None
+        """The step directory of the newest save started by this run."""
+        self._saver: Saver | None = None
+        self.data: dict | None = None
+        """What the run reads (``data_identity``): recorded in saves, compared on resume."""
+        self.loader_state: Callable[[], dict] | None = None
+        """The data loader's position (a prepared dataset's), recorded in every save."""
+        self.saved_loader: dict | None = None
+        """The loader position of the checkpoint resumed from (None: none recorded)."""
+
+    def locked(self) -> RunLock:
+        """The directory's lock (``with ckpt.locked():``): one run per directory."""
+        return RunLock(self.directory, say=self.say)
+
+    def resume(self) -> dict | None:
+        """The restored state, or None to start from initialisation."""
+        mode, steps = self.setup.cfg.checkpoint.resume, complete_steps(self.directory)
+        if mode == "never":
+            if steps:
+                raise ShardingError(
+                    f"checkpoint_dir={str(self.directory)!r} already holds checkpoints (steps "
+                    f"{steps}) and resume=never. Fix: resume=auto to continue, or choose a new "
+                    "checkpoint_dir; existing checkpoints are never overwritten."
+                )
+            return None
+        if mode == "auto" and not steps:
+            return None
+        saved_data = read_meta(self.directory)[1].get("data", {})
+        self._check_data(saved_data)
+        self.saved_loader = (saved_data.get("identity") or {}).get("loader")
+        restored = restore(self.directory, self.setup)
+        self.say(f"resumed from {restored.path} (step {restored.step})")
+        changed = _changed_settings(restored.meta.get("config", {}), self.setup)
+        if changed:
+            self.say("settings changed since that checkpoint: " + ", ".join(changed))
+        return restored.state
+
+    def _check_data(self, saved: dict) -> None:
+        """Refuse to resume on other data than the checkpoint's, unless allowed."""
+        was, now = saved.get("identity"), self.data
+        if not was or not now or self.setup.cfg.data.allow_changed:
+            return
+        keys = ("bytes", "sample_sha256")
+        if all(was.get(k) == now.get(k) for k in keys):
+            if was.get("path") != now.get("path"):
+                self.say(f"data moved: {was.get('path')} -> {now.get('path')} (same content)")
+            return
+        what = "size" if was.get("bytes") != now.get("bytes") else "sampled content"
+        raise ShardingError(
+            f"data={now.get('path') or 'embedded'} is not what the checkpoint in "
+            f"{str(self.directory)!r} was trained on (was {was.get('path') or 'embedded'}: "
+            f"{was.get('bytes')} bytes, modified {_when(was.get('mtime'))}; now "
+            f"{now.get('bytes')} bytes, modified {_when(now.get('mtime'))}; the {what} "
+            "differs). Fix: restore that data, or resume on this data on purpose with "
+            "data.allow_changed=true."
+        )
+
+    def __enter__(self) -> RunCheckpoints:
+        cfg = self.setup.cfg.checkpoint
+        self._saver = Saver(self.directory, every=cfg.every, keep=cfg.keep)
+        return self
+
+    def after_step(self, state: dict, step: int, *, final: bool) -> None:
+        """Start a save of the state after ``step`` steps if it is due (or ``final``); raise the
+        error of an earlier save that failed in the background."""
+        self._saver.check()
+        if final or self._saver.due(step):
+            data = self.data
+            if self.loader_state is not None:  # every process's, gathered: all call this
+                data = {**(data or {}), "loader": self.loader_state()}
+            self._saver.save(self.setup, state, step, data)  # None: this step is already saved
+            self.last = self.directory / str(step)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._saver.close()
+        except CheckpointError as err:
+            if exc is None:
+                raise
+            self.say(f"also: {err}")  # the error already on its way out says it first
+
+
+def _when(mtime: float | None) -> str:
+    import time
+
+    return "?" if mtime is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))

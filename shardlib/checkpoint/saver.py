@@ -1,0 +1,152 @@
+"""Writing a run's checkpoints with orbax, asynchronously, and hearing at once when it fails.
+
+The format, and reading, are ``shardlib.checkpoint.store``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+
+from shardlib.checkpoint.store import (
+    CheckpointError,
+    build_meta,
+    complete_steps,
+    error_summary,
+    load_orbax,
+)
+
+
+class _OrbaxSaveErrors(logging.Filter):
+    """Keeps the errors orbax's background save threads log, and drops the log (a page of
+    traceback): ``Saver`` reports them in one line, at the next step boundary.
+
+    The log is the one place a failure shows without waiting: orbax's finalize thread
+    swallows it after logging, and with several processes then waits in a barrier for the
+    others, who wait for the failed commit, so ``wait_until_finished`` would hang.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[BaseException] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.errors.append(record.exc_info[1])
+            return False
+        return True
+
+
+_ORBAX_ERRORS = _OrbaxSaveErrors()
+
+
+class Saver:
+    """Writes one run's checkpoints: every ``every`` steps, on demand, keeping ``keep``.
+
+    Saves are asynchronous: ``save`` returns once the arrays are copied to host memory
+    (the next step may then overwrite the device buffers) and a background thread writes
+    them; ``close`` waits for the last one. A save that fails in the background is raised
+    by ``check`` (called at every step boundary) as one ``CheckpointError`` naming the step,
+    and the manager is closed however the run ends, so that no orbax thread outlives it.
+    """
+
+    def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
+        ocp = load_orbax()
+        logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: the same object
+        _ORBAX_ERRORS.errors.clear()
+        self.directory = Path(directory)
+        self._manager = ocp.CheckpointManager(
+            self.directory.absolute(),
+            options=ocp.CheckpointManagerOptions(
+                save_interval_steps=max(every, 1),
+                max_to_keep=keep or None,
+                enable_async_checkpointing=True,
+                cleanup_tmp_directories=True,  # unfinished saves of a crashed run
+            ),
+            item_names=("state", "meta"),
+        )
+        self._every = every
+        self._saving: int | None = None
+        """The step of the newest save started (its error names it)."""
+        self._reported = False
+
+    def due(self, step: int) -> bool:
+        return self._every > 0 and step % self._every == 0
+
+    def _failed(self, err: Exception) -> CheckpointError:
+        kept = complete_steps(self.directory)
+        last = f"step {kept[-1]}" if kept else "none yet"
+        return CheckpointError(
+            f"checkpoint: saving step {self._saving} to {self.directory} failed "
+            f"({type(err).__name__}: {error_summary(err)}). Fix: make checkpoint_dir writable "
+            f"with room to spare, then run the same command to resume from the last complete "
+            f"checkpoint ({last})."
+        )
+
+    def check(self, *, wait: bool = False) -> None:
+        """Raise the error of the last save if it failed (``wait``: wait for it to end first).
+
+        Waiting polls rather than blocks in orbax: with several processes a failed save never
+        ends (see ``_OrbaxSaveErrors``), but its error shows here and the run can stop.
+        """
+        while True:
+            if _ORBAX_ERRORS.errors:
+                self._reported = True
+                raise self._failed(_ORBAX_ERRORS.errors.pop(0))
+            if self._saving is None or not self._manager.is_saving_in_progress():
+                break
+            if not wait:
+                return
+            time.sleep(0.02)
+        try:  # the save has ended: returns at once, or raises the error it ended with
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as err:  # orbax re-raises whatever the writer raised
+            self._reported = True
+            raise self._failed(err) from None
+
+    def save(self, setup, state: dict, step: int, data: dict | None = None) -> Path | None:
+        """Start saving ``state`` as step ``step``; None if that step is already saved."""
+        self.check(wait=True)  # orbax waits for the previous save anyway: name its failure
+        if step in self._manager.all_steps():
+            return None
+        ocp = load_orbax()
+        meta = build_meta(setup, state, step, data)
+        self._saving = step
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as err:
+            raise self._failed(err) from None
+        return self.directory / str(step)
+
+    def close(self) -> None:
+        """Wait for the save in flight (it commits or fails here), then release threads.
+
+        A failed save raises ``CheckpointError`` after the manager is closed. Once a failure
+        has been reported in a multi-process run, nothing is waited for: orbax's threads wait
+        for the other processes, and the process is about to exit (``shardlib.distributed.peers``).
+        """
+        if self._reported and jax.process_count() > 1:
+            return
+        failure = None
+        try:
+            if not self._reported:  # else the run is already on its way out with the error
+                self.check(wait=True)
+        except CheckpointError as err:
+            failure = err
+        try:
+            self._manager.close()  # waits again: the failed save's error is raised again
+        except Exception:
+            self._manager.close()  # its thread has been joined: this one closes the rest
+        if failure is not None:
+            raise failure

@@ -1,0 +1,290 @@
+"""What the library needs from a model, and how it finds one without importing a model zoo.
+
+The trainer and the planner never import ``models/``: a model is named on the command line
+(a registered preset such as ``llama-tiny``, or ``package.module:function``) and
+``resolve_model`` turns the name into a ``ModelFactory``. Presets come from Python entry
+points in the ``shardlib.models`` group, so any installed package can add its own.
+``inventory`` reads a model's parameter shapes and logical names abstractly
+(``nnx.eval_shape``: nothing is allocated), the one place parameters are counted.
+
+A model the trainer drives follows the ``Decoder`` protocol below: it owns the embedding,
+one uniform stack of blocks and the head, and the library owns the layer loop between them
+(``shardlib.core.ops.run_blocks``), where remat, pipelining and offload plug in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.layout import abstract_state, names_at, path_str
+from shardlib.core.values import convert_value
+
+ENTRY_POINT_GROUP = "shardlib.models"
+
+RESIDUAL = ("batch", "res_seq", "res_embed")
+"""Logical names of the residual stream [batch, seq, embed] between a ``Decoder``'s blocks
+(the layer loop's carry). Its own names, apart from ``seq``/``embed`` inside attention and
+the MLP, let Megatron-SP and 2D/3D tensor parallelism split it alone; the library reads the
+carry's layout from them (``strategies.remat.partition_saved_inputs``)."""
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """A decoder the library can lay out, remat, pipeline and train.
+
+    * ``blocks``: an nnx module whose every Param has a leading ``layers`` dim (built with
+      ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})``), one uniform
+      stack. A block runs as ``nnx.merge(block_graph, layer_state)(x_BLD, positions_L)`` and
+      returns ``x_BLD`` or ``(x_BLD, stats)``: ``stats`` is a pytree the layer loop sums over
+      the blocks. ``positions_L`` are the tokens' true positions (context parallelism
+      reorders tokens); None means 0..L-1.
+    * ``aux(totals, tokens) -> dict`` (only when blocks return stats): metrics from the
+      summed stats; its ``"loss"`` entry is added to the training objective.
+    * ``checkpoint_names`` (class attribute, optional): the intermediates the blocks tag with
+      ``checkpoint_name``, which a remat policy may save or offload by name.
+    """
+
+    blocks: nnx.Module
+
+    def embed(self, tokens_BL: jax.Array, *, dtype: Any) -> jax.Array:
+        """Token ids [batch, seq] -> residual stream [batch, seq, embed] entering the blocks."""
+        ...
+
+    def head(self, x_BLD: jax.Array, *, dtype: Any) -> jax.Array:
+        """Residual stream after the blocks -> fp32 logits [batch, seq, vocab]."""
+        ...
+
+    def __call__(self, tokens_BL: jax.Array, *, positions_L=None, dtype=jnp.float32) -> Any:
+        """One-device forward: embed, every block, head; logits or ``(logits, aux)``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One preset a model package registers: a config and what builds the model from it."""
+
+    config: Any
+    """A frozen dataclass; ``resolve_model`` overrides its fields by name."""
+    model: Callable[[Any, nnx.Rngs], nnx.Module]
+    """``model(config, rngs)``: usually the model class (its ``checkpoint_names`` is read)."""
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """A resolved model name: how to build it, and its config when it has one."""
+
+    name: str
+    """The name it was resolved from (a preset, or ``package.module:function``)."""
+    config: Any | None
+    """The preset's config with overrides applied; None for a plain function."""
+    make: Callable[[nnx.Rngs], nnx.Module]
+    """``make(rngs)`` builds the model (call it under ``nnx.eval_shape`` to stay abstract)."""
+    model_type: type | None = None
+    """The class ``make`` returns, when known without building (for ``checkpoint_names``)."""
+
+
+@functools.cache
+def _registry() -> dict[str, tuple[str, ModelEntry]]:
+    table: dict[str, tuple[str, ModelEntry]] = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            presets = point.load()()
+        except Exception as err:
+            raise ShardingError(
+                f"model registry {point.name} = {point.value!r} failed to load: {err}. Fix: "
+                "repair that package, or uninstall it."
+            ) from err
+        for name, entry in presets.items():
+            if name in table:
+                raise ShardingError(
+                    f"model preset {name!r} is registered by both {table[name][0]} and "
+                    f"{point.value}. Fix: rename one of them."
+                )
+            table[name] = (point.value, entry)
+    return table
+
+
+def registry() -> dict[str, ModelEntry]:
+    """Every registered preset: ``{name: ModelEntry}`` from the ``shardlib.models`` group."""
+    return {name: entry for name, (_, entry) in _registry().items()}
+
+
+def resolve_model(name: str, overrides: Mapping[str, str | object] | None = None) -> ModelFactory:
+    """The factory for a preset name or ``package.module:function``, with overrides applied.
+
+    Preset overrides are config fields; function overrides are keyword arguments of
+    ``function(rngs, **overrides)``. String values are converted to the annotated type.
+    """
+    overrides = dict(overrides or {})
+    if ":" in name:
+        return _function_factory(name, overrides)
+    table = registry()
+    if name not in table:
+        known = ", ".join(sorted(table)) or "none (is shardlib installed with pip install -e .?)"
+        raise ShardingError(
+            f"model {name!r} is not a registered preset. Fix: use one of {known}, or "
+            "package.module:function for your own model."
+        )
+    entry = table[name]
+    hints = typing.get_type_hints(type(entry.config))
+    known = {f.name for f in dataclasses.fields(entry.config)}
+    typed = {}
+    for key, raw in overrides.items():
+        if key not in known:
+            raise ShardingError(
+                f"model {name!r} has no field {key!r}. Fix: use one of {', '.join(sorted(known))}."
+            )
+        typed[key] = convert_value(f"model.{key}", raw, hints[key])
+    try:
+        config = dataclasses.replace(entry.config, **typed)
+    except ShardingError:
+        raise
+    except (TypeError, ValueError) as err:  # the config's own checks
+        raise ShardingError(f"model {name!r}: {err}") from err
+    model_type = entry.model if isinstance(entry.model, type) else None
+    return ModelFactory(name, config, functools.partial(entry.model, config), model_type)
+
+
+def _function_factory(name: str, overrides: dict) -> ModelFactory:
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ShardingError(
+            f"model {name!r}: cannot import {module_name!r} ({err}). Fix: put the package on "
+            "PYTHONPATH (or install it), or use a registered preset."
+        ) from err
+    function = getattr(module, attr, None)
+    if not callable(function):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and n[:1] != "_")
+        raise ShardingError(
+            f"model {name!r}: {module_name} has no function {attr!r}. Fix: use one of "
+            f"{', '.join(public) or '(none)'} as {module_name}:NAME."
+        )
+    params = list(inspect.signature(function).parameters.values())[1:]  # after rngs
+    hints = typing.get_type_hints(function)
+    known = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    kwargs = {}
+    for key, raw in overrides.items():
+        if key not in known:
+            raise ShardingError(
+                f"model {name!r} takes no argument {key!r}. Fix: use one of "
+                f"{', '.join(sorted(known)) or '(none)'}."
+            )
+        kwargs[key] = convert_value(f"model.{key}", raw, hints.get(key, Any))
+    returns = hints.get("return")
+    model_type = returns if isinstance(returns, type) else None
+    return ModelFactory(name, None, functools.partial(function, **kwargs), model_type)
+
+
+class ParamEntry(NamedTuple):
+    """One parameter as the planner reads it."""
+
+    path: str
+    """Dotted path in the model (``blocks.attn.wq``)."""
+    shape: tuple[int, ...]
+    """Full shape, the stacked ``layers`` dim included for blocks."""
+    names: tuple[str | None, ...] | None
+    """Logical dim names (``("layers", "embed", "heads", "head_dim")``)."""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A model's parameters, read abstractly (nothing allocated)."""
+
+    graphdef: nnx.GraphDef
+    shapes: dict
+    """Pure nested dict of ``jax.ShapeDtypeStruct`` (the ``nnx.Param`` state)."""
+    names: dict
+    """The same tree of logical-name tuples."""
+    param_count: int
+    """Elements over every parameter: the one place a model's size is counted."""
+    layers: int
+    """Size of the stacked ``layers`` dim of ``blocks`` (0 for a model without blocks)."""
+    params: tuple[ParamEntry, ...]
+    """Every parameter, flat, in the state's order."""
+    checkpoint_names: tuple[str, ...] = ()
+    """The intermediates the blocks tag for remat (the model class's ``checkpoint_names``)."""
+    block_stats: bool = False
+    """The blocks return ``(x, stats)``: statistics the layer loop sums (an MoE router's)."""
+
+
+def inventory(factory: ModelFactory) -> Inventory:
+    """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly."""
+    built: list[type] = []  # the model's class, seen once while it is built abstractly
+
+    def make():
+        model = factory.make(nnx.Rngs(0))
+        built.append(type(model))
+        return model
+
+    graphdef, shapes, names = abstract_state(make)
+    flat_shapes, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    params = []
+    for key_path, leaf in flat_shapes:
+        node = names_at(names, key_path)
+        params.append(ParamEntry(path_str(key_path), tuple(leaf.shape), node))
+    stacked = {p.shape[0] for p in params if p.path.startswith("blocks.")}
+    if len(stacked) > 1:
+        raise ShardingError(
+            f"model {factory.name}: the weights under blocks have leading dims {sorted(stacked)}"
+            "; the layer loop needs one uniform stack. Fix: stack every block weight with "
+            "nnx.vmap over the same count."
+        )
+    count = sum(math.prod(p.shape) for p in params)
+    return Inventory(
+        graphdef,
+        shapes,
+        names,
+        count,
+        stacked.pop() if stacked else 0,
+        tuple(params),
+        checkpoint_names=_class_checkpoint_names(built[0]),
+        block_stats=_returns_stats(graphdef, shapes),
+    )
+
+
+def _returns_stats(graphdef: nnx.GraphDef, shapes: dict) -> bool:
+    """Whether one block returns ``(x, stats)``, read from an abstract trace of embed + block."""
+    if "blocks" not in shapes:
+        return False
+
+    def probe(params):
+        model = nnx.merge(graphdef, params)
+        block_graph, blocks_state = nnx.split(model.blocks)
+        first = jax.tree.map(lambda a: a[0], blocks_state)
+        x_BLD = model.embed(jnp.zeros((1, 2), jnp.int32), dtype=jnp.float32)
+        return nnx.merge(block_graph, first)(x_BLD, None)
+
+    with nnx.use_eager_sharding(False):
+        return isinstance(jax.eval_shape(probe, shapes), tuple)
+
+
+def checkpoint_names(factory_or_model: ModelFactory | nnx.Module) -> tuple[str, ...]:
+    """The intermediates a model tags for remat (its class's ``checkpoint_names``)."""
+    if isinstance(factory_or_model, ModelFactory):
+        model_type = factory_or_model.model_type
+        if model_type is None:  # a plain function: build abstractly to learn the class
+            with nnx.use_eager_sharding(False):
+                model_type = type(nnx.eval_shape(lambda: factory_or_model.make(nnx.Rngs(0))))
+    else:
+        model_type = type(factory_or_model)
+    return _class_checkpoint_names(model_type)
+
+
+def _class_checkpoint_names(model_type: type) -> tuple[str, ...]:
+    return tuple(getattr(model_type, "checkpoint_names", ()))

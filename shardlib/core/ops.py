@@ -1,0 +1,171 @@
+"""The operations model code calls whose form depends on the parallel layout, in one place.
+
+A model names logical dims only; it cannot know whether its sequence is split over a
+``context`` axis or its experts over an ``expert`` axis. So it calls the functions here, and
+the forms installed by ``use_ops`` (the plan's sections fill them: ``ParallelPlan.ops``)
+decide how they run: which attention kernel, whether the MoE exchange is left to XLA or
+written as an explicit all-to-all. Outside ``use_ops`` attention is local and dense and the
+exchange only re-constrains the layout, so a model runs unchanged on one device. ``lookup``
+reads a vocab-split table; ``scan_blocks`` and ``run_blocks`` are the layer loop every
+model shares. Nothing here knows a strategy: the strategies know these ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib.core.attention import LocalAttention, Packed
+from shardlib.core.layout import active_layout, constrain
+from shardlib.core.lookup import lookup
+
+__all__ = [
+    "DISPATCH_NAMES",
+    "EXPERT_NAMES",
+    "OpsSettings",
+    "Packed",
+    "active_ops",
+    "attention",
+    "exchange",
+    "lookup",
+    "run_blocks",
+    "scan_blocks",
+    "use_ops",
+]
+
+DISPATCH_NAMES = ("batch", None, None, "embed")  # [groups, experts, capacity, embed]
+EXPERT_NAMES = ("batch_no_expert", "expert", None, "embed")  # the same, after the exchange
+
+AttentionForm = Callable[..., Any]
+"""``form(q_BLHK, k_BLGK, v_BLGK, positions_L, *, causal) -> out_BLHK``."""
+ExchangeForm = Callable[[jax.Array, tuple, tuple, str], jax.Array]
+"""``form(x_GECD, src_names, dst_names, direction) -> x_GECD`` laid out by ``dst_names``."""
+
+
+@dataclass(frozen=True)
+class OpsSettings:
+    """The forms the ops take; one value is active at a time (``use_ops``)."""
+
+    attention: AttentionForm = field(default_factory=LocalAttention)
+    """How attention runs: ``LocalAttention`` or a strategy's form (context parallelism)."""
+    exchange: ExchangeForm | None = None
+    """The MoE exchange; None: re-constrain and let XLA derive the all-to-all (GShard)."""
+
+
+_DEFAULT = OpsSettings()  # dense local attention, XLA's exchange: one device's forms
+_OPS: contextvars.ContextVar[OpsSettings | None] = contextvars.ContextVar(
+    "shardlib_ops", default=None
+)
+
+
+@contextlib.contextmanager
+def use_ops(
+    *, attention: AttentionForm | None = None, exchange: ExchangeForm | None = None
+) -> Iterator[OpsSettings]:
+    """Make these forms the ones the ops follow; usable inside ``jit`` tracing.
+
+    A context variable, not an argument threaded through the model: model code stays the
+    same on one device and on a mesh, and nested blocks restore the outer settings.
+    """
+    settings = OpsSettings(attention=attention or LocalAttention(), exchange=exchange)
+    token = _OPS.set(settings)
+    try:
+        yield settings
+    finally:
+        _OPS.reset(token)
+
+
+def active_ops() -> OpsSettings:
+    return _OPS.get() or _DEFAULT
+
+
+def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):
+    """Attention with grouped K/V heads, [B, L, H, K] -> [B, L, H, K], in the active form.
+
+    ``positions_L`` are the tokens' true positions (default 0..L-1): they drive the causal
+    mask, so a reordered sequence (zig-zag context parallelism) attends correctly; ``Packed``
+    positions keep each query inside its own document.
+    """
+    return active_ops().attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal=causal)
+
+
+def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> jax.Array:
+    """Move the expert axis between the groups dim and the expert dim of an MoE buffer.
+
+    ``dispatch``: [groups, experts, capacity, embed] laid out by ``DISPATCH_NAMES`` ->
+    ``EXPERT_NAMES``; ``combine``: the reverse. By default this only re-constrains the layout
+    and XLA's propagation emits the all-to-all (GShard); expert parallelism may install an
+    explicit form (``parallel.expert``). Both move the same bytes.
+    """
+    if direction not in ("dispatch", "combine"):
+        raise ValueError(f"exchange direction {direction!r}: use 'dispatch' or 'combine'.")
+    src, dst = (DISPATCH_NAMES, EXPERT_NAMES)
+    if direction == "combine":
+        src, dst = dst, src
+    form = active_ops().exchange
+    if form is None or active_layout() is None:
+        return constrain(x_GECD, dst)  # a no-op outside use_layout
+    return form(x_GECD, src, dst, direction)
+
+
+BlockFn = Callable[[Any, Any], Any]
+"""``block_fn(layer_state, carry) -> carry``: one block of the stack."""
+
+
+def scan_blocks(block_fn: BlockFn, blocks_state, carry):
+    """Apply stacked blocks with ``jax.lax.scan``: one compiled body, any depth.
+
+    ``blocks_state`` holds every block's weights with a leading ``layers`` dim; the scan
+    hands ``block_fn`` one layer's slice. Strategies that restructure the loop (remat,
+    pipelining, offload) wrap ``block_fn`` or replace this function with the same signature.
+    """
+
+    def body(c, layer_state):
+        return block_fn(layer_state, c), None
+
+    carry, _ = jax.lax.scan(body, carry, blocks_state)
+    return carry
+
+
+def _first_layer(blocks_state):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks_state)
+
+
+def run_blocks(
+    block_graph: nnx.GraphDef,
+    blocks_state,
+    x_BLD,
+    positions_L=None,
+    *,
+    layers: Callable[[BlockFn, Any, Any], Any] = scan_blocks,
+):
+    """``(x_BLD, totals)``: the residual after every block, and the blocks' summed stats.
+
+    A block is ``nnx.merge(block_graph, layer_state)(x_BLD, positions_L)`` and returns
+    ``x_BLD`` or ``(x_BLD, stats)``; which one is read from its abstract output (nothing is
+    computed twice). With stats the loop's carry is ``(x_BLD, totals)``, summed from zero;
+    without, it is ``x_BLD`` and ``totals`` is None. ``layers`` runs the loop (``scan_blocks``
+    or a strategy's replacement).
+    """
+
+    def block(layer_state, x):
+        return nnx.merge(block_graph, layer_state)(x, positions_L)
+
+    out = jax.eval_shape(block, _first_layer(blocks_state), x_BLD)
+    if not isinstance(out, tuple):
+        return layers(block, blocks_state, x_BLD), None
+
+    def with_stats(layer_state, carry):
+        x, totals = carry
+        x, stats = block(layer_state, x)
+        return x, jax.tree.map(jnp.add, totals, stats)
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out[1])
+    return layers(with_stats, blocks_state, (x_BLD, zeros))

@@ -1,0 +1,332 @@
+"""Logical-axis rules: a table from logical dim names to mesh axes.
+
+Models name their dims (``("embed", "mlp")``); strategies decide which mesh axes each name is
+split over. Parameters and activations have separate tables because the same name often
+wants different layouts: FSDP shards the *parameter* ``embed`` dim over ``fsdp`` but keeps
+the *activation* ``embed`` dim whole, while the batch is split over ``fsdp`` instead.
+
+Every known logical name has exactly one entry (``()`` = replicated): no fallbacks, no
+first-match. Resolution validates before anything is compiled, and every error names the
+tensor, the dim, its size, the mesh axis, its size, and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from jax.sharding import PartitionSpec as P
+
+from shardlib.core.errors import ShardingError
+
+Kind = Literal["params", "activations"]
+
+LOGICAL_NAMES = (  # the models' vocabulary; a strategy may add names of its own
+    "batch",  # examples in a (micro-)batch
+    "seq",  # token positions (activations)
+    "res_seq",  # token positions of the residual stream: norms, residual adds (Megatron-SP)
+    "res_embed",  # model width of the residual stream between blocks (2D/3D tensor parallel)
+    "embed",  # model width d_model
+    "mlp",  # feed-forward hidden width
+    "heads",  # query heads
+    "kv_heads",  # key/value heads (grouped-query attention)
+    "head_dim",  # width of one head
+    "vocab",  # vocabulary
+    "layers",  # stacked (scanned) layers
+    "expert",  # experts of a mixture-of-experts layer
+)
+MEGATRON_DIMS = ("heads", "kv_heads", "mlp", "vocab")
+"""The dims Megatron tensor parallelism splits (1D, and the column axis of 2D/3D)."""
+SHARED_ORDER = ("vocab", "batch", "embed", "mlp", "heads", "kv_heads", "expert", "head_dim")
+"""Which dim of a tensor keeps a *shared* mesh axis (``Rules.shared``: FSDP's, ZeRO's) that
+several of its dims are mapped to: the first of these names whose dim divides. ``vocab``
+comes first so that FSDP splits the embedding table and the output projection on vocab
+(the lookup and the logits then run vocab-parallel; no whole table is gathered) and the
+logits [batch, seq, vocab] keep the vocab split rather than the batch split."""
+SHARED_MIN_ELEMENTS = 16_384
+"""A parameter with fewer elements none of whose dims divides stays replicated over a
+shared axis (a bias of 100 on 8 devices) instead of failing: it saves less memory than a
+refusal costs. A larger one that cannot be split is an error that names the dim."""
+
+
+def _freeze(table: Mapping[str, tuple[str, ...] | str | None]) -> Mapping[str, tuple[str, ...]]:
+    out = {}
+    for name, axes in table.items():
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        out[name] = tuple(str(a) for a in axes)  # plain str, also for Axis members
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Two tables, logical name -> tuple of mesh axes, for parameters and activations."""
+
+    params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """How parameter (and gradient, optimizer-state) dims are split over mesh axes."""
+    activations: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """How activation dims (inputs, residual stream, logits) are split over mesh axes."""
+    shared: tuple[str, ...] = ()
+    """Mesh axes that may appear under several names (FSDP's and ZeRO's, which split every
+    parameter along *one* of its dims): a tensor keeps each on its first dim in
+    ``SHARED_ORDER`` that divides (``shared_dims``). Any other mesh axis mapped to two
+    dims of one tensor is an error."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", _freeze(self.params))
+        object.__setattr__(self, "activations", _freeze(self.activations))
+        object.__setattr__(self, "shared", tuple(str(a) for a in self.shared))
+
+    def table(self, kind: Kind) -> Mapping[str, tuple[str, ...]]:
+        return self.params if kind == "params" else self.activations
+
+    def mesh_axes(self) -> set[str]:
+        return {a for t in (self.params, self.activations) for axes in t.values() for a in axes}
+
+    def replace(self, *, params=None, activations=None) -> Rules:
+        """A copy with some entries overridden (whole entries, never merged)."""
+        return Rules(
+            params={**self.params, **(params or {})},
+            activations={**self.activations, **(activations or {})},
+            shared=self.shared,
+        )
+
+    def with_name(
+        self,
+        name: str,
+        *,
+        params: tuple[str, ...] | str | None = None,
+        activations: tuple[str, ...] | str | None = None,
+    ) -> Rules:
+        """A copy that knows one more logical name, in both tables at once.
+
+        A model's own name (``"patch"``, ``"classes"``) must be in the parameter table for
+        its weights and in the activation table for ``constrain``; adding it to one table
+        only fails later, on the first tensor of the other kind. ``None`` (the default)
+        replicates it; ``"tensor"`` or ``("fsdp", "tensor")`` split it over those mesh axes.
+        Adding a name that is already known is refused: use ``replace`` to change an entry.
+        """
+        for kind, table in (("params", self.params), ("activations", self.activations)):
+            if name in table:
+                raise ShardingError(
+                    f"Rules.with_name: logical name {name!r} is already in the {kind} rules "
+                    f"(-> {table[name]}). Fix: pick another name, or change the entry with "
+                    f"rules.replace({kind}={{{name!r}: ...}})."
+                )
+        return self.replace(params={name: params}, activations={name: activations})
+
+    def spec(self, names: tuple[str | None, ...], kind: Kind = "activations") -> P:
+        """PartitionSpec for a tuple of logical names, without shape checks."""
+        table = self.table(kind)
+        dims = shared_dims(self, names, None, kind, {})
+        parts = []
+        for dim, name in enumerate(names):
+            axes = () if name is None else dims.get(dim, table[name])
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return _spec(parts)
+
+    def check_mesh(self, mesh_axes: Mapping[str, int], where: str = "rules") -> None:
+        """Every mesh axis a rule names must exist in the mesh."""
+        for kind in ("params", "activations"):
+            for name, axes in self.table(kind).items():
+                for ax in axes:
+                    if ax not in mesh_axes:
+                        raise ShardingError(
+                            f"{where}: {kind} rule {name!r} -> {axes} names mesh axis {ax!r}, "
+                            f"which the mesh ({_fmt_mesh(mesh_axes)}) does not have. Fix: add "
+                            f"{ax!r} to the mesh or drop it from the rule."
+                        )
+
+
+def base_rules(extra_names: tuple[str, ...] = ()) -> Rules:
+    """Every logical name of the models' vocabulary (and ``extra_names``: those strategies
+    add, ``ParallelPlan.logical_names``), replicated. Strategies fill entries in."""
+    empty = {n: () for n in (*LOGICAL_NAMES, *extra_names)}
+    return Rules(params=empty, activations=empty)
+
+
+def compose(*parts: Rules) -> Rules:
+    """Merge strategy rule sets: a name's mesh axes are concatenated in argument order.
+
+    ``compose(data_parallel(), fsdp())`` maps activation ``batch`` to ``("data", "fsdp")``.
+    A mesh axis claimed twice for the same name is a conflict, not something to dedupe.
+    """
+    tables: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
+    shared = tuple(dict.fromkeys(a for part in parts for a in part.shared))
+    for part in parts:
+        for kind, table in tables.items():
+            for name, axes in part.table(kind).items():
+                have = table.get(name, ())
+                dup = set(have) & set(axes)
+                if dup:
+                    raise ShardingError(
+                        f"compose: {kind} rule {name!r} gets mesh axis {sorted(dup)[0]!r} from "
+                        "two strategies. Fix: give each strategy its own mesh axis."
+                    )
+                table[name] = have + tuple(axes)
+    return Rules(params=tables["params"], activations=tables["activations"], shared=shared)
+
+
+def shared_dims(
+    rules: Rules,
+    names: tuple[str | None, ...],
+    shape: tuple[int, ...] | None,
+    kind: Kind,
+    mesh_axes: Mapping[str, int],
+) -> dict[int, tuple[str, ...]]:
+    """``{dim: mesh axes}`` for the dims of one tensor whose entry names a shared axis.
+
+    Each shared axis goes to the first dim, in ``SHARED_ORDER`` (then dim order), whose
+    name maps to it and whose size divides by it and the axes already there; every other
+    dim drops it. If none divides, a parameter under ``SHARED_MIN_ELEMENTS`` elements is
+    replicated over the axis; any other tensor leaves it on its first such dim, for
+    ``resolve_spec`` to report. Without ``shape`` (a spec with no tensor) every dim counts
+    as divisible.
+    """
+    if not rules.shared:
+        return {}
+    table = rules.table(kind)
+    rank = {n: i for i, n in enumerate(SHARED_ORDER)}
+    order = sorted(
+        (d for d, n in enumerate(names) if n is not None and n in table),
+        key=lambda d: (rank.get(names[d], len(rank)), d),
+    )
+    small = kind == "params" and shape is not None and math.prod(shape) < SHARED_MIN_ELEMENTS
+    dims = {
+        d: tuple(a for a in table[n] if a not in rules.shared)
+        for d, n in enumerate(names)
+        if n is not None and n in table and set(table[n]) & set(rules.shared)
+    }
+    for axis in rules.shared:
+        candidates = [d for d in order if axis in table[names[d]]]
+        fits = [
+            d
+            for d in candidates
+            if shape is None
+            or shape[d] % math.prod(mesh_axes.get(a, 1) for a in (*dims[d], axis)) == 0
+        ]
+        if not fits and small:
+            continue  # a small parameter no dim of which divides: replicated over ``axis``
+        # none divides: the first keeps it, so that resolve_spec names the dim that fails
+        for d in (fits or candidates)[:1]:
+            keep = set(dims[d]) | {axis}
+            dims[d] = tuple(a for a in table[names[d]] if a in keep)
+    return dims
+
+
+def _fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
+    return " x ".join(f"{n}={s}" for n, s in mesh_axes.items()) or "no axes"
+
+
+def divides(shape, names, table: Mapping[str, tuple[str, ...]], mesh_axes: Mapping[str, int]):
+    """Whether every named dim of ``shape`` divides by the mesh axes ``table`` gives it."""
+    for name, size in zip(names, shape, strict=True):
+        axes = table.get(name, ()) if name is not None else ()
+        if size % math.prod(mesh_axes.get(a, 1) for a in axes):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Indivisible:
+    """What a "dim does not divide" error carries, so that a layer that knows the mesh
+    presets (``shardlib.parallel.plan.suggest_presets``) can name those that would fit."""
+
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    kind: Kind
+    devices: int
+
+
+def resolve_spec(
+    path: str,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...] | None,
+    rules: Rules,
+    mesh_axes: Mapping[str, int],
+    kind: Kind = "params",
+) -> P:
+    """The validated PartitionSpec of one tensor.
+
+    ``names`` is the tensor's logical annotation (``None`` for an unannotated tensor, which
+    is replicated on purpose). Raises ShardingError for an unknown logical name, a rank
+    mismatch, a mesh axis used twice, a missing mesh axis, or a dim that does not divide.
+    The last carries ``Indivisible`` (``error.indivisible``) for the presets suggestion.
+    """
+    if names is None:
+        return P()
+    names = tuple(names)
+    if len(names) != len(shape):
+        raise ShardingError(
+            f"tensor {path!r} has shape {tuple(shape)} (rank {len(shape)}) but its logical "
+            f"annotation {names} has {len(names)} names. Fix: give one logical name (or None) "
+            "per dim."
+        )
+    table = rules.table(kind)
+    for dim, name in enumerate(names):
+        if name is not None and name not in table:
+            raise ShardingError(
+                f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
+                f"know (known: {', '.join(sorted(table))}). Fix: add an entry, e.g. "
+                f"rules.replace({kind}={{{name!r}: ()}}), or correct the annotation."
+            )
+    shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
+    used: dict[str, int] = {}
+    parts = []
+    for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
+        if name is None:
+            parts.append(None)
+            continue
+        axes = shared.get(dim, table[name])
+        for ax in axes:
+            if ax not in mesh_axes:
+                raise ShardingError(
+                    f"tensor {path!r} dim {dim} ({name!r}, size {size}): the {kind} rule maps it "
+                    f"to mesh axis {ax!r}, which the mesh ({_fmt_mesh(mesh_axes)}) lacks. Fix: "
+                    f"add {ax!r} to the mesh or remove it from the rule for {name!r}."
+                )
+            if ax in used:
+                raise ShardingError(
+                    f"tensor {path!r}: mesh axis {ax!r} is used by dim {used[ax]} "
+                    f"({names[used[ax]]!r}) and again by dim {dim} ({name!r}) of {names}; a mesh "
+                    f"axis can split only one dim. Fix: map {name!r} or {names[used[ax]]!r} to "
+                    "another axis in the rules."
+                )
+            used[ax] = dim
+        ways = math.prod(mesh_axes[a] for a in axes)
+        if size % ways:
+            over = " x ".join(f"{a}={mesh_axes[a]}" for a in axes)
+            error = ShardingError(
+                f"tensor {path!r} dim {dim} ({name!r}, size {size}) is split over mesh axis "
+                f"{over} ({ways} ways), and {size} is not divisible by {ways}. Fix: change the "
+                f"model so {name!r} is a multiple of {ways}, shrink that mesh axis, or map "
+                f"{name!r} to () in the {kind} rules."
+            )
+            devices = math.prod(mesh_axes.values())
+            error.indivisible = Indivisible(tuple(shape), names, kind, devices)
+            raise error
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return _spec(parts)
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def entry_without(entry, axes) -> str | tuple[str, ...] | None:
+    """One PartitionSpec entry without the mesh axes in ``axes``, in the entry's form."""
+    kept = tuple(a for a in entry_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _spec(parts: list) -> P:
+    """P(None, "x", None) and P(None, "x") are one layout: keep the short form."""
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)

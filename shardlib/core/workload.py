@@ -1,0 +1,305 @@
+"""What is being trained: the model's tensors with their logical names, batch and sequence.
+
+The planner never builds the model: it reads the parameter inventory the model itself
+declares (``shardlib.core.model.inventory``: ``nnx.eval_shape``, nothing allocated), so the
+rules that lay out the real model (``shardlib.parallel.plan``) say how each candidate splits
+each tensor, and a new model needs no copy of its parameter list here. The widths the FLOP
+and activation formulas use (embed, heads, mlp, ...) are the sizes of those logical dims.
+FLOPs follow the usual transformer count (6 per parameter per token, plus attention); an
+MoE block counts the expert slots the program computes. Routing facts that no parameter
+shape shows (top-k, capacity, which blocks are MoE) come from the model's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from shardlib.core.errors import ShardingError
+
+LAYERS = "layers"
+"""The logical name of the stacked blocks' leading dim (``nnx.vmap``'s partition name)."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor (per layer when ``per_layer``; stacked over blocks in the model)."""
+
+    name: str
+    """Path in the model, e.g. ``blocks.attn.wq``."""
+    dims: tuple[tuple[str | None, int], ...]
+    """(logical name, size) per dim, without the leading ``layers`` dim (None: unnamed)."""
+    per_layer: bool
+    """Inside the stacked blocks (it has a leading ``layers`` dim)."""
+    share: float = 1.0
+    """Copies per decoder layer: the stacked dim's size over the model's layers. 1 for a
+    Llama block; 1/moe_every for each block of an MoE model's stacked groups."""
+
+    @property
+    def size(self) -> int:
+        """Elements of one copy."""
+        n = 1
+        for _, size in self.dims:
+            n *= size
+        return n
+
+    @property
+    def numel(self) -> float:
+        """Elements per layer on average (``size`` x ``share``): x layers = all copies."""
+        return self.size * self.share
+
+
+def param_infos(entries, layers: int) -> tuple[ParamInfo, ...]:
+    """``ParamInfo``s from an inventory's ``(path, shape, names)`` entries.
+
+    A parameter whose first logical name is ``layers`` is per layer: its copies are that
+    dim's size, spread over the model's ``layers`` decoder layers. An empty stack (zero
+    copies) is no tensor of the program and is left out.
+    """
+    out = []
+    for path, shape, names in entries:
+        path = path if isinstance(path, str) else ".".join(str(k) for k in path)
+        shape = tuple(getattr(shape, "shape", shape))
+        names = tuple(names) if names is not None else (None,) * len(shape)
+        stacked = bool(names) and names[0] == LAYERS
+        if stacked:
+            copies, shape, names = shape[0], shape[1:], names[1:]
+            if copies == 0:
+                continue
+        dims = tuple(zip(names, shape, strict=True))
+        out.append(ParamInfo(path, dims, stacked, copies / layers if stacked else 1.0))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model's parameters with the batch and sequence it is trained on."""
+
+    model: str
+    """The model name ``shardlib.core.model.resolve_model`` resolves (a preset or module:fn)."""
+    params: tuple[ParamInfo, ...]
+    """Every parameter, as the model declares it."""
+    param_count: int
+    """Parameters of the model (the inventory's count)."""
+    layers: int
+    """Decoder layers (the config's ``layers``, else the stacked dim)."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq: int
+    """Tokens per sequence."""
+    precision: str = "bf16"
+    """Compute dtype: bf16 (fp32 master weights, as shardlib trains) or fp32."""
+    cfg: Any = None
+    """The model's config (None for a plain function): MoE routing facts only."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """The ``model.NAME`` settings applied to the model (as given)."""
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        """The fields' hash, computed once: the planner's caches key on the workload
+        thousands of times per search, and its parameter list is long."""
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory,
+        global_batch: int,
+        seq: int,
+        precision: str = "bf16",
+        overrides=(),
+        inv=None,
+    ) -> Workload:
+        """The workload of a ``shardlib.core.model.ModelFactory``; ``inv``: its inventory when
+        the caller has it already (the model is then not built again)."""
+        from shardlib.core.model import inventory
+
+        inv = inventory(factory) if inv is None else inv
+        layers = int(getattr(factory.config, "layers", 0) or inv.layers)
+        return cls(
+            model=factory.name,
+            params=param_infos(inv.params, layers),
+            param_count=int(inv.param_count),
+            layers=layers,
+            global_batch=global_batch,
+            seq=seq,
+            precision=precision,
+            cfg=factory.config,
+            overrides=tuple(dict(overrides).items()),
+        )
+
+    @classmethod
+    def from_preset(
+        cls, model: str, global_batch: int, seq: int, precision: str = "bf16", **overrides
+    ) -> Workload:
+        """``model`` (a registered name or ``package.module:function``) with overrides."""
+        from shardlib.core.model import resolve_model
+
+        try:
+            factory = resolve_model(model, overrides)
+        except ValueError as err:
+            raise ShardingError(str(err)) from None
+        return cls.from_factory(factory, global_batch, seq, precision, overrides)
+
+    @classmethod
+    def from_train_config(cls, cfg) -> Workload:
+        """The workload a ``TrainConfig`` trains (its model overrides applied)."""
+        return cls.from_preset(
+            cfg.model,
+            cfg.data.batch,
+            cfg.data.seq,
+            cfg.precision.compute,
+            **dict(cfg.model_overrides),
+        )
+
+    # --- widths: the sizes of the logical dims the parameters name ---------------------------
+    @cached_property
+    def dims(self) -> Mapping[str, int]:
+        """Size of each logical dim of the dense parameters (those without an ``expert``
+        dim), and ``expert_mlp``: the experts' hidden width."""
+        out: dict[str, int] = {}
+        for param in self.params:
+            names = dict(param.dims)
+            if "expert" in names:
+                out.setdefault("expert_mlp", names.get("mlp", 0))
+                out.setdefault("expert", names["expert"])
+                continue
+            for name, size in param.dims:
+                if name is not None:
+                    out.setdefault(name, size)
+        return out
+
+    def _dim(self, name: str) -> int:
+        return self.dims.get(name, 0)
+
+    embed = property(lambda self: self._dim("embed"))
+    heads = property(lambda self: self._dim("heads"))
+    kv_heads = property(lambda self: self._dim("kv_heads"))
+    head_dim = property(lambda self: self._dim("head_dim"))
+    mlp = property(lambda self: self._dim("mlp"))
+    """The dense MLP's hidden width (0 when every block is an MoE block)."""
+    vocab = property(lambda self: self._dim("vocab"))
+    expert_mlp = property(lambda self: self._dim("expert_mlp"))
+
+    @cached_property
+    def tensor_sizes(self) -> tuple[int, ...]:
+        """Every size of a dim tensor parallelism splits (heads, kv-heads, MLP and vocab)."""
+        names = ("heads", "kv_heads", "mlp", "vocab")
+        return tuple(sorted({s for p in self.params for n, s in p.dims if n in names}))
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per activation element (the compute dtype)."""
+        return 2 if self.precision == "bf16" else 4
+
+    # --- mixture of experts: the expert count from the shapes, routing from the config -------
+    @property
+    def experts(self) -> int:
+        """Experts per MoE layer (0: a dense model), from the ``expert`` dim."""
+        return self._dim("expert")
+
+    @property
+    def top_k(self) -> int:
+        return int(getattr(self.cfg, "top_k", 1) or 1)
+
+    @property
+    def moe_every(self) -> int:
+        """Every n-th block is an MoE block (``MoeConfig.moe_every``; 0: a dense model)."""
+        return int(getattr(self.cfg, "moe_every", 1)) if self.experts else 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens per routing group (``MoeConfig.group_size``, 0: one sequence)."""
+        return int(getattr(self.cfg, "group_size", 0) or 0) or self.seq
+
+    @property
+    def capacity(self) -> int:
+        """Slots per expert and routing group (``MoeConfig.capacity``)."""
+        return self.cfg.capacity(self.group_tokens) if self.experts else 0
+
+    @property
+    def slots_per_token(self) -> float:
+        """Expert slots per token, E x capacity / group: k x the effective capacity factor."""
+        return self.experts * self.capacity / self.group_tokens if self.experts else 0.0
+
+    @cached_property
+    def layer_param_count(self) -> float:
+        """Parameters of one block, averaged over the blocks (dense and MoE)."""
+        return sum(p.numel for p in self.params if p.per_layer)
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq
+
+    # --- FLOPs --------------------------------------------------------------------------------
+    @cached_property
+    def _attention_matmul_flops(self) -> float:
+        """Forward FLOPs of one block's q/k/v/o projections per token (2 per weight)."""
+        e, d = self.embed, self.head_dim
+        return 2 * e * (2 * self.heads * d + 2 * self.kv_heads * d)
+
+    @cached_property
+    def layer_matmul_flops_per_token(self) -> float:
+        """Forward FLOPs of one block's matmuls per token as the program runs them (2 per
+        weight), averaged over the blocks.
+
+        An MoE block runs each expert on all its ``capacity`` slots, filled or not (E x C /
+        group slots per token: k x the capacity factor), plus the router and GShard's
+        dispatch and combine einsums ([g,s,e,c] x [g,s,d]: 2 x E x C x d per token each).
+        """
+        attn = self._attention_matmul_flops
+        if not self.experts:
+            return float(attn + 6 * self.embed * self.mlp)
+        moe = 1.0 / self.moe_every
+        slots = self.slots_per_token
+        expert = 2 * self.embed * self.experts + 6 * self.embed * self.expert_mlp * slots
+        expert += 2 * 2 * slots * self.group_tokens * self.embed
+        return attn + (1 - moe) * 6 * self.embed * self.mlp + moe * expert
+
+    @cached_property
+    def layer_unsplit_flops_per_token(self) -> float:
+        """The part of ``layer_matmul_flops_per_token`` that tensor parallelism does not
+        split: an MoE block's router and dispatch/combine einsums (their dims are embed,
+        experts and slots, none split by tensor)."""
+        if not self.experts:
+            return 0.0
+        e = self.embed
+        moe = 2 * e * self.experts + 4 * self.slots_per_token * self.group_tokens * e
+        return moe / self.moe_every
+
+    @cached_property
+    def layer_useful_flops_per_token(self) -> float:
+        """Like ``layer_matmul_flops_per_token``, counting only the k experts a token uses
+        (no padding slots, no dispatch): the MFU numerator's count."""
+        if not self.experts:
+            return self.layer_matmul_flops_per_token
+        e, moe = self.embed, 1.0 / self.moe_every
+        expert = 2 * e * self.experts + 6 * e * self.expert_mlp * self.top_k
+        return self._attention_matmul_flops + (1 - moe) * 6 * e * self.mlp + moe * expert
+
+    def attention_flops_per_token(self, seq: int) -> float:
+        """Forward FLOPs of scores and weighted sum per token, dense (the mask is not skipped)."""
+        return 4.0 * seq * self.heads * self.head_dim
+
+    @cached_property
+    def head_flops_per_token(self) -> float:
+        """Forward FLOPs of the output projection per token (the lookup is free)."""
+        return 2.0 * self.embed * self.vocab
+
+    @cached_property
+    def model_flops(self) -> float:
+        """Forward + backward FLOPs per step, no recompute: the MFU numerator."""
+        per_token = self.layers * (
+            self.layer_useful_flops_per_token + self.attention_flops_per_token(self.seq)
+        )
+        return 3.0 * self.tokens * (per_token + self.head_flops_per_token)

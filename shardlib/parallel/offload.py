@@ -1,0 +1,42 @@
+"""Host offload (ZeRO-Offload): state kept in ``pinned_host`` memory between steps.
+
+* ``optimizer``: the optimizer state lives in host memory; each step moves it to the
+  device for the update and back (the train step's in/out shardings say so);
+* ``params``: the stacked block weights (and their optimizer state) live in host memory;
+  the layer loop fetches one layer at a time and never saves the fetched copy for the
+  backward pass (it is fetched again there).
+
+XLA moves the bytes; nothing here writes a transfer except the per-layer fetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import Axis
+
+HOST_MEMORY = "pinned_host"
+DEVICE_MEMORY = "device"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """``[parallel.offload]``: what lives in host memory between steps."""
+
+    axes: ClassVar[dict[str, str]] = {}  # no mesh axis of its own
+    logical_names: ClassVar[dict[str, str]] = {}
+
+    optimizer: bool = False
+    """Keep optimizer state in pinned host memory between steps (ZeRO-Offload)."""
+    params: bool = False
+    """Keep the stacked block weights in pinned host memory; fetch one layer at a time."""
+
+    def check(self, mesh_axes: Mapping[str, int], rules, target) -> None:
+        if self.params and mesh_axes.get(Axis.STAGE, 1) > 1:
+            raise ShardingError(
+                "offload_params with a stage axis: pipelined weights stay on the device. Fix: "
+                "drop offload_params or the stage axis."
+            )

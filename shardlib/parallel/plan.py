@@ -1,0 +1,360 @@
+"""``ParallelPlan``: one description of a parallel layout, shared by trainer, planner and CLI.
+
+A plan is the mesh (named axes and sizes) plus one section per strategy. A mesh axis
+switches its strategy on (``fsdp`` -> FSDP, ``tensor`` -> Megatron, ...); a section holds
+that strategy's knobs. The plan alone yields the rules, runs every strategy's own checks
+and hands the trainer its layer loop and gradient function (``parallel.layer_loop``). A mesh
+TOML carries it as ``[mesh]`` plus ``[parallel.<section>]`` tables, read straight into the
+sections' fields; ``shardlib plan`` writes the same tables.
+
+The composition order of the rules is written once, in ``rules``.
+
+A section is a frozen dataclass in its strategy's module (``shardlib/parallel/``) that
+declares what it brings, so nothing else has to list it:
+
+* ``axes`` (class attribute): the mesh axis names it switches on, each with what it does.
+  The plan accepts a mesh whose axes are all declared by some section, and nothing else;
+* ``logical_names`` (class attribute): names it adds to the models' vocabulary
+  (``rules.LOGICAL_NAMES``), replicated unless a rule splits them;
+* ``rules(mesh_axes) -> list[Rules]`` for the axes present; optional ``refine(rules)``
+  derives entries from the composed table; optional ``check(mesh_axes, rules, target)``
+  holds the strategy's refusals.
+
+Adding a strategy is its module, one field here (and its place in ``rules``' order), an
+op in ``shardlib.core.ops`` if the model has to call one, and one planner term.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import MESHES_DIR, Axis, MeshSpec, load_mesh
+from shardlib.core.ops import use_ops
+from shardlib.core.rules import Indivisible, Rules, base_rules, compose, divides
+from shardlib.core.target import Target
+from shardlib.core.values import replace_path
+from shardlib.parallel.context import ContextParallel
+from shardlib.parallel.data import DataParallel
+from shardlib.parallel.expert import ExpertParallel
+from shardlib.parallel.fsdp import vocab_parallel_pays
+from shardlib.parallel.layer_loop import layer_loop, make_grad_fn
+from shardlib.parallel.offload import Offload
+from shardlib.parallel.pipeline.gpipe import PipelineParallel
+from shardlib.parallel.remat import Remat
+from shardlib.parallel.tensor import TensorParallel
+from shardlib.parallel.zero import StateRules, zero
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The mesh and every parallelism strategy's settings."""
+
+    mesh: MeshSpec = field(default_factory=lambda: MeshSpec((("data", -1),)))
+    """Named mesh axes, outermost first (``-1``: the devices that are left)."""
+    data: DataParallel = field(default_factory=DataParallel)
+    """``data`` and ``fsdp`` axes: batch split; ZeRO stage over ``data``."""
+    tensor: TensorParallel = field(default_factory=TensorParallel)
+    """``tensor`` (+ ``tensor2``, ``tensor3``) axes: Megatron 1D/2D/3D, sequence parallel."""
+    context: ContextParallel = field(default_factory=ContextParallel)
+    """``context`` axis: sequence split and the attention kernel."""
+    expert: ExpertParallel = field(default_factory=ExpertParallel)
+    """``expert`` axis: experts split and the token exchange."""
+    pipeline: PipelineParallel = field(default_factory=PipelineParallel)
+    """``stage`` axis: pipeline schedule and micro-batches."""
+    remat: Remat = field(default_factory=Remat)
+    """Per-block rematerialisation policy."""
+    offload: Offload = field(default_factory=Offload)
+    """Optimizer state or block weights in host memory."""
+
+    def __post_init__(self) -> None:
+        known = self.known_axes()
+        unknown = [n for n, _ in self.mesh.axes if n not in known]
+        if unknown:
+            listed = "; ".join(f"{a} ({what})" for a, what in known.items())
+            raise ShardingError(
+                f"mesh {self.mesh.source}: unknown mesh axis {unknown[0]!r}; no strategy "
+                f"switches on with it. Fix: use one of {listed}."
+            )
+
+    @property
+    def sections(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh")
+
+    @classmethod
+    def known_axes(cls) -> dict[str, str]:
+        """Every mesh axis a section declares, with what it does (``axes``)."""
+        return _declared("axes")
+
+    @classmethod
+    def logical_names(cls) -> tuple[str, ...]:
+        """Logical names the sections add to the models' vocabulary (``logical_names``)."""
+        return tuple(_declared("logical_names"))
+
+    @cached_property
+    def mesh_axes(self) -> dict[str, int]:
+        """Axis sizes; a ``-1`` axis must have been resolved (``with_devices``) first."""
+        sizes = dict(self.mesh.axes)
+        if -1 in sizes.values():
+            raise ShardingError(
+                f"mesh {self.mesh.source}: an axis is -1 until the plan meets its devices. "
+                "Fix: call plan.with_devices(n) (or build the mesh) first."
+            )
+        return sizes
+
+    def with_devices(self, num_devices: int) -> ParallelPlan:
+        """The plan with ``-1`` resolved against ``num_devices`` (and the product checked)."""
+        sizes = self.mesh.sizes(num_devices)
+        mesh = dataclasses.replace(self.mesh, axes=tuple(sizes.items()))
+        return dataclasses.replace(self, mesh=mesh)
+
+    def with_mesh_axes(self, axes: Mapping[str, int]) -> ParallelPlan:
+        """The same strategy settings on other axis sizes (a built mesh's, say)."""
+        mesh = dataclasses.replace(self.mesh, axes=tuple(axes.items()))
+        return dataclasses.replace(self, mesh=mesh)
+
+    def build_mesh(self, devices: list | None = None):
+        """A ``jax.sharding.Mesh`` with Auto axes over ``devices`` (default: all)."""
+        return self.mesh.build(devices)
+
+    # --- rules ---------------------------------------------------------------------------
+    @cached_property
+    def rules(self) -> Rules:
+        """Parameter and activation rules of every strategy the mesh switches on.
+
+        Order matters only for names two strategies both split: the activation ``batch``
+        takes the mesh axes in the order given here, which is the mesh's outer-to-inner
+        order of the axes that split it (stage, data, fsdp, ..., expert). Context comes
+        before tensor so that ``res_seq`` splits over (context, tensor) with sequence
+        parallelism; expert comes last because GShard folds it innermost into the batch.
+        """
+        axes = self.mesh_axes
+        order = (self.pipeline, self.data, self.context, self.tensor, self.expert)
+        parts = [base_rules(self.logical_names())]
+        for section in order:
+            parts += section.rules(axes)
+        rules = compose(*parts)
+        for section in order:
+            refine = getattr(section, "refine", None)
+            rules = refine(rules) if refine is not None else rules
+        rules.check_mesh(axes, where="plan")
+        return rules
+
+    @cached_property
+    def state_rules(self) -> StateRules:
+        """Rules per role of the training state (parameters, gradients, optimizer state)."""
+        return zero(self.rules, stage=self.data.zero, mesh_axes=self.mesh_axes)
+
+    def for_target(self, target: Target) -> ParallelPlan:
+        """The plan for this model: what depends on its shapes (uneven pipeline stages,
+        whether FSDP's head runs vocab-parallel: ``strategies.fsdp.vocab_parallel_pays``)."""
+        pipeline = self.pipeline.for_layers(target.layers, self.mesh_axes)
+        data = self.data
+        if data.vocab_parallel and not self._vocab_parallel_pays(target):
+            data = dataclasses.replace(data, vocab_parallel=False)
+        if (pipeline, data) == (self.pipeline, self.data):
+            return self
+        return dataclasses.replace(self, pipeline=pipeline, data=data)
+
+    def _vocab_parallel_pays(self, target: Target) -> bool:
+        """Under a pipeline, never: the head runs outside the stage loop on the whole data
+        shard, where the vocab-split tables cost more memory than they save (fsdp 2 x
+        stage 4, llama-small: +33 MiB per device, jax 0.10.2, CPU), and the planner costs
+        whole-table gathers there (``planner.terms.base.Context.vocab_tables``). Under
+        ZeRO++, never: its quantized gathers need every parameter's data and fsdp splits on
+        one dim, and ZeRO never splits vocab over data (``strategies.zero``)."""
+        axes = self.mesh_axes
+        if axes.get(Axis.FSDP, 1) <= 1 or "vocab" not in target.dims:
+            return True  # nothing to decide (no fsdp axis, or a model without vocab)
+        if axes.get(Axis.STAGE, 1) > 1 or self.data.zeropp:
+            return False
+        others = math.prod(axes[a] for a in self.rules.activations["batch"] if a != Axis.FSDP)
+        tensor = math.prod(axes[a] for a in self.rules.params["vocab"] if a != Axis.FSDP)
+        tokens = target.batch * target.seq // max(others, 1)
+        return vocab_parallel_pays(tokens, target.dims["vocab"], axes[Axis.FSDP], tensor)
+
+    # --- checks ----------------------------------------------------------------------------
+    def check(self, target: Target) -> None:
+        """Every strategy's own refusals, before anything is compiled or allocated."""
+        rules, axes = self.state_rules.params, self.mesh_axes
+        with suggest_presets(batch=target.micro_batch):
+            for section in self.sections:
+                check = getattr(section, "check", None)
+                if check is not None:
+                    check(axes, rules, target)
+
+    # --- what the trainer runs ---------------------------------------------------------------
+    def ops(self):
+        """Context manager: the model's ops (``shardlib.core.ops``) take this plan's forms,
+        each given by the section that owns it (``section.ops(mesh_axes)``: context
+        parallelism's attention, expert parallelism's exchange)."""
+        forms = {}
+        for section in self.sections:
+            if hasattr(section, "ops"):
+                forms.update(section.ops(self.mesh_axes))
+        return use_ops(**forms)
+
+    def split_tokens(self, tokens_BL1):
+        """(inputs, targets, positions) of a [b, seq + 1] batch in the order the model sees
+        (context parallelism's zig-zag order; positions None for the natural order)."""
+        return self.context.split_tokens(tokens_BL1, self.mesh_axes)
+
+    def check_packed(self) -> None:
+        """Refuse packed rows (document masks) where attention cannot keep them apart."""
+        self.context.check_packed(self.mesh_axes)
+
+    def layer_loop(self, target: Target, dtype):
+        """``layers(block_fn, blocks_state, carry)``: how the model's stacked blocks run
+        (remat policy, GPipe/circular pipeline, per-layer fetch of offloaded weights)."""
+        return layer_loop(self, target, dtype)
+
+    def value_and_grad(self, loss_fn, **model_parts):
+        """``jax.value_and_grad(loss_fn)``, or the bounded pipeline's own gradient function
+        (``staging.make_grad_fn``: ``graphdef``, ``dtype``, ``target``, ``rest_shardings``,
+        ``has_aux``)."""
+        return make_grad_fn(self, loss_fn, **model_parts)
+
+    def pipeline_spec(self):
+        """The pipeline on this mesh (None without a ``stage`` axis of size > 1)."""
+        return self.pipeline.spec(self.mesh_axes)
+
+    # --- TOML ---------------------------------------------------------------------------------
+    @classmethod
+    def from_mesh_spec(cls, spec: MeshSpec) -> ParallelPlan:
+        """A mesh file's ``[mesh]`` and ``[parallel.*]`` tables as a plan."""
+        plan = cls(mesh=spec)
+        for name, table in spec.parallel.items():
+            if name not in _section_names():
+                raise ShardingError(
+                    f"mesh {spec.source}: unknown table [parallel.{name}]. Fix: use one of "
+                    f"{', '.join(_section_names())}."
+                )
+            if not isinstance(table, Mapping):
+                raise ShardingError(
+                    f"mesh {spec.source}: parallel.{name} must be a table of settings."
+                )
+            for key, value in table.items():
+                plan = replace_path(plan, [name, key], value, where=f"mesh {spec.source}")
+        return plan
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """The ``[parallel.*]`` settings that differ from the defaults (what a file needs)."""
+        out = {}
+        for name in _section_names():
+            have, default = getattr(self, name), type(getattr(self, name))()
+            diff = {
+                f.name: getattr(have, f.name)
+                for f in dataclasses.fields(have)
+                if getattr(have, f.name) != getattr(default, f.name)
+            }
+            if diff:
+                out[name] = diff
+        return out
+
+    def describe(self) -> str:
+        """``stage=2 x fsdp=2 x tensor=2; pipeline.schedule=bounded`` (one line)."""
+        shape = " x ".join(f"{n}={s}" for n, s in self.mesh.axes)
+        knobs = [f"{s}.{k}={v}" for s, t in self.tables().items() for k, v in t.items()]
+        return "; ".join([shape, *knobs]) if knobs else shape
+
+
+def _section_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(ParallelPlan) if f.name != "mesh")
+
+
+@functools.cache
+def _declared(attribute: str) -> dict[str, str]:
+    """The union of one declared class attribute over the section types, in field order."""
+    hints = typing.get_type_hints(ParallelPlan)
+    out: dict[str, str] = {}
+    for name in _section_names():
+        for key, what in getattr(hints[name], attribute).items():
+            out[str(key)] = what
+    return out
+
+
+def presets_that_fit(fail: Indivisible, batch: int | None = None) -> list[str]:
+    """Mesh presets of the same device count on which the failing tensor, and the batch,
+    divide, judged by each preset's own plan and rules.
+
+    Matching the preset's axis *names* against the failing rule is not enough: with batch=3,
+    ``cpu-8-fsdp`` has no ``data`` axis but splits the batch 8 ways over ``fsdp``. ``batch``
+    (one micro-batch, where known) must divide too, so a preset that mends a weight but
+    breaks the batch is not offered, and two presets never send the user back and forth.
+    """
+    fits = []
+    for path in sorted(Path(MESHES_DIR).glob("*.toml")):
+        try:
+            spec = load_mesh(path)
+            if spec.fixed_size != fail.devices:
+                continue
+            plan = ParallelPlan.from_mesh_spec(spec)
+            rules, axes = plan.state_rules.params, plan.mesh_axes
+        except (ShardingError, OSError, ValueError, TypeError):
+            continue
+        if not divides(fail.shape, fail.names, rules.table(fail.kind), axes):
+            continue
+        if batch is not None and not divides((batch,), ("batch",), rules.activations, axes):
+            continue
+        fits.append(path.stem)
+    return fits
+
+
+@contextlib.contextmanager
+def suggest_presets(batch: int | None = None) -> Iterator[None]:
+    """Re-raise a "dim does not divide" error with the presets that would fit it.
+
+    The error comes from ``rules.resolve_spec``, which knows one tensor and no presets;
+    the suggestion needs each preset's plan, so it is added here, where plans are known.
+    """
+    try:
+        yield
+    except ShardingError as error:
+        fail = getattr(error, "indivisible", None)
+        if fail is None or getattr(error, "suggested", False):
+            raise
+        fits = presets_that_fit(fail, batch)
+        hint = f" Presets that fit: {', '.join(fits)}." if fits else ""
+        better = ShardingError(f"{error}{hint}")
+        better.indivisible, better.suggested = fail, True
+        raise better from None
+
+
+def rules_for_mesh(
+    mesh: Mesh | MeshSpec | Mapping[str, int], *, sequence_parallel: bool = False
+) -> Rules:
+    """The rules of the default plan on a mesh: each mesh axis switches on its strategy.
+
+    ``mesh`` is a built ``jax.sharding.Mesh``, a ``MeshSpec`` or ``{axis: size}``. The plan
+    refuses an axis no strategy declares (``ParallelPlan.known_axes``), so a typo such as
+    ``tensr`` fails here instead of yielding rules that replicate everything.
+    """
+    if isinstance(mesh, MeshSpec):
+        spec = mesh
+    elif hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):  # a jax Mesh
+        spec = MeshSpec(tuple(zip(mesh.axis_names, mesh.devices.shape, strict=True)))
+    elif isinstance(mesh, Mapping):
+        spec = MeshSpec(tuple(mesh.items()))
+    else:
+        raise ShardingError(
+            f"rules_for_mesh: got {type(mesh).__name__} {mesh!r}. Fix: pass a "
+            "jax.sharding.Mesh, a shardlib.MeshSpec or a mapping {axis name: size}."
+        )
+    plan = ParallelPlan(mesh=spec, tensor=TensorParallel(sequence_parallel=sequence_parallel))
+    if spec.fixed_size is None:  # a -1 axis: the devices of this process's backend
+        import jax
+
+        plan = plan.with_devices(jax.device_count())
+    return plan.rules

@@ -1,0 +1,77 @@
+"""Megatron tensor parallelism: per-layer all-reduces of the residual stream.
+
+Forward: one all-reduce of b·s·h after the attention output projection and one after the
+MLP down projection (Shoeybi et al. 2019). Backward: one per block for the input gradient
+of the column-parallel projections; models/llama/model.py computes Q/K/V and gate/up as single
+products so that these gradients are summed locally before the one all-reduce, as in
+Megatron: 4 all-reduces of b·s·h per layer in all. Outside
+the loop: the vocab-parallel embedding lookup (one b·s·h all-reduce), the softmax's max,
+sum and target pick over the split vocab (three of b·s fp32 values) and the head's input
+gradient (b·s·h). Under full remat the saved layer input is kept split over tensor and
+all-gathered once per layer before its recompute (``terms.remat.saved_input_split``). These
+sit on the critical path: nothing overlaps them. Under FSDP's
+vocab-parallel head (``Context.vocab_tables``) the vocab splits over fsdp x tensor and
+those run over both axes (``terms.fsdp``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardlib.core.mesh import Axis
+from shardlib.planner.cost.terms.base import Comm, Context, Contribution, SearchAxis
+from shardlib.planner.cost.terms.remat import saved_input_split
+
+FORWARD_PER_LAYER = 2
+BACKWARD_PER_LAYER = 2
+RECOMPUTED_PER_LAYER = 1
+"""Under full remat: the attention output's all-reduce, recomputed before the backward."""
+
+
+def _admits(workload, cluster, space, chosen, size) -> bool:
+    max_tensor = space.max_tensor or cluster.devices_per_host
+    return size <= max_tensor and math.gcd(*workload.tensor_sizes) % size == 0
+
+
+SEARCH_AXIS = SearchAxis(
+    Axis.TENSOR,
+    placement=50,  # innermost: its all-reduces are on the critical path of every layer
+    admits=_admits,
+    splits_batch=False,
+    rule="divides the heads, kv-heads, MLP and vocab widths and stays inside one host",
+)
+
+
+def tensor(ctx: Context) -> Contribution:
+    p, w = ctx.p, ctx.w
+    if p.tensor <= 1:
+        return Contribution()
+    axes, t = (str(Axis.TENSOR),), p.tensor
+    tokens = ctx.micro_batch * ctx.local_seq
+    bsh = tokens * w.embed * w.compute_bytes
+    m = p.microbatches
+    if p.stage > 1 and p.schedule == "bounded":  # embedding and head run inside the loop
+        m = ctx.executed
+    # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
+    # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
+    # all-reduce is not needed for the backward pass). Both at once compose: the 1F1B
+    # stage's recomputed forward, then each layer's own recompute inside its backward
+    # (compiled, 39B/146B-class layouts: 7 all-reduces per layer and loop trip; issue 15)
+    forward = FORWARD_PER_LAYER
+    if p.stage > 1 and p.schedule == "bounded":
+        forward += FORWARD_PER_LAYER
+    if p.remat == "full":
+        forward += RECOMPUTED_PER_LAYER
+    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
+    if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
+        per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
+    comms = [Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False)]
+    if saved_input_split(ctx) > 1:  # each layer's split input, gathered before its recompute
+        gathers = ctx.layer_runs
+        comms.append(Comm("tensor", "saved inputs", "all-gather", axes, t, bsh, gathers, False))
+    if not ctx.vocab_tables:  # else FSDP's vocab-parallel head runs them over fsdp x tensor
+        comms += [
+            Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
+            Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
+        ]
+    return Contribution(comms=tuple(comms))

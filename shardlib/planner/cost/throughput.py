@@ -1,0 +1,330 @@
+"""The throughput model: a step's time from its matmul shapes, its links and what overlaps.
+
+One flat "75% of peak" made every plan compute equally fast, so plans tied and memory broke
+the tie. Here the rate depends on the plan:
+
+* **Compute.** One block's forward on one micro-batch, on one device, is a list of matmuls
+  (q/k/v, scores, values, output projection, MLP in and out) plus the output head, each
+  with its (M, K, N) after the tensor, context and batch splits. Each runs at the roofline
+  rate ``min(peak x matmul_efficiency, intensity x HBM bandwidth)``: a matmul whose
+  FLOPs per byte moved (bf16 operands and result) fall below the GPU's ops:byte ratio is
+  memory-bound; and its output tiles run in waves over the streaming multiprocessors, the
+  last one partly idle (NVIDIA, "Matrix Multiplication Background User's Guide", sections
+  "Math and memory bounds" and "Wave quantization", https://docs.nvidia.com/deeplearning/
+  performance/dl-performance-matrix-multiplication/index.html): half a wave lost on
+  average, so small per-device products (high tensor degree, small micro-batch) are
+  slower. ``matmul_efficiency``, the fraction of peak a large matmul reaches, is a cluster
+  field fitted on published runs (docs/throughput_calibration.md). Elementwise work (norms,
+  residual adds, rotary, SwiGLU's product, the softmax over the scores that dense attention
+  writes out) streams its bytes through HBM. The backward pass runs the same shapes twice
+  (input and weight gradients) and its elementwise work about twice, so one rate (FLOPs
+  over seconds of that forward) times every FLOP the terms count (backward, recompute, the
+  pipeline's bubble).
+* **Communication** per collective on its link (``Cluster.link``: NVLink inside a host,
+  InfiniBand across) at ``LINK_EFFICIENCY`` of the preset's bandwidth, plus per-step
+  latency.
+* **Overlap.** Tensor-parallel and expert all-reduces and the pipeline's hand-overs are on
+  the critical path. Data-parallel gradient reductions run during the backward pass
+  (without stages: a micro-batch's reduction behind its own backward) and are exposed only
+  beyond it; with stages they run after the pipeline's flush, exposed (as Megatron-LM's).
+  Ring-attention passes hide behind the attention blocks only (Liu et al. 2023: a pass
+  is free while a block's compute outlasts its transfer). FSDP gathers and reductions hide
+  behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not fitted: no
+  calibration run uses FSDP).
+* **The optimizer update** (``update_seconds``): a pass over the held state at HBM
+  bandwidth, after the reduction, exposed.
+
+Which program runs is ``cost.Program``'s: the elementwise traffic (``BlockTraffic``) and
+the terms. The planner costs shardlib's; the calibration costs the published runs' own
+(``planner.megatron``) on this same model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shardlib.core.workload import Workload
+from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Comm, Context
+from shardlib.planner.inputs.cluster import Cluster
+
+LINK_EFFICIENCY = 0.5
+"""Achieved fraction of a link's preset bandwidth for large collectives. Fitted with
+``matmul_efficiency`` on the published Megatron-LM runs, each costed with its own program's
+traffic (``benchmarks/planner_calibration.py --fit``, ``planner.megatron``). Weakly
+identified: any value from 0.4 to 1.0 (with its best ``matmul_efficiency``) keeps the worst
+calibration row within 1.063-1.080 (docs/throughput_calibration.md)."""
+OVERLAP = 0.8
+"""Fraction of compute time that FSDP prefetches hide behind (an assumption: the
+calibration runs use none)."""
+BACKWARD_SHARE = 2 / 3
+"""The backward pass's share of compute (two matmuls per forward one): the window a
+data-parallel reduction overlaps."""
+TILE = 128
+"""Output tile edge of a cuBLAS matmul (the guide's "Typical tile dimensions": 256x128 and
+128x128; the smaller, which cuBLAS falls back to for small products)."""
+FUSED_ATTENTION = 0.92
+"""Fraction of the matmul ceiling a fused attention kernel's products reach, counted over
+the planner's attention FLOPs (which include the half the causal mask skips). Measured:
+cuDNN's kernel on an H200 reached 0.61-1.23 of it over Llama 1B's and 7B's heads at seq
+2048-8192, median 0.92 (``benchmarks/gpu_attention.py``, docs/gpu.md)."""
+EXPOSED = frozenset({"tensor", "expert", "pipeline"})
+"""Strategies whose collectives sit on the critical path (``Comm.strategy``)."""
+
+
+@dataclass(frozen=True)
+class BlockTraffic:
+    """HBM traffic per token of one block's forward elementwise work, read + written, in
+    units of a width of the compute dtype: what a program's fused elementwise kernels stream.
+
+    The matmuls' own operand and result bytes are the roofline's (``Matmul.bytes``); these
+    are the passes between them. Different programs of the same model differ here: a GPT
+    block with dropout streams its attention probabilities twice more than shardlib's Llama
+    block (``planner.megatron``)."""
+
+    embed: float = 10
+    """Over the embedding width. Llama (models/llama/model.py): two RMSNorms (read, write), two
+    residual adds (read two, write one)."""
+    rotary: float = 2
+    """Over the q and k widths: rotary (read, write)."""
+    mlp: float = 3
+    """Over the MLP width: SwiGLU's silu(gate) * up (read two, write one)."""
+    scores: float = 6
+    """Over the attention scores (heads x keys per token) that dense attention writes to HBM:
+    scale, mask and softmax. Measured, not counted: XLA's GPU program of the dense kernel
+    streamed 5.3-6.8 widths per score element beyond its two products (median 5.9) on an
+    H200 (``benchmarks/gpu_attention.py``: fwd + bwd of Llama 1B's and 7B's heads at seq
+    2048-8192, docs/gpu.md); one fused read + write would be 2."""
+
+
+LLAMA_TRAFFIC = BlockTraffic()
+"""shardlib's own block (models/llama/model.py), as XLA fuses it."""
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One (batched) matmul of a block's forward on one device: [M, K] x [K, N]."""
+
+    name: str
+    m: float
+    k: float
+    n: float
+    batch: float = 1.0
+    """Independent products (attention: sequences x heads on the device)."""
+    moved: float | None = None
+    """Elements read and written per product where an operand or the result stays on chip
+    (a fused attention kernel: the score matrix never reaches HBM); None: all three move."""
+    ceiling: float = 1.0
+    """Fraction of the cluster's matmul ceiling this kernel reaches (``FUSED_ATTENTION``)."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.batch
+
+    def bytes(self, itemsize: int) -> float:
+        """Operands read and result written once (the roofline's minimum traffic)."""
+        moved = self.m * self.k + self.k * self.n + self.m * self.n
+        return itemsize * (moved if self.moved is None else self.moved) * self.batch
+
+    def waves(self, cluster: Cluster) -> float:
+        """Output tiles per pass of all the streaming multiprocessors."""
+        tiles = self.batch * math.ceil(self.m / TILE) * math.ceil(self.n / TILE)
+        return tiles / cluster.sms
+
+    def seconds(self, cluster: Cluster, itemsize: int) -> float:
+        """Roofline time (compute-bound at the ceiling, or memory-bound below the ridge),
+        plus the last wave's idle SMs: half a wave on average."""
+        math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency * self.ceiling)
+        if cluster.sms:
+            waves = self.waves(cluster)
+            math_s *= (waves + 0.5) / waves
+        return max(math_s, self.bytes(itemsize) / cluster.hbm_bw)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one device's compute rate depends on (a cache key: plans share it)."""
+
+    workload: Workload
+    tensor: int
+    context: int
+    micro_batch: int
+    """Sequences of one micro-batch on one device."""
+    layers: int
+    """Blocks on one device."""
+    traffic: BlockTraffic = LLAMA_TRAFFIC
+    """What the program's elementwise kernels stream per token."""
+    fused: bool = False
+    """Attention in one fused kernel (``attention_impl=cudnn``): no score matrix in HBM."""
+
+    @classmethod
+    def of(cls, ctx: Context, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
+        p = ctx.p
+        return cls(
+            ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device, traffic,
+            p.fused_attention,
+        )  # fmt: skip
+
+    @property
+    def tokens(self) -> int:
+        """Rows of the projections: the micro-batch's local tokens."""
+        return self.micro_batch * self.workload.seq // self.context
+
+
+def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
+    """One block's forward matmuls on one micro-batch, on one device (after every split)."""
+    w, t, b = shape.workload, shape.tensor, shape.micro_batch
+    s_q = w.seq // shape.context  # local queries
+    d, heads = w.head_dim, w.heads / t
+    qkv = (w.heads + 2 * w.kv_heads) * d / t
+    mlp = (w.mlp or w.expert_mlp) / t
+    # attention: per sequence and local head, [s/c, d] x [d, s]; ring attention runs c
+    # blocks of s/c keys each (the same FLOPs, narrower products)
+    keys, passes = (s_q, shape.context) if shape.context > 1 else (w.seq, 1)
+    # a fused kernel reads q and k (scores), v, and writes the output (values): (s + s)·d
+    # elements each, never the [s, s] scores
+    moved = (s_q + keys) * d if shape.fused else None
+    ceiling = FUSED_ATTENTION if shape.fused else 1.0
+    attn = b * heads * passes
+    return (
+        Matmul("qkv", shape.tokens, w.embed, qkv),  # [b·s, h] x [h, (a+2kv)·d/t]
+        Matmul("scores", s_q, d, keys, attn, moved, ceiling),  # [s, d] x [d, s] per head
+        Matmul("values", s_q, keys, d, attn, moved, ceiling),  # [s, s] x [s, d] per head
+        Matmul("out", shape.tokens, heads * d, w.embed),  # [b·s, a·d/t] x [a·d/t, h]
+        Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp),  # SwiGLU gate and up: [h, 2f/t]
+        Matmul("mlp_out", shape.tokens, mlp, w.embed),  # [b·s, f/t] x [f/t, h]
+    )
+
+
+def head_matmul(shape: Shape) -> Matmul:
+    """The output projection of one micro-batch: [b·s, h] x [h, V/t]."""
+    w = shape.workload
+    return Matmul("head", shape.tokens, w.embed, w.vocab / shape.tensor)
+
+
+def elementwise_bytes(shape: Shape) -> float:
+    """HBM bytes of one block's forward elementwise work on one micro-batch, one device."""
+    w, t, k = shape.workload, shape.tensor, shape.traffic
+    keys = w.seq  # every query meets every key: in one pass, or in c ring passes of s/c
+    widths = (
+        k.embed * w.embed
+        + k.rotary * 2 * w.heads * w.head_dim / t  # q and k get rotary
+        + k.mlp * (w.mlp or w.expert_mlp) / t
+        + (0.0 if shape.fused else k.scores * w.heads / t * keys)
+    )
+    return shape.tokens * widths * w.compute_bytes
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The forward of one micro-batch on one device (its blocks and the head), timed."""
+
+    flops: float
+    seconds: dict[str, float]
+    """Seconds by part: each matmul (all blocks), ``head``, ``elementwise``."""
+    peak: float
+    """The device's peak FLOP/s."""
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / sum(self.seconds.values())
+
+    @property
+    def efficiency(self) -> float:
+        """Fraction of peak this plan's shapes reach."""
+        return self.flops_per_s / self.peak
+
+
+def compute_rate(ctx: Context, cluster: Cluster, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Rate:
+    """The rate one device computes this plan's forward (and backward) at."""
+    return shape_rate(Shape.of(ctx, traffic), cluster)
+
+
+def update_seconds(ctx: Context, cluster: Cluster) -> float:
+    """The optimizer update: an elementwise pass over the state a device holds, after the
+    gradients are reduced and before the next forward (nothing to overlap it with).
+
+    Adam reads and writes the fp32 master weights and its m and v (sharded by ZeRO-1 and
+    up), reads the fp32 gradients and writes the compute-dtype copy the next forward reads:
+    about 30 bytes per parameter held, at HBM bandwidth (the same streaming bound as the
+    elementwise work). Optimizer state offloaded to the host is updated there (``host_s``)."""
+    p = ctx.p
+    held = ctx.held_elements
+    optimizer = 0.0 if p.offload else held * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
+    passes = held * (3 * MASTER_BYTES + ctx.w.compute_bytes) + 2 * optimizer
+    return passes / cluster.hbm_bw
+
+
+@functools.lru_cache(maxsize=16384)
+def shape_rate(shape: Shape, cluster: Cluster) -> Rate:
+    size, layers = shape.workload.compute_bytes, shape.layers
+    seconds: dict[str, float] = {}
+    flops = 0.0
+    for mm in block_matmuls(shape):
+        seconds[mm.name] = layers * mm.seconds(cluster, size)
+        flops += layers * mm.flops
+    head = head_matmul(shape)
+    seconds["head"] = head.seconds(cluster, size)
+    flops += head.flops
+    seconds["elementwise"] = layers * elementwise_bytes(shape) / cluster.hbm_bw
+    return Rate(flops, seconds, cluster.peak_flops)
+
+
+def collective_seconds(comm: Comm, cluster: Cluster, axes: tuple) -> float:
+    """Wire bytes over the link's achieved bandwidth plus ring-step latencies."""
+    if comm.group <= 1 or comm.count == 0:
+        return 0.0
+    bw, latency = _link(cluster, axes, comm.axes)
+    steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
+        comm.kind, comm.group - 1
+    )
+    return comm.wire_bytes / (bw * LINK_EFFICIENCY) + steps * latency * comm.count * comm.ops
+
+
+@functools.lru_cache(maxsize=65536)
+def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
+    return cluster.link(axes, names)
+
+
+def is_exposed(comm: Comm, staged: bool) -> bool:
+    """On the critical path whatever the compute: tensor, expert and pipeline collectives,
+    and a pipeline's data-parallel reduction (after the flush)."""
+    return comm.strategy in EXPOSED or (staged and comm.strategy == "dp") or not comm.overlap
+
+
+def exposed_seconds(
+    comms: Iterable[Comm], cluster: Cluster, axes: tuple, windows: dict[str, float], staged: bool
+) -> tuple[float, float]:
+    """(exposed seconds, all collective seconds) of a step.
+
+    ``windows``: the compute seconds each overlappable strategy hides behind (``dp``: the
+    backward pass; ``context``: the attention blocks that ring passes run beside, Liu et
+    al. 2023; ``default``: ``OVERLAP`` of all compute). What spills over its window is
+    exposed; they also share the links and the step, so together they expose at least
+    what exceeds the longest window.
+    """
+    critical = 0.0
+    hidden: dict[str, float] = {}
+    for comm in comms:
+        seconds = collective_seconds(comm, cluster, axes)
+        if is_exposed(comm, staged):
+            critical += seconds
+        else:
+            key = comm.strategy if comm.strategy in windows else "default"
+            hidden[key] = hidden.get(key, 0.0) + seconds
+    spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
+    spill = max(spill, sum(hidden.values()) - max(windows.values(), default=0.0))
+    return critical + spill, critical + sum(hidden.values())
+
+
+def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
+    """The compute seconds each overlappable strategy's collectives hide behind."""
+    total = sum(rate.seconds.values())
+    attention = (rate.seconds["scores"] + rate.seconds["values"]) / total
+    return {
+        "dp": BACKWARD_SHARE * compute_s,
+        "context": attention * compute_s,
+        "default": OVERLAP * compute_s,
+    }

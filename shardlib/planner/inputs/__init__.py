@@ -1,0 +1,1 @@
+"""What the planner is given besides the model: cluster descriptions (``cluster``)."""

@@ -1,0 +1,167 @@
+"""Cluster descriptions: how many devices, how much memory, how fast they compute and talk.
+
+A cluster preset is a TOML file with a ``[cluster]`` table (``meshes/clusters/*.toml``); it
+describes hardware, where a mesh preset describes a layout. The planner needs one question
+answered per mesh axis: does its ring stay inside a host (NVLink, ICI) or cross hosts
+(InfiniBand)? Mesh axes are laid out outermost first, the last one varying fastest over
+device ids, so an axis is intra-host when it and every axis after it fit in one host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import MESHES_DIR
+
+CLUSTERS_DIR = MESHES_DIR / "clusters"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware the planner plans for. Bandwidths are per device, one direction."""
+
+    name: str
+    """What it is, for tables."""
+    devices_per_host: int
+    """Accelerators in one host (one NVLink domain)."""
+    hosts: int
+    """Number of hosts."""
+    memory_bytes: float
+    """Memory per device (HBM)."""
+    peak_flops: float
+    """Peak dense bf16 FLOP/s per device (the MFU denominator)."""
+    intra_host_bw: float
+    """Bytes/s each device can send to peers in its host (NVLink, ICI)."""
+    inter_host_bw: float
+    """Bytes/s each device can send to other hosts (its share of the NICs)."""
+    intra_host_latency: float = 3e-6
+    """Seconds per ring step inside a host."""
+    inter_host_latency: float = 10e-6
+    """Seconds per ring step across hosts."""
+    host_link_bw: float = 25e9
+    """Bytes/s between a device and its host memory (PCIe), for offload."""
+    matmul_efficiency: float = 0.75
+    """Fraction of peak a large, compute-bound bf16 matmul reaches: the ceiling of the
+    throughput model's roofline (``planner.throughput``). The A100 presets carry the value
+    fitted on published runs (docs/throughput_calibration.md)."""
+    sms: int = 0
+    """Streaming multiprocessors (or matrix units) that a matmul's output tiles are spread
+    over (A100: 108, H100 SXM: 132): small matmuls leave some idle (``planner.throughput``).
+    Unset (0): no wave tail."""
+    hbm_bw: float = math.inf
+    """Bytes/s between a device and its own memory (HBM): the roofline's slope, and the
+    rate of elementwise work. Unset: matmuls are never memory-bound, elementwise is free."""
+    platform: str | None = None
+    """``"cpu"``: simulated CPU devices; plans written for it can run here."""
+    source: str = "<inline>"
+    """The preset file it came from."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_host * self.hosts
+
+    def with_hosts(self, hosts: int) -> Cluster:
+        """The same hardware with another number of hosts (``--hosts``)."""
+        return dataclasses.replace(self, hosts=hosts, name=f"{self.name} [{hosts} hosts]")
+
+    def axis_is_intra_host(self, axes: Sequence[tuple[str, int]], name: str) -> bool:
+        """Whether ``name``'s rings stay in one host, given the mesh ``axes`` (outer first)."""
+        inner = 1
+        for axis, size in reversed(tuple(axes)):
+            inner *= size
+            if axis == name:
+                return inner <= self.devices_per_host or size == 1
+        raise KeyError(name)
+
+    def link(self, axes: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective over mesh axes ``names``: the slowest wins."""
+        slow = any(not self.axis_is_intra_host(axes, n) for n in names)
+        if slow:
+            return self.inter_host_bw, self.inter_host_latency
+        return self.intra_host_bw, self.intra_host_latency
+
+
+_FIELDS = {
+    "name": ("name", str, 1.0),
+    "devices_per_host": ("devices_per_host", int, 1.0),
+    "hosts": ("hosts", int, 1.0),
+    "memory_gb": ("memory_bytes", float, 1e9),
+    "peak_tflops": ("peak_flops", float, 1e12),
+    "intra_host_gbps": ("intra_host_bw", float, 1e9),
+    "inter_host_gbps": ("inter_host_bw", float, 1e9),
+    "intra_host_latency_us": ("intra_host_latency", float, 1e-6),
+    "inter_host_latency_us": ("inter_host_latency", float, 1e-6),
+    "host_link_gbps": ("host_link_bw", float, 1e9),
+    "matmul_efficiency": ("matmul_efficiency", float, 1.0),
+    "hbm_gbps": ("hbm_bw", float, 1e9),
+    "sms": ("sms", int, 1.0),
+}
+
+_REQUIRED = tuple(
+    key
+    for key, (field, _, _) in _FIELDS.items()
+    if Cluster.__dataclass_fields__[field].default is dataclasses.MISSING and key != "name"
+)
+"""The preset keys of the fields ``Cluster`` has no default for."""
+
+
+def cluster_presets() -> list[Path]:
+    return sorted(CLUSTERS_DIR.glob("*.toml"))
+
+
+def load_cluster(path_or_name: str | Path) -> Cluster:
+    """Read a cluster preset: a path, or a name from ``meshes/clusters/``."""
+    path = Path(path_or_name)
+    if not path.exists() and not path.suffix:
+        path = CLUSTERS_DIR / f"{path_or_name}.toml"
+    if not path.exists():
+        known = ", ".join(p.stem for p in cluster_presets())
+        raise ShardingError(f"cluster preset {str(path_or_name)!r} not found. Presets: {known}.")
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    table = doc.get("cluster")
+    if table is None:
+        hint = " It is a mesh preset ([mesh])." if "mesh" in doc else ""
+        raise ShardingError(
+            f"cluster {path}: no [cluster] table.{hint} Fix: pass a cluster preset from "
+            f"meshes/clusters/ ({', '.join(p.stem for p in cluster_presets())})."
+        )
+    unknown = sorted(set(table) - set(_FIELDS))
+    missing = [key for key in _REQUIRED if key not in table]
+    if missing:
+        raise ShardingError(
+            f"cluster {path}: [cluster] lacks {', '.join(missing)}. Fix: add them (every "
+            f"preset needs {', '.join(_REQUIRED)}; see meshes/clusters/a100-8.toml)."
+        )
+    if unknown:
+        raise ShardingError(
+            f"cluster {path}: unknown keys {', '.join(unknown)} in [cluster]. Fix: use only "
+            f"{', '.join(_FIELDS)}."
+        )
+    values = {}
+    for key, (field, kind, scale) in _FIELDS.items():
+        if key in table and key != "name":
+            if isinstance(table[key], bool) or not isinstance(table[key], int | float):
+                raise ShardingError(
+                    f"cluster {path}: {key} = {table[key]!r} is not a number. Fix: write it "
+                    "as a TOML number (memory_gb = 80.0)."
+                )
+            values[field] = kind(table[key] * scale)
+    cluster = Cluster(
+        name=table.get("name", path.stem),
+        platform=doc.get("platform"),
+        source=str(path),
+        **values,
+    )
+    if cluster.devices_per_host < 1 or cluster.hosts < 1 or not cluster.peak_flops > 0:
+        raise ShardingError(
+            f"cluster {path}: devices_per_host, hosts and peak_tflops must be positive. "
+            "Fix: correct them in [cluster]."
+        )
+    return cluster

@@ -1,0 +1,393 @@
+"""``shardlib`` command line: train, explain, parity, export, generate, plan, estimate,
+data prepare.
+
+Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
+is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
+CPU devices as the mesh needs, before JAX starts its backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import MeshSpec, load_mesh, simulate_cpu_devices
+
+DEFAULT_MESH = "cpu-8-3d"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardlib", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--mesh", default=DEFAULT_MESH, help="mesh preset file or name")
+        c.add_argument(
+            "--cpu-devices",
+            type=int,
+            default=None,
+            help="simulate this many CPU devices (default: what a cpu preset needs)",
+        )
+        c.add_argument("--coordinator", default=None, help="multi-host: process 0's host:port")
+        c.add_argument("--num-processes", type=int, default=None, help="multi-host: processes")
+        c.add_argument("--process-id", type=int, default=None, help="multi-host: this rank")
+        for flag, default in [("init", 300), ("heartbeat", 60), ("shutdown", 60)]:
+            c.add_argument(
+                f"--{flag}-timeout",
+                dest=f"{flag}_timeout_s",
+                type=int,
+                default=None,
+                help=f"multi-host: {flag} timeout in seconds (default {default}, or the mesh "
+                "file's [distributed] table)",
+            )
+        c.add_argument(
+            "--job-id",
+            default=None,
+            help="multi-host: the job's name, checked at join (default $SHARDLIB_JOB_ID, "
+            "$SLURM_JOB_ID)",
+        )
+        c.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="NAME=VALUE",
+            help="settings: section.field=VALUE or a short form, e.g. steps=50 model.layers=4",
+        )
+        return c
+
+    t = command("train", "train on the mesh")
+    t.add_argument(
+        "--load-params",
+        default=None,
+        metavar="DIR",
+        help="start from these parameters (a checkpoint_dir or a Hugging Face Llama "
+        "directory) with a fresh optimizer: checkpoint.init_from=DIR",
+    )
+    t.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="DS_CONFIG_JSON",
+        help="a DeepSpeed config: its batch, ZeRO, precision, optimizer and scheduler become "
+        "settings (NAME=VALUE words still override); --mesh then only sets the device count",
+    )
+    g = command("generate", "continue a prompt with a KV cache on the mesh")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a run's checkpoint_dir (latest step)")
+    source.add_argument("--hf", help="a Hugging Face Llama directory (config.json, safetensors)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: every token")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eos", type=int, default=None, help="end-of-sequence token id")
+    g.add_argument("--samples", type=int, default=1, help="sequences generated together")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (default: the model's or data's, else bytes)",
+    )
+    e = command("explain", "compile the train step and report its layout; runs nothing")
+    e.add_argument("--json", default=None, help="also write the report as JSON here")
+    par = command("parity", "compare losses and gradients with a one-device run")
+    par.add_argument("--steps", type=int, default=5)
+    par.add_argument("--tol", type=float, default=1e-5)
+    x = sub.add_parser("export", help="write a checkpoint's parameters for use without shardlib")
+    x.add_argument("--checkpoint", required=True, help="a run's checkpoint_dir")
+    x.add_argument("--out", required=True, help="PATH.safetensors, PATH.npz, or a directory")
+    x.add_argument("--step", type=int, default=None, help="default: the latest complete step")
+    x.add_argument(
+        "--format",
+        choices=("shardlib", "hf"),
+        default="shardlib",
+        help="hf: a Hugging Face Llama directory (per-layer names, LoRA merged)",
+    )
+    d = sub.add_parser("data", help="prepare token datasets (docs/data.md)")
+    prep = d.add_subparsers(dest="data_command", required=True).add_parser(
+        "prepare", help="tokenize text / JSON lines / a saved HF dataset into token shards"
+    )
+    prep.add_argument("inputs", nargs="+", help="text files, .jsonl files, dataset directories")
+    prep.add_argument("--tokenizer", required=True, help="tokenizer.json or sentencepiece .model")
+    prep.add_argument("--out", required=True, help="a new directory for shards + index.json")
+    prep.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out")
+    prep.add_argument("--seed", type=int, default=0, help="seeds the held-out choice")
+    prep.add_argument("--eos", default="auto", help="auto, none, or the end-of-sequence token")
+    from shardlib.tools.plan_cli import add_plan_command
+
+    add_plan_command(sub)
+    return p
+
+
+def _prepare(args) -> tuple:
+    """Mesh spec -> (simulated devices) -> mesh, config. JAX starts only here."""
+    from shardlib.distributed.peers import watch_peers
+    from shardlib.distributed.preempt import install_early
+    from shardlib.distributed.runtime import initialize, process_group
+
+    spec: MeshSpec = load_mesh(args.mesh)
+    group = process_group(args, spec.distributed)
+    cpu = spec.platform == "cpu" or args.cpu_devices is not None
+    processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
+    if args.command == "train":
+        install_early()  # again: JAX's preemption notifier has just taken SIGTERM over
+        args.peers = watch_peers(group.heartbeat_timeout_s)  # a process failing ends all
+    devices = args.cpu_devices
+    if devices is None and spec.platform == "cpu" and spec.fixed_size:
+        if spec.fixed_size % processes:
+            raise ShardingError(
+                f"mesh {spec.source}: {spec.fixed_size} devices cannot be split evenly over "
+                f"{processes} processes. Fix: pass --cpu-devices (devices per process)."
+            )
+        devices = spec.fixed_size // processes
+    if devices:
+        simulate_cpu_devices(devices)
+    import jax
+
+    from shardlib.core.values import flatten_table
+    from shardlib.parallel.plan import ParallelPlan
+    from shardlib.train.config import TrainConfig, override, parse_overrides
+    from shardlib.train.init_from import with_source_model
+    from shardlib.train.xla_flags import apply_gpu_defaults
+
+    # [mesh] and [parallel.*] make the plan; [train] holds typed settings (the planner's too)
+    plan = ParallelPlan.from_mesh_spec(spec)
+    base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
+    if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
+        base = _deepspeed_base(args.deepspeed, len(jax.devices()), spec)
+    overrides = list(args.overrides)
+    if getattr(args, "load_params", None):
+        overrides.append(f"checkpoint.init_from={args.load_params}")
+    if getattr(args, "steps", None) is not None and args.command == "parity":
+        overrides.append(f"steps={args.steps}")
+    cfg = with_source_model(parse_overrides(overrides, base))  # --load-params HF_DIR: its shapes
+    apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
+    return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
+
+
+def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
+    """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
+    command and what needed no counterpart."""
+    import dataclasses
+
+    from shardlib.core.mesh import mesh_spec
+    from shardlib.interop.deepspeed import load_deepspeed
+    from shardlib.parallel.plan import ParallelPlan
+    from shardlib.train.config import TrainConfig, override
+
+    ds = load_deepspeed(path, devices)
+    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=spec.platform, source=path)
+    console = Console(stderr=True)
+    console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
+    for note in ds.notes:
+        console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
+    return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
+
+
+def cmd_train(args, console: Console) -> int:
+    import jax
+
+    from shardlib.train.loop import run
+    from shardlib.train.setup import make_setup
+
+    mesh, cfg = _prepare(args)
+    console.quiet = jax.process_index() != 0  # one voice in multi-host runs: process 0
+    setup = make_setup(cfg, mesh)
+    shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    console.print(
+        f"[bold]shardlib train[/] {cfg.model} on {shape} "
+        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"
+    )
+    result = run(setup, console=console)
+    if args.peers is not None:  # every process finished: a peer exiting now is no failure
+        args.peers.stop()
+    losses = result.losses
+    if not losses:
+        console.print(f"nothing to do: the checkpoint is already at step {cfg.run.steps}")
+        return 0
+    steady = [r for r in result.records if not r["warmup"]] or result.records
+    tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    mfu = sum(r["mfu"] for r in steady) / len(steady)
+    last = result.records[-1]
+    console.print(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps, "
+        f"{tps:,.0f} tokens/s after the first step, MFU {mfu:.2%} "
+        f"(peak {result.peak_flops / 1e9:,.1f} GFLOP/s per device: {result.peak_source}), "
+        f"goodput {last['goodput']:.0%}"
+    )
+    evals = [r for r in result.records if "eval_loss" in r]
+    if evals:
+        console.print(
+            f"held-out loss {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f} "
+            f"(perplexity {evals[-1]['eval_perplexity']:.2f}) over {len(evals)} evaluations"
+        )
+    for name in ("jsonl", "tensorboard", "wandb"):
+        if getattr(cfg.metrics, name):
+            console.print(f"metrics.{name}: {getattr(cfg.metrics, name)}")
+    return 0
+
+
+def cmd_explain(args, console: Console) -> int:
+    from shardlib.analysis import explain
+    from shardlib.train.setup import make_setup
+
+    mesh, cfg = _prepare(args)
+    setup = make_setup(cfg, mesh)
+    state = setup.abstract_state()
+    batch = setup.abstract_batch()
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
+    report.render(console)
+    if args.json:
+        report.write_json(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_parity(args, console: Console) -> int:
+    from rich.table import Table
+
+    from shardlib.tools.parity import check_parity
+
+    mesh, cfg = _prepare(args)
+    result = check_parity(cfg, mesh)
+    table = Table(title=f"parity: {args.mesh} vs one device, {cfg.run.steps} steps")
+    for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
+        table.add_column(col, justify="right")
+    for i, (a, b) in enumerate(zip(result.losses, result.reference_losses, strict=True), 1):
+        table.add_row(str(i), f"{a:.7f}", f"{b:.7f}", f"{abs(a - b) / abs(b):.2e}")
+    console.print(table)
+    console.print(f"max relative loss error      {result.max_rel_loss_err:.2e}")
+    console.print(f"max relative grad-norm error {result.max_rel_grad_norm_err:.2e}")
+    console.print(f"max relative gradient error  {result.max_rel_grad_err:.2e}  (first step)")
+    ok = result.ok(args.tol)
+    console.print("[green]PARITY OK[/]" if ok else f"[red]PARITY FAILED[/] (tolerance {args.tol})")
+    return 0 if ok else 1
+
+
+def cmd_generate(args, console: Console) -> int:
+    from shardlib.core.layout import mesh_axes
+    from shardlib.tools.generate import Sampling, generate, tokenizer_for
+    from shardlib.train.init_from import load_model
+
+    mesh, cfg = _prepare(args)
+    rules = cfg.parallel.with_mesh_axes(mesh_axes(mesh)).rules
+    source = args.checkpoint or args.hf
+    model = load_model(source, mesh, rules)
+    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab, args.checkpoint)
+    if hasattr(tok, "path"):
+        console.print(f"tokenizer {tok.path}", soft_wrap=True)  # a path stays whole
+    prompt = [tok.encode(args.prompt)] * args.samples
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        seed=args.seed, eos=args.eos,
+    )  # fmt: skip
+    out = generate(model, prompt, mesh=mesh, rules=rules, sampling=sampling)
+    for row in out.tokens:
+        print(tok.decode(row))  # the text on stdout, the timings on stderr
+    per_token = out.decode_s / max(out.new_tokens - 2, 1)  # steps after the first
+    console.print(
+        f"{out.new_tokens} new tokens x {args.samples}: prefill {out.prefill_s:.2f} s and first "
+        f"decode step {out.first_decode_s:.2f} s (each compiled), then "
+        f"{per_token * 1e3:.1f} ms per decode step"
+    )
+    return 0
+
+
+def cmd_export(args, console: Console) -> int:
+    from shardlib.interop.export import export, export_hf_checkpoint
+
+    if args.format == "hf":
+        files = export_hf_checkpoint(args.checkpoint, args.out, step=args.step)
+        console.print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
+        return 0
+    out = export(args.checkpoint, args.out, step=args.step)
+    console.print(f"wrote {out.path} ({out.tensors} tensors, {out.bytes:,} bytes, step {out.step})")
+    return 0
+
+
+def cmd_data(args, console: Console) -> int:
+    from shardlib.data.prepare import prepare
+
+    index = prepare(
+        args.inputs,
+        args.tokenizer,
+        args.out,
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        eos=args.eos,
+        console=console,
+    )
+    splits = index["splits"]
+    console.print(
+        f"wrote {args.out}: {splits['train']['documents']} train documents "
+        f"({splits['train']['tokens']:,} tokens), {splits['eval']['documents']} held out "
+        f"({splits['eval']['tokens']:,} tokens), {index['dtype']}, vocabulary "
+        f"{index['vocab_size']:,}, eos {index['eos_id']}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:  # the signal handlers installed for the run, if no run took them over
+        from shardlib.distributed.preempt import restore_early
+
+        restore_early()
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "train":  # a signal from now on stops the run after its first step
+        from shardlib.distributed.preempt import install_early
+
+        install_early()
+    errors = Console(stderr=True)
+    # the planner's results go to stdout (tools read them); training logs stay on stderr
+    # (a console of its own: process 0 alone logs, but every process prints its errors)
+    console = Console() if args.command in ("plan", "estimate") else Console(stderr=True)
+    from shardlib.tools.plan_cli import cmd_estimate, cmd_plan
+
+    handler = {
+        "train": cmd_train,
+        "explain": cmd_explain,
+        "parity": cmd_parity,
+        "export": cmd_export,
+        "generate": cmd_generate,
+        "plan": cmd_plan,
+        "estimate": cmd_estimate,
+        "data": cmd_data,
+    }[args.command]
+    try:
+        return handler(args, console)
+    except ShardingError as err:
+        return _fail(errors, str(err), 2)
+    except ValueError as err:  # model/config validation outside shardlib's own types
+        return _fail(errors, f"{type(err).__name__}: {err}", 2)
+    except Exception as err:
+        from shardlib.distributed.peers import multi_process
+
+        if not multi_process():
+            raise
+        # a collective that lost its peers (gloo), an orbax error...: one line, then stop
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        return _fail(errors, f"{type(err).__name__}: {first}", 1)
+
+
+def _fail(errors: Console, message: str, code: int) -> int:
+    """Print one line; in a multi-process run, with the rank, told to the others, and exit
+    at once (JAX's shutdown barrier would wait for processes that have stopped)."""
+    from shardlib.distributed.peers import exit_now, multi_process, publish_error, rank_prefix
+
+    prefix = rank_prefix()
+    errors.print(f"{prefix}[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if multi_process():
+        publish_error(message)
+        exit_now(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""ds_config.json -> shardlib settings: the DeepSpeed documentation's examples, refusals.
+
+The configs below are written out from deepspeed.ai: the config-json page's examples, the
+ZeRO++ tutorial's and the 1-bit Adam tutorial's (BERT pre-training / SQuAD fine-tuning).
+Pure mapping: nothing is compiled.
+"""
+
+import math
+
+import pytest
+
+from shardlib.core.errors import ShardingError
+from shardlib.interop.deepspeed import from_deepspeed
+from shardlib.train.config import TrainConfig, override
+from shardlib.train.optim import schedule
+
+# deepspeed.ai/docs/config-json: the optimizer, scheduler, fp16 and ZeRO examples in one file
+CONFIG_JSON = {
+    "train_batch_size": 32,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {
+        "type": "Adam",
+        "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000},
+    },
+    "fp16": {
+        "enabled": True,
+        "auto_cast": False,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "consecutive_hysteresis": False,
+        "min_loss_scale": 1,
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 5e8,
+        "overlap_comm": False,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 5e8,
+        "contiguous_gradients": True,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    },
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+}
+
+# deepspeed.ai/tutorials/zeropp: its zero_optimization snippet as published (ZeRO-3 with qwZ,
+# hpZ over 16 GPUs per node, qgZ), plus the batch and precision of its launch command
+# (--batch-size 1 --fp16) on its 4 nodes x 16 V100
+ZEROPP = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 10000000,
+        "reduce_scatter": False,
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 16,
+        "zero_quantized_gradients": True,
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    },
+}
+
+# deepspeed.ai/tutorials/onebit-adam (v2, NCCL): BERT-Large pre-training, seq 128, 4k batch
+ONEBIT_BERT = {
+    "train_batch_size": 4096,
+    "train_micro_batch_size_per_gpu": 16,
+    "steps_per_print": 100,
+    "prescale_gradients": False,
+    "optimizer": {
+        "type": "OneBitAdam",
+        "params": {
+            "lr": 4e-4,
+            "weight_decay": 0.01,
+            "bias_correction": False,
+            "freeze_step": 23000,
+            "comm_backend_name": "nccl",
+        },
+    },
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+}
+
+
+def test_config_json_examples_map_to_settings():
+    ds = from_deepspeed(CONFIG_JSON, devices=8)
+    assert ds.mesh == {"data": 8}
+    s = ds.settings
+    assert (s["data.batch"], s["parallel.data.microbatches"]) == (32, 1)
+    assert s["parallel.data.zero"] == 2 and s["parallel.offload.optimizer"] is True
+    assert s["precision.compute"] == "fp16" and s["precision.initial_scale_power"] == 16
+    assert (s["precision.loss_scale_window"], s["precision.hysteresis"]) == (1000, 2)
+    assert s["optimizer.name"] == "adamw"  # DeepSpeed's Adam decouples decay (adam_w_mode)
+    assert (s["optimizer.b1"], s["optimizer.b2"], s["optimizer.eps"]) == (0.8, 0.999, 1e-8)
+    assert s["optimizer.weight_decay"] == 3e-7 and s["optimizer.clip_norm"] == 1.0
+    assert s["optimizer.schedule"] == "warmup_linear" and s["optimizer.min_lr_ratio"] == 1.0
+    assert (s["optimizer.warmup"], s["optimizer.warmup_type"]) == (1000, "log")
+    assert any(n.startswith("zero_optimization.overlap_comm") for n in ds.notes)
+    cfg = override(TrainConfig(), s)  # every setting is a real one, with its type
+    assert cfg.parallel.data.zero == 2 and cfg.optimizer.lr == 0.001
+    assert "zero=2" in ds.command().replace("parallel.data.", "") and "--mesh cpu-8-dp" in (
+        ds.command()
+    )
+
+
+def test_zeropp_tutorial_maps_to_quantized_hierarchical_zero3():
+    ds = from_deepspeed(ZEROPP, devices=64)
+    assert ds.mesh == {"data": 4, "fsdp": 16}  # 4 nodes x 16 GPUs: hpZ inside a node
+    s = ds.settings
+    assert s["parallel.data.zero"] == 3 and s["parallel.data.hpz"] is True
+    assert s["parallel.data.quantized_weights"] and s["parallel.data.quantized_gradients"]
+    assert (s["data.batch"], s["parallel.data.microbatches"]) == (64, 1)
+    assert s["precision.compute"] == "fp16"
+    assert s["optimizer.clip_norm"] == 0.0 and s["optimizer.schedule"] == "constant"
+
+
+def test_onebit_adam_tutorial_maps_to_onebit_adam():
+    ds = from_deepspeed(ONEBIT_BERT, devices=64)
+    s = ds.settings
+    assert s["optimizer.name"] == "onebit_adam" and s["optimizer.freeze_step"] == 23000
+    assert s["optimizer.bias_correction"] is False and s["optimizer.weight_decay"] == 0.01
+    assert (s["data.batch"], s["parallel.data.microbatches"]) == (4096, 4)  # 4096/(16*64)
+    assert s["precision.compute"] == "fp16"
+    assert any("comm_backend_name" in n for n in ds.notes)
+    assert override(TrainConfig(), s).optimizer.name == "onebit_adam"
+
+
+def test_every_unsupported_key_is_named_in_one_error():
+    bad = {
+        **CONFIG_JSON,
+        "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
+        "flops_profiler": {"enabled": True},
+        "fp16": {"enabled": True, "loss_scale": 128},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+        "prescale_gradients": True,
+        "train_micro_batch_size_per_gpu": "auto",
+    }
+    with pytest.raises(ShardingError) as err:
+        from_deepspeed(bad, devices=8)
+    text = str(err.value)
+    for key in (
+        "optimizer.type",
+        "flops_profiler",
+        "fp16.loss_scale",
+        "prescale_gradients",
+        "zero_optimization.offload_param.device",
+        "train_micro_batch_size_per_gpu",
+    ):
+        assert key in text, key
+    assert "0/1 Adam" in text and "6 unsupported" in text
+
+
+def test_inconsistent_batch_is_refused_naming_the_three_values():
+    bad = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
+           "gradient_accumulation_steps": 1}  # fmt: skip
+    bad["flops_profiler"] = {"enabled": True}  # one error names both
+    with pytest.raises(ShardingError, match="per_gpu=3.*8 of 8.*=24.*flops_profiler.enabled"):
+        from_deepspeed(bad, devices=8)
+
+
+def test_scheduler_examples_with_deepspeeds_log_warmup():
+    """WarmupLR's default warm-up is DeepSpeed's log ramp: lr * log(step + 1) / log(warmup);
+    WarmupDecayLR then decays linearly to 0 at total_num_steps."""
+    ds = from_deepspeed(
+        {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": 100, "warmup_max_lr": 0.01, "warmup_num_steps": 10}}},
+        devices=8,
+    )  # fmt: skip
+    cfg = override(TrainConfig(), ds.settings)
+    assert cfg.run.steps == 100 and cfg.optimizer.warmup_type == "log"
+    lr = schedule(cfg.optimizer, cfg.run.steps)
+    assert abs(float(lr(4)) - 0.01 * math.log(5) / math.log(10)) < 1e-7
+    assert abs(float(lr(55)) - 0.005) < 1e-6 and float(lr(100)) == 0.0
+    cos = from_deepspeed({"train_batch_size": 8, "scheduler": {"type": "WarmupCosineLR",
+                          "params": {"total_num_steps": 50, "warmup_num_steps": 5,
+                                     "warmup_type": "linear"}}}, devices=8)  # fmt: skip
+    assert cos.settings["optimizer.schedule"] == "warmup_cosine"
+    assert cos.settings["optimizer.min_lr_ratio"] == 0.0001

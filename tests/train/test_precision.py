@@ -1,0 +1,118 @@
+"""fp16 dynamic loss scaling with DeepSpeed's semantics, and bf16/fp16 training.
+
+One compiled fp16 step (ZeRO-1 on 8 devices, so a skipped step must keep sharded optimizer
+state too) serves every test: overflows are provoked through the state, not a test hook.
+A loss scale of 2**40 overflows fp16 in the backward pass (the logits' gradient times the
+scale exceeds 65504); a parameter of 1e6 overflows the forward pass at any scale.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import mesh_spec
+from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.tools import parity
+from shardlib.train.config import override, train_config
+from shardlib.train.loop import run
+from shardlib.train.precision import LossScaleError
+from shardlib.train.setup import make_setup
+
+CFG = train_config(
+    steps=6,
+    batch=16,
+    seq=16,
+    precision="fp16",
+    zero=1,
+    loss_scale_window=3,
+    hysteresis=2,
+    min_loss_scale=2.0**14,
+    **{"model.layers": 1},
+)
+
+
+@pytest.fixture(scope="module")
+def fp16():
+    setup = make_setup(CFG, mesh_spec(data=8).build())
+    tokens = load_tokens(None)
+
+    def step(state, i):
+        batch = global_batch(
+            tokens, i, CFG.data.batch, CFG.data.seq, CFG.run.seed, setup.batch_sharding
+        )
+        state, metrics = setup.train_step(state, batch)
+        return state, jax.device_get(metrics)
+
+    return setup, step
+
+
+def with_scale(state, scale):
+    old = state["loss_scale"]["scale"]
+    new = jax.device_put(np.asarray(scale, np.float32), old.sharding)
+    return {**state, "loss_scale": {**state["loss_scale"], "scale": new}}
+
+
+def snapshot(state):
+    return jax.device_get({"params": state["params"], "opt_state": state["opt_state"]})
+
+
+def same(a, b) -> bool:
+    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
+@pytest.mark.slow
+def test_scale_doubles_after_the_window(fp16):
+    setup, step = fp16
+    state = jax.device_put(parity.random_state(setup), setup.state_shardings)
+    scales = []
+    for i in range(4):
+        state, m = step(state, i)
+        assert m["overflow"] == 0 and np.isfinite(m["loss"])
+        scales.append(float(m["loss_scale"]))
+    assert scales == [2.0**16, 2.0**16, 2.0**17, 2.0**17]
+
+
+@pytest.mark.slow
+def test_overflow_skips_the_step_then_halves_and_training_resumes(fp16):
+    setup, step = fp16
+    state = with_scale(jax.device_put(parity.random_state(setup), setup.state_shardings), 2.0**40)
+    before = snapshot(state)
+    state, m = step(state, 0)  # overflow 1: hysteresis 2 -> 1, scale kept
+    assert m["overflow"] == 1 and m["skipped_steps"] == 1 and m["loss_scale"] == 2.0**40
+    assert same(snapshot(state), before)  # parameters and optimizer state untouched
+    state, m = step(state, 1)  # overflow 2: hysteresis spent, the scale halves
+    assert m["overflow"] == 1 and m["skipped_steps"] == 2 and m["loss_scale"] == 2.0**39
+    assert same(snapshot(state), before)
+    scales, losses = [], []
+    for i in range(2, 40):  # halves on each overflow until fp16 holds the gradients
+        state, m = step(state, i)
+        scales.append(float(m["loss_scale"]))
+        if not m["overflow"]:
+            losses.append(float(m["loss"]))
+        if len(losses) == 3:
+            break
+    assert len(losses) == 3, scales
+    assert all(b in (a / 2, a) for a, b in zip([2.0**39, *scales], scales, strict=False))
+    assert not same(snapshot(state), before)  # training resumed: the step was applied
+    assert m["skipped_steps"] == 2 + len(scales) - 3
+
+
+@pytest.mark.slow
+def test_overflow_at_the_minimum_scale_is_an_error(fp16):
+    setup, _ = fp16
+    state = jax.device_put(parity.random_state(setup), setup.state_shardings)
+    params = jax.device_get(state["params"])
+    params["embedding"] = params["embedding"] + 1e6  # fp16 overflows in forward at any scale
+    state = {**state, "params": jax.device_put(params, setup.param_shardings)}
+    # 2**16: hysteresis, 2**15, 2**14 = min, then the overflow at the minimum raises
+    with pytest.raises(LossScaleError, match="step 4 overflowed at the minimum loss scale 16384"):
+        run(setup, state=state, show=False)
+
+
+@pytest.mark.slow
+def test_bf16_trains_close_to_fp32():
+    cfg = train_config(steps=5, batch=16, seq=16, factored_min_dim=32, **{"model.layers": 1})
+    result = parity.one_device(override(cfg, {"precision": "bf16"}))  # fp32: test_zero's
+    losses = parity.one_device(cfg).losses
+    assert np.allclose(result.losses, losses, rtol=2e-2), (result.losses, losses)
+    assert max(abs(a - b) / b for a, b in zip(result.losses, losses, strict=True)) > 1e-5
