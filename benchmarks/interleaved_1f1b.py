@@ -4,7 +4,7 @@ Run:  python benchmarks/interleaved_1f1b.py [--layouts 39b,146b] [--virtual 1,2,
           [--micro p,2p,4p]
 
 The layouts of ``pipeline_scale.py`` (39B: tensor 8 x stage 2 x data 32; 146B: tensor 8 x
-stage 8 x data 24; bf16, seq 2048, full recompute), bounded schedule with v virtual stages
+stage 8 x data 24; bf16, seq 2048, full recompute), 1F1B schedule with v virtual stages
 and m micro-batches, compiled from abstract shapes on simulated CPU devices. Per (v, m):
 
 * bubble: the matmul FLOPs the compiled step spends in the layers (every dot but the output
@@ -54,7 +54,7 @@ def _cfg(layout: str, v: int, m: int, axes: dict):
         batch=per_replica * axes.get("data", 1),
         precision="bf16",
         remat="full",
-        pipeline_schedule="bounded",
+        pipeline_schedule="1f1b",
         virtual_stages=v,
         pipeline_microbatches=m,
     )
@@ -157,7 +157,7 @@ def table(layout: str, virtual: list[int], micro: list[str]) -> Table:
     _, axes, _ = LAYOUTS[layout]
     p = axes["stage"]
     shape = " x ".join(f"{a} {n}" for a, n in axes.items())
-    out = Table(title=f"{layout}-class, {shape}: interleaved 1F1B (bounded, full recompute)")
+    out = Table(title=f"{layout}-class, {shape}: interleaved 1F1B (full recompute)")
     for col in ("v", "m", "bubble (FLOPs)", "(p-1)/(v·m)", "temp", "data wire", "2(d-1)/d held"):
         out.add_column(col, justify="right")
     ideal = ideal_flops(layout)

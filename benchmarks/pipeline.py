@@ -6,7 +6,7 @@ Tables (CPU backend, simulated devices; FLOPs are counted from the optimized HLO
 trip counts applied, memory is ``memory_analysis()`` per device):
 1. bubble: FLOPs of the layer stack on p stages x p over one device, against (v·m+p-1)/(v·m);
 2. memory: temp bytes of the whole train step as m grows at a fixed micro-batch size, for
-   GPipe and the bounded (1F1B-like) schedule; per-device parameter bytes against 1/p;
+   GPipe and the 1F1B schedule; per-device parameter bytes against 1/p;
 3. remat: temp bytes and FLOPs of the train step per policy (8 layers), and what offload
    moves to host: ``memory_analysis()`` host bytes (0 on CPU: its lowering drops memory
    spaces) and the pinned_host placements of the same program lowered for CUDA;
@@ -90,11 +90,11 @@ def bubble_table(p: int, ms: list[int]) -> Table:
 
 def memory_table(p: int, b: int, ms: list[int]) -> Table:
     table = Table(title=f"2a. temp bytes per device, train step, p={p} stages, micro-batch {b}")
-    for col in ("m", "batch", "gpipe temp", "bounded temp", "bounded/gpipe", "bounded FLOPs/gpipe"):
+    for col in ("m", "batch", "gpipe temp", "1f1b temp", "1f1b/gpipe", "1f1b FLOPs/gpipe"):
         table.add_column(col, justify="right")
     for m in ms:
         row, fl = [], []
-        for schedule in ("gpipe", "bounded"):
+        for schedule in ("gpipe", "1f1b"):
             c = cfg(8, batch=m * b, seq=32, pipeline_schedule=schedule, pipeline_microbatches=m)
             compiled = compile_step(make_setup(c, mesh(stage=p)))
             row.append(compiled.memory_analysis().temp_size_in_bytes)
@@ -178,9 +178,9 @@ def compile_table() -> Table:
     plans = {
         "no pipeline (1 device)": ({}, {}),
         "gpipe, stage 2 x fsdp 2 x tensor 2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {}),
-        "bounded, stage 2 x fsdp 2 x tensor 2": (
+        "1f1b, stage 2 x fsdp 2 x tensor 2": (
             {"stage": 2, "fsdp": 2, "tensor": 2},
-            {"pipeline_schedule": "bounded"},
+            {"pipeline_schedule": "1f1b"},
         ),
     }
     for name, (axes, fields) in plans.items():

@@ -1,7 +1,7 @@
 """Pipelines at GPT-3 scale, from compiled programs: bytes per axis, bubble, memory (issue 14).
 
 Run:  python benchmarks/pipeline_scale.py [--quick] [--layouts 39b,146b]
-          [--schedules bounded,gpipe,circular] [--precision bf16|fp32] [--virtual 1,2]
+          [--schedules 1f1b,gpipe,circular] [--precision bf16|fp32] [--virtual 1,2]
 
 Compiles the train step from abstract shapes on simulated CPU devices (nothing is allocated)
 for two published layouts, bf16, seq 2048, vocab 51200, full recompute:
@@ -10,7 +10,7 @@ for two published layouts, bf16, seq 2048, vocab 51200, full recompute:
 * 146B-class: hidden 12288, 96 heads, 80 layers; tensor 8 x stage 8 x data 24 = 1536.
 
 (SwiGLU width 8h/3 rounded to a multiple of 128, so that the parameter counts are the
-GPT-3-style 12·h² per layer.) For m = p, 2p, 4p and every schedule (bounded: each v of
+GPT-3-style 12·h² per layer.) For m = p, 2p, 4p and every schedule (1f1b: each v of
 ``--virtual``; circular: v = 2), two tables:
 
 1. Wire bytes per device and step on each mesh axis (``explain``: each collective times its
@@ -76,7 +76,7 @@ LAYOUTS = {  # name: (model overrides, mesh axes outer to inner, sequences per r
         32,
     ),
 }
-SCHEDULES = {"gpipe": {}, "circular": {"virtual_stages": 2}, "bounded": {}}  # bounded: --virtual
+SCHEDULES = {"gpipe": {}, "circular": {"virtual_stages": 2}, "1f1b": {}}  # 1f1b: --virtual
 SEQ, VOCAB = 2048, 51200
 
 
@@ -84,7 +84,7 @@ def config(layout: str, schedule: str | None, m: int, precision: str, v: int = 1
     """The ``TrainConfig`` of one layout (``schedule`` None: the same without stages)."""
     model, axes, per_replica = LAYOUTS[layout]
     staged = {} if schedule is None else {**SCHEDULES[schedule]}
-    if schedule == "bounded" and v > 1:
+    if schedule == "1f1b" and v > 1:
         staged["virtual_stages"] = v
     knobs = {} if schedule is None else dict(pipeline_schedule=schedule, pipeline_microbatches=m)
     return train_config(
@@ -153,7 +153,7 @@ def measure(layout: str, schedule: str, m: int, precision: str, v: int) -> dict:
         # formulas: 4 + 8 bytes per held parameter (fp32 master + Adam); temp: fp32 grads
         # (+ the 1F1B loop's accumulator), full recompute's 2sbh per layer (compute dtype)
         # for the layers in flight, the ring of 2vp-1 stage inputs (1F1B)
-        "grads_formula": held * 4 * (2 if schedule == "bounded" else 1),
+        "grads_formula": held * 4 * (2 if schedule == "1f1b" else 1),
         "activations_formula": _activations_formula(layout, schedule, m, v, w.compute_bytes),
         "predicted": est.memory,
         "predicted_total": est.memory_bytes,
@@ -165,7 +165,7 @@ def _activations_formula(layout: str, schedule: str, m: int, v: int, nbytes: int
     p, h = axes["stage"], model["embed"]
     sbh = per_replica // m * SEQ * h * nbytes  # one micro-batch's layer input
     layers = model["layers"] // p
-    if schedule == "bounded":  # one chunk's inputs at a time, and its ring of 2vp-1
+    if schedule == "1f1b":  # one chunk's inputs at a time, and its ring of 2vp-1
         return layers // v * sbh + (2 * v * p - 1) * sbh
     return layers * sbh * (m + p - 1)  # every trip's residuals (GPipe; circular about so)
 
@@ -241,18 +241,18 @@ def tables(layout: str, rows: dict, ideal: float) -> tuple[Table, Table]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="bounded schedule, m = p and 2p")
+    parser.add_argument("--quick", action="store_true", help="1f1b schedule, m = p and 2p")
     parser.add_argument("--layouts", default="39b,146b")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--virtual", default="1", help="bounded schedule's v, e.g. 1,2")
+    parser.add_argument("--virtual", default="1", help="1f1b schedule's v, e.g. 1,2")
     args = parser.parse_args()
     console.print(f"jax {jax.__version__}, backend {jax.default_backend()}, simulated devices")
     layouts = args.layouts.split(",")
-    schedules = ["bounded"] if args.quick else args.schedules.split(",")
+    schedules = ["1f1b"] if args.quick else args.schedules.split(",")
 
     def virtuals(schedule: str) -> list[int]:
-        if schedule == "bounded":
+        if schedule == "1f1b":
             return [int(v) for v in args.virtual.split(",")]
         return [SCHEDULES[schedule].get("virtual_stages", 1)]
 

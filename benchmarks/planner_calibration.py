@@ -193,7 +193,7 @@ def _plan(run: Run, micro_batch: int, schedule: str = "gpipe"):
 
 def micro_batch(run: Run, cluster) -> int:
     """The published micro-batch size, else the fastest whose plan fits in memory under
-    1F1B (shardlib's ``bounded`` memory model: Megatron's schedule keeps at most p
+    1F1B (shardlib's ``1f1b`` memory model: Megatron's schedule keeps at most p
     micro-batches in flight); 1 if none fits."""
     if run.micro_batch is not None:
         return run.micro_batch
@@ -203,7 +203,7 @@ def micro_batch(run: Run, cluster) -> int:
     fitting = [
         b
         for b in sizes
-        if estimate(workload, _plan(run, b, "bounded" if run.stage > 1 else "gpipe"), cluster).fits
+        if estimate(workload, _plan(run, b, "1f1b" if run.stage > 1 else "gpipe"), cluster).fits
     ]
     if not fitting:
         return 1

@@ -58,7 +58,7 @@ SCALES = {
         2048,
         [
             "pick",
-            dict(data=16, stage=4, tensor=8, schedule="bounded", microbatches=8, remat="full"),
+            dict(data=16, stage=4, tensor=8, schedule="1f1b", microbatches=8, remat="full"),
             dict(data=8, fsdp=8, tensor=8, microbatches=2, remat="selective"),
         ],
     ),
@@ -70,8 +70,8 @@ SCALES = {
         2048,
         [
             "pick",
-            dict(data=16, stage=8, tensor=8, schedule="bounded", microbatches=16, remat="full"),
-            dict(data=8, stage=16, tensor=8, schedule="bounded", microbatches=24, remat="full"),
+            dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
+            dict(data=8, stage=16, tensor=8, schedule="1f1b", microbatches=24, remat="full"),
         ],
     ),
 }

@@ -10,7 +10,7 @@ meshes, widths, micro-batch counts and device counts. Strategies covered: data p
 FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), optimizer
 offload (device memory excludes the pinned_host arguments; the host bytes are compared
 apart), context parallelism (ring attention), expert parallelism (MoE) and pipelines (GPipe,
-bounded = 1F1B, circular = interleaved).
+1f1b = (interleaved) 1F1B, circular = GPipe with virtual stages).
 Targets (issue 9): memory within 10%, collective bytes within 5%.
 """
 
@@ -81,7 +81,7 @@ CASES = {
             16,
             128,
             {"layers": 8},
-            dict(tensor=2, stage=4, microbatches=4, schedule="bounded"),
+            dict(tensor=2, stage=4, microbatches=4, schedule="1f1b"),
         ),
         (
             "llama-small",
@@ -95,7 +95,7 @@ CASES = {
             16,
             128,
             {"layers": 8, "mlp": 2048},
-            dict(data=4, stage=2, microbatches=4, schedule="bounded"),
+            dict(data=4, stage=2, microbatches=4, schedule="1f1b"),
         ),
         (
             "llama-small",
@@ -127,7 +127,7 @@ CASES = {
             32,
             2048,
             {"layers": 8},
-            dict(data=2, stage=4, microbatches=8, schedule="bounded"),
+            dict(data=2, stage=4, microbatches=8, schedule="1f1b"),
         ),
     ],
     64: [

@@ -1,4 +1,4 @@
-"""Subprocess helpers of tests/distributed/test_faults.py: bounded runs of the CLI, on loopback.
+"""Subprocess helpers of tests/distributed/test_faults.py: 1F1B runs of the CLI, on loopback.
 
 Every process started here runs under a timeout and is killed by PID when the caller is done.
 """
@@ -53,7 +53,7 @@ def train_command(tmp_path: Path, *settings: str) -> list[str]:
     ]
 
 
-def run_bounded(command: list[str], env: dict, timeout: float) -> tuple[int, str, float]:
+def run_1f1b(command: list[str], env: dict, timeout: float) -> tuple[int, str, float]:
     """(exit code, output, seconds): the process is killed by PID if it outlives ``timeout``."""
     t0 = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)

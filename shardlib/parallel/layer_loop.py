@@ -7,7 +7,7 @@ in this one place:
   ``full`` outside a pipeline keeps each block's input split over ``tensor`` where the
   residual stream is replicated there (``partition_saved_inputs``);
 * a ``stage`` mesh axis of size p > 1 switches the pipeline on: GPipe and circular replace
-  the model's ``layers`` function (strategies/pipeline.py), the bounded schedule replaces
+  the model's ``layers`` function (strategies/pipeline.py), the 1F1B schedule replaces
   ``jax.value_and_grad`` itself (strategies/pipeline_1f1b.py). The pipeline's micro-batches
   take the place of gradient accumulation's; the loss is the same mean over all of them;
 * ``offload.params`` keeps the stacked block weights (and their optimizer state) in
@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.core.ops import scan_blocks
 from shardlib.parallel.pipeline.gpipe import PipelineSpec, pipeline_layers
-from shardlib.parallel.pipeline.one_f_one_b import bounded_value_and_grad
+from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 from shardlib.parallel.remat import partition_saved_inputs, remat_block
 
 FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
@@ -75,7 +75,7 @@ def layer_loop(plan, target, dtype):
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()
-    if spec is None or spec.schedule == "bounded":
+    if spec is None or spec.schedule == "1f1b":
         return stage_layers
     return pipeline_layers(spec, stage_layers)
 
@@ -105,32 +105,32 @@ def make_grad_fn(
     has_aux=False,
     loss_scale=None,
 ):
-    """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the bounded pipeline.
+    """``(params, tokens) -> (loss, grads)``: ``jax.value_and_grad`` or the 1F1B pipeline.
 
-    The bounded schedule computes its own gradients from the model's parts (``graphdef``:
+    The 1F1B schedule computes its own gradients from the model's parts (``graphdef``:
     embed, blocks, head); ``rest_shardings`` pins the layout of the parameters outside the
-    blocks. With ``has_aux`` the loss is ``(loss, metrics)``; the bounded schedule reports none.
+    blocks. With ``has_aux`` the loss is ``(loss, metrics)``; the 1F1B schedule reports none.
     ``loss_scale`` (fp16): ``loss_fn`` already returns the scaled loss, which
-    ``jax.value_and_grad`` differentiates as it is; the bounded schedule never calls
+    ``jax.value_and_grad`` differentiates as it is; the 1F1B schedule never calls
     ``loss_fn``, so it seeds its cotangents with the scale itself and returns the scaled
     loss and gradients the same way (the trainer unscales and checks them).
     """
     spec = plan.pipeline_spec()
-    if spec is None or spec.schedule != "bounded":
+    if spec is None or spec.schedule != "1f1b":
         return jax.value_and_grad(loss_fn, has_aux=has_aux)
     remat = plan.remat.spec(target)
-    bounded = _bounded_grad_fn(spec, graphdef, dtype, remat, rest_shardings, loss_scale)
+    grad_fn = _one_f_one_b_grad_fn(spec, graphdef, dtype, remat, rest_shardings, loss_scale)
     if not has_aux:
-        return bounded
+        return grad_fn
 
     def with_aux(params, tokens_BL1):
-        loss, grads = bounded(params, tokens_BL1)
+        loss, grads = grad_fn(params, tokens_BL1)
         return (loss, {}), grads
 
     return with_aux
 
 
-def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings, loss_scale):
+def _one_f_one_b_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings, loss_scale):
     def value_and_grad(params, tokens_BL1):
         cast = cast_params(params, dtype, keep_blocks=True)  # blocks: cast per stage
         block_graph, blocks_state = nnx.split(nnx.merge(graphdef, cast).blocks)
@@ -149,7 +149,7 @@ def _bounded_grad_fn(spec: PipelineSpec, graphdef, dtype, remat, rest_shardings,
         def block_fn(layer_state, x):
             return nnx.merge(block_graph, layer_state)(x, None)
 
-        run = bounded_value_and_grad(
+        run = one_f_one_b_value_and_grad(
             spec,
             block_fn=remat_block(block_fn, remat),
             stage_layers=scan_blocks,

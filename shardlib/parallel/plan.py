@@ -221,7 +221,7 @@ class ParallelPlan:
         return layer_loop(self, target, dtype)
 
     def value_and_grad(self, loss_fn, **model_parts):
-        """``jax.value_and_grad(loss_fn)``, or the bounded pipeline's own gradient function
+        """``jax.value_and_grad(loss_fn)``, or the 1F1B pipeline's own gradient function
         (``staging.make_grad_fn``: ``graphdef``, ``dtype``, ``target``, ``rest_shardings``,
         ``has_aux``)."""
         return make_grad_fn(self, loss_fn, **model_parts)
@@ -264,7 +264,7 @@ class ParallelPlan:
         return out
 
     def describe(self) -> str:
-        """``stage=2 x fsdp=2 x tensor=2; pipeline.schedule=bounded`` (one line)."""
+        """``stage=2 x fsdp=2 x tensor=2; pipeline.schedule=1f1b`` (one line)."""
         shape = " x ".join(f"{n}={s}" for n, s in self.mesh.axes)
         knobs = [f"{s}.{k}={v}" for s, t in self.tables().items() for k, v in t.items()]
         return "; ".join([shape, *knobs]) if knobs else shape

@@ -61,7 +61,7 @@ def candidate(
     ``sizes`` are the mesh axis sizes by name (``data=8, tensor=2``; absent axes are 1).
     ``microbatches`` are the pipeline's with a stage axis (``pipeline.microbatches``) and
     gradient accumulation without one (``data.microbatches``): the cost model has one count.
-    ``schedule`` and ``virtual`` are ``PipelineParallel``'s (gpipe, bounded = 1F1B,
+    ``schedule`` and ``virtual`` are ``PipelineParallel``'s (gpipe, 1f1b,
     circular = interleaved); ``offload`` keeps the optimizer state on the host.
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
@@ -130,7 +130,7 @@ class PlanView:
         """The cost model's one count: the pipeline's micro-batches with stages (0 in the
         plan: one per stage), else gradient accumulation's."""
         self.schedule: str = plan.pipeline.schedule if staged else "none"
-        """``PipelineParallel.schedule`` (gpipe | bounded | circular); ``none`` without stages."""
+        """``PipelineParallel.schedule`` (gpipe | 1f1b | circular); ``none`` without stages."""
         self.virtual: int = plan.pipeline.virtual_stages if staged else 1
         """Virtual stages per device (the circular schedule's v)."""
         self.remat: str = plan.remat.policy

@@ -48,12 +48,12 @@ class Space:
     m = 3k a pipeline needs (m >= stages still applies)."""
     zero: tuple[int, ...] = (0, 1, 2)
     """ZeRO stages over the data axis (only 0 when data = 1)."""
-    schedules: tuple[str, ...] = ("gpipe", "bounded", "circular")
-    """Pipeline schedules when stage > 1 (``PipelineParallel.schedule``; bounded is 1F1B,
-    interleaved with virtual stages; circular the interleaved GPipe)."""
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "circular")
+    """Pipeline schedules when stage > 1 (``PipelineParallel.schedule``; 1F1B is 1F1B,
+    interleaved with virtual stages; circular GPipe with virtual stages)."""
     virtual: tuple[int, ...] = (2, 4)
-    """Virtual stages per device for the circular and bounded schedules (besides v = 1 for
-    bounded)."""
+    """Virtual stages per device for the circular and 1F1B schedules (besides v = 1 for
+    1f1b)."""
     remat: tuple[str, ...] = REMAT
     """Remat policies, lightest first."""
     offload: tuple[bool, ...] = (False, True)
@@ -90,11 +90,11 @@ class Space:
         changes = {menus[k]: v for k, v in changes.items()}
         virtual, schedule = settings.get("virtual"), settings.get("schedule")
         if virtual is not None:  # v > 1: circular or interleaved 1F1B; v = 1 the others'
-            circular = ("circular", "bounded") if virtual > 1 else ("gpipe", "bounded")
+            circular = ("circular", "1f1b") if virtual > 1 else ("gpipe", "1f1b")
             if schedule is not None and schedule not in circular:
                 raise ShardingError(
                     f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
-                    "the circular or bounded schedule only. Fix: fix one of the two."
+                    "the circular or 1F1B schedule only. Fix: fix one of the two."
                 )
             changes["schedules"] = (schedule,) if schedule else circular
             if virtual == 1:
@@ -163,7 +163,7 @@ def knob_groups(
     zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
     if mesh["stage"] > 1:
         scheds = [(s, 1) for s in space.schedules if s != "circular"]
-        for interleaved in ("circular", "bounded"):
+        for interleaved in ("circular", "1f1b"):
             if interleaved in space.schedules:
                 scheds += [(interleaved, v) for v in space.virtual if v > 1]
     else:
@@ -180,7 +180,7 @@ def knob_groups(
         # residuals, measured at m = 1, fall outside the fitted range (0.90x)
         if mesh["stage"] > 1 and m < mesh["stage"]:
             continue
-        if schedule == "bounded" and virtual > 1 and m % mesh["stage"]:
+        if schedule == "1f1b" and virtual > 1 and m % mesh["stage"]:
             continue  # interleaved 1F1B streams whole groups of p micro-batches
         knobs = dict(zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
         yield [

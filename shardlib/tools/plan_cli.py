@@ -28,7 +28,7 @@ from shardlib.planner.cost.terms import SEARCH_AXES
 from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
-SCHEDULES = ("gpipe", "bounded", "circular")
+SCHEDULES = ("gpipe", "1f1b", "circular")
 KNOBS = ("zero", "microbatches", "schedule", "virtual", "remat", "offload")
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
@@ -55,7 +55,7 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE,...",
-        help="settings every plan keeps, e.g. tensor=8,stage=8,schedule=bounded (rest searched)",
+        help="settings every plan keeps, e.g. tensor=8,stage=8,schedule=1f1b (rest searched)",
     )
     c.add_argument(
         "--validate",
@@ -74,7 +74,7 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE,...",
-        help="the layout as settings, e.g. tensor=8,stage=8,schedule=bounded,microbatches=16",
+        help="the layout as settings, e.g. tensor=8,stage=8,schedule=1f1b,microbatches=16",
     )
     return c
 
@@ -88,7 +88,7 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
         if not word:
             continue
         key, sep, value = (part.strip() for part in word.partition("="))
-        example = f"Fix: e.g. {flag} tensor=8,stage=8,schedule=bounded,microbatches=16."
+        example = f"Fix: e.g. {flag} tensor=8,stage=8,schedule=1f1b,microbatches=16."
         if not sep or not value:
             raise ShardingError(f"{flag} {word!r} is not NAME=VALUE. {example}")
         if key in ("schedule", "remat"):
@@ -244,7 +244,7 @@ def cmd_estimate(args, console: Console) -> int:
     if bool(args.mesh) == bool(args.set):
         raise ShardingError(
             "estimate: give the layout once. Fix: --mesh plan.toml, or --set "
-            "tensor=8,stage=8,schedule=bounded,microbatches=16 (data takes the rest)."
+            "tensor=8,stage=8,schedule=1f1b,microbatches=16 (data takes the rest)."
         )
     train = None
     if args.mesh:

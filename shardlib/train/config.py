@@ -3,13 +3,13 @@
 ``TrainConfig`` holds the model choice and the sections ``run``, ``metrics``, ``data``,
 ``optimizer``, ``precision``, ``checkpoint`` and ``parallel`` (the ``ParallelPlan``: mesh
 and strategies). Every field is set on the command line as
-``section.field=VALUE`` (``optimizer.lr=1e-3``, ``parallel.pipeline.schedule=bounded``).
+``section.field=VALUE`` (``optimizer.lr=1e-3``, ``parallel.pipeline.schedule=1f1b``).
 Three short forms are accepted, derived from the sections themselves rather than from a
 table of aliases:
 
 * a field name alone, when exactly one section has it (training sections before
   ``parallel``): ``steps=50``, ``lr=1e-3``, ``zero=1``;
-* ``section_field`` for a field of a section: ``pipeline_schedule=bounded``;
+* ``section_field`` for a field of a section: ``pipeline_schedule=1f1b``;
 * a section name alone sets the section's first field: ``optimizer=lamb``,
   ``precision=bf16``, ``remat=full``, ``data=PATH``.
 

@@ -104,7 +104,7 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
 def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None):
     """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout.
 
-    ``loss_scale``: the fp16 scale ``loss_fn`` multiplies its loss by (the bounded pipeline,
+    ``loss_scale``: the fp16 scale ``loss_fn`` multiplies its loss by (the 1F1B pipeline,
     which computes its own gradients, applies it itself)."""
     rest = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
     return setup.plan.value_and_grad(
@@ -136,7 +136,7 @@ def accumulate_grads(
     packed batch's dict is cut alike, field by field; its weights are normalised over the
     whole batch first, ``normalise_weights``, so the masked mean stays global too).
     With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
-    ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the bounded pipeline schedule).
+    ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the 1F1B pipeline schedule).
     """
     grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=has_aux)
     if microbatches == 1:
@@ -212,7 +212,7 @@ def build_train_step(setup: TrainSetup):
 
             if plan.data.zeropp:  # quantized / hierarchical ZeRO-3 collectives
                 grad_fn = zeropp.value_and_grad(setup, fn)
-            else:  # the bounded pipeline computes its own (scaled) gradients
+            else:  # the 1F1B pipeline computes its own (scaled) gradients
                 grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale)
             (loss, extra), grads = accumulate_grads(
                 fn,

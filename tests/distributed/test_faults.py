@@ -25,7 +25,7 @@ from fault_runs import (
     error_lines,
     lock_holder,
     records_of,
-    run_bounded,
+    run_1f1b,
     token_file,
     train_command,
     train_until,
@@ -48,7 +48,7 @@ def test_a_second_run_on_a_directory_is_refused_with_the_owner(tmp_path, cache):
     directory = tmp_path / "run"
     holder = lock_holder(directory, child_env(cache))
     try:
-        code, text, seconds = run_bounded(
+        code, text, seconds = run_1f1b(
             train_command(tmp_path, f"checkpoint_dir={directory}", "steps=5"), child_env(cache), 60
         )
     finally:
@@ -72,7 +72,7 @@ def test_a_lock_file_of_another_host_is_refused_with_a_way_out(tmp_path):
 
 def test_a_file_or_a_read_only_directory_is_one_line_before_step_1(tmp_path, cache, monkeypatch):
     (tmp_path / "file").write_text("")
-    code, text, _ = run_bounded(
+    code, text, _ = run_1f1b(
         train_command(tmp_path, f"checkpoint_dir={tmp_path / 'file'}", "steps=5"),
         child_env(cache),
         60,
@@ -132,7 +132,7 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
     assert not (directory / LOCK_NAME).exists()
     # each resume below: a refusal before compiling, or one step trained and saved
     data.write_bytes(token_file(tmp_path / "other", seed=2).read_bytes())
-    code, text, seconds = run_bounded(
+    code, text, seconds = run_1f1b(
         train_command(tmp_path, *settings, "steps=100000"), child_env(cache), 90
     )
     assert code == 2, text

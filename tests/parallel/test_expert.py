@@ -294,9 +294,9 @@ def test_bad_moe_settings_are_reported_by_the_cli(capsys):
     assert "dispatch='a2a'" in err and "moe_every=3" in err
 
 
-def test_moe_with_a_stage_axis_is_refused_only_by_the_bounded_schedule():
+def test_moe_with_a_stage_axis_is_refused_only_by_the_1f1b_schedule():
     """GPipe/circular carry the router statistics (tests/parallel/test_pipeline_moe_context.py); the
-    bounded schedule's own vjp does not yet, and says so before compiling."""
+    1F1B schedule's own vjp does not yet, and says so before compiling."""
     from shardlib import ShardingError, mesh_spec
     from shardlib.train.config import parse_overrides
     from shardlib.train.setup import make_setup
@@ -304,9 +304,9 @@ def test_moe_with_a_stage_axis_is_refused_only_by_the_bounded_schedule():
     mesh = mesh_spec(stage=2, data=4).build()
     cfg = parse_overrides(["model=moe-tiny", "model.layers=4", "batch=8", "seq=16"])
     assert make_setup(cfg, mesh).plan.pipeline_spec().schedule == "gpipe"
-    bounded = parse_overrides(["pipeline_schedule=bounded"], cfg)
+    one_f_one_b = parse_overrides(["pipeline_schedule=1f1b"], cfg)
     with pytest.raises(ShardingError, match="per-stage vjp.*Fix: pipeline_schedule=gpipe or circ"):
-        make_setup(bounded, mesh)
+        make_setup(one_f_one_b, mesh)
     step = parse_overrides(["pipeline_gather_weights=step"], cfg)
     with pytest.raises(ShardingError, match="its own. Fix: pipeline_gather_weights=microbatch"):
         make_setup(step, mesh)

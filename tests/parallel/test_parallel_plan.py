@@ -49,7 +49,7 @@ def test_a_mesh_file_is_read_straight_into_the_sections(tmp_path):
         ("[parallel.pipe]\nschedule = 'gpipe'", "unknown table \\[parallel.pipe\\].*pipeline"),
         ("[parallel.pipeline]\nstages = 2", "no setting 'stages'.*schedule, microbatches"),
         ("[parallel.pipeline]\nmicrobatches = 'four'", "microbatches='four'.*expected int"),
-        ("[parallel.pipeline]\nschedule = '1f1b'", "pipeline_schedule='1f1b'.*gpipe"),
+        ("[parallel.pipeline]\nschedule = 'zb-h1'", "pipeline_schedule='zb-h1'.*gpipe"),
         ("[parallel.data]\nzero = true", "zero=True.*expected int"),
         ("[parallel.context]\nattention = 'tree'", "attention='tree'"),
     ],
@@ -102,9 +102,9 @@ def test_short_forms_are_derived_from_the_sections(word, full):
 
 
 def test_settings_and_the_plan_meet_in_one_config():
-    cfg = parse_overrides(["steps=7", "pipeline_schedule=bounded", "model.layers=4", "lr=0.01"])
+    cfg = parse_overrides(["steps=7", "pipeline_schedule=1f1b", "model.layers=4", "lr=0.01"])
     assert cfg.run.steps == 7 and cfg.optimizer.lr == 0.01
-    assert cfg.parallel.pipeline.schedule == "bounded"
+    assert cfg.parallel.pipeline.schedule == "1f1b"
     assert cfg.model_overrides == (("layers", "4"),)
 
 
@@ -129,3 +129,10 @@ def test_the_sections_declare_the_mesh_axes_and_the_names_they_bring():
     message = str(err.value)
     assert "unknown mesh axis 'pipeline'" in message
     assert "stage (pipeline stages" in message  # names the axes there are, and what they do
+
+
+def test_the_old_schedule_name_bounded_is_an_alias_of_1f1b():
+    from shardlib.parallel.pipeline.gpipe import PipelineParallel
+
+    assert PipelineParallel(schedule="bounded").schedule == "1f1b"
+    assert PipelineParallel(schedule="1f1b") == PipelineParallel(schedule="bounded")

@@ -37,21 +37,21 @@ CASES = {  # name: (mesh axes, config overrides)
     "circular-p4-fsdp2": ({"stage": 4, "fsdp": 2}, {"virtual_stages": 2}),
     "circular-p8": ({"stage": 8}, {"virtual_stages": 2}),
     "circular-p4-dp2-remat": ({"stage": 4, "data": 2}, {"virtual_stages": 2, "remat": "full"}),
-    "bounded-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
-    "bounded-p4-tp2-remat": ({"stage": 4, "tensor": 2}, {"remat": "names:mlp_hidden"}),
-    "bounded-p8": ({"stage": 8}, {}),
+    "1f1b-p2-fsdp2-tp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
+    "1f1b-p4-tp2-remat": ({"stage": 4, "tensor": 2}, {"remat": "names:mlp_hidden"}),
+    "1f1b-p8": ({"stage": 8}, {}),
     # interleaved 1F1B: v = 2 virtual stages per device
-    "bounded-p2-v2-fsdp2-tp2": (
+    "1f1b-p2-v2-fsdp2-tp2": (
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"virtual_stages": 2, "pipeline_microbatches": 4},
     ),
-    "bounded-p4-v2-tp2": ({"stage": 4, "tensor": 2}, {"virtual_stages": 2}),
+    "1f1b-p4-v2-tp2": ({"stage": 4, "tensor": 2}, {"virtual_stages": 2}),
 }
 
 
 # v = 1 on fsdp x tensor: the interleaved 2 x 2 x 2 case runs the same loop, and this one's
 # gradients are checked leaf by leaf below (its parity run is left out for CI time)
-COVERED = {"bounded-p2-fsdp2-tp2"}
+COVERED = {"1f1b-p2-fsdp2-tp2"}
 
 
 def _cfg(name: str, **extra) -> TrainConfig:
@@ -139,11 +139,11 @@ def test_pipeline_parity(name, compiled, reference):
 
 
 @pytest.mark.slow
-def test_bounded_gradients_leaf_by_leaf():
+def test_1f1b_gradients_leaf_by_leaf():
     """The hand-written 1F1B backward gives every parameter's gradient, not just the norm."""
-    cfg = _cfg("bounded-p2-fsdp2-tp2", steps=1)
+    cfg = _cfg("1f1b-p2-fsdp2-tp2", steps=1)
     grads = []
-    for mesh in (_mesh(CASES["bounded-p2-fsdp2-tp2"][0]), single_device_mesh()):
+    for mesh in (_mesh(CASES["1f1b-p2-fsdp2-tp2"][0]), single_device_mesh()):
         setup = make_setup(cfg, mesh)
         grad_fn = grad_function(setup, make_loss_fn(setup))
 
@@ -162,18 +162,18 @@ def test_bounded_gradients_leaf_by_leaf():
 
 
 @pytest.mark.slow
-def test_bounded_memory_is_flat_in_microbatches_gpipe_grows(compiled):
-    """Same micro-batch size, 4x the micro-batches: bounded temp bytes stay, GPipe's grow."""
-    axes = CASES["bounded-p2-fsdp2-tp2"][0]
+def test_1f1b_memory_is_flat_in_microbatches_gpipe_grows(compiled):
+    """Same micro-batch size, 4x the micro-batches: 1F1B temp bytes stay, GPipe's grow."""
+    axes = CASES["1f1b-p2-fsdp2-tp2"][0]
     temp = {}
-    for schedule, m in (("bounded", 4), ("bounded", 16), ("gpipe", 4), ("gpipe", 16)):
+    for schedule, m in (("1f1b", 4), ("1f1b", 16), ("gpipe", 4), ("gpipe", 16)):
         cfg = _cfg(
-            "bounded-p2-fsdp2-tp2", pipeline_schedule=schedule, pipeline_microbatches=m, batch=2 * m
+            "1f1b-p2-fsdp2-tp2", pipeline_schedule=schedule, pipeline_microbatches=m, batch=2 * m
         )
         temp[schedule, m] = compiled(cfg, axes).temp_bytes
-    assert temp["bounded", 16] <= 1.02 * temp["bounded", 4], temp
+    assert temp["1f1b", 16] <= 1.02 * temp["1f1b", 4], temp
     assert temp["gpipe", 16] >= 2 * temp["gpipe", 4], temp
-    assert temp["bounded", 16] < temp["gpipe", 16] / 2, temp
+    assert temp["1f1b", 16] < temp["gpipe", 16] / 2, temp
 
 
 @pytest.mark.slow

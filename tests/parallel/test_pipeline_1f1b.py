@@ -2,7 +2,7 @@
 
 The schedule is checked by simulation (every dependency of every micro-batch and virtual
 stage, for many p, v, m; no compile). The bubble is measured on a toy decoder (a gather
-embedding, tanh MLP blocks, a small head) run through ``bounded_value_and_grad`` without a
+embedding, tanh MLP blocks, a small head) run through ``one_f_one_b_value_and_grad`` without a
 mesh: the compiled program then holds all p stages, so its FLOPs (loop bodies times their
 trip counts, ``explain.hlo``) over those of one device's fully rematerialised step are the
 executed-over-ideal ratio 1 + (p-1)/(v·m) directly (the ideal: one device, the same
@@ -24,7 +24,7 @@ from shardlib.core.mesh import reference_mesh
 from shardlib.core.ops import scan_blocks
 from shardlib.data.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline.gpipe import PipelineSpec
-from shardlib.parallel.pipeline.one_f_one_b import bounded_value_and_grad
+from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.tools import parity
 from shardlib.train.config import train_config
@@ -80,11 +80,11 @@ def test_schedule_meets_every_dependency(p, v, m):
 
 
 def test_interleaving_needs_whole_groups_of_micro_batches():
-    PipelineSpec(4, 8, 2, "bounded").check(layers=8, batch=8)
-    PipelineSpec(4, 6, 1, "bounded").check(layers=8, batch=12)  # v = 1: any m
+    PipelineSpec(4, 8, 2, "1f1b").check(layers=8, batch=8)
+    PipelineSpec(4, 6, 1, "1f1b").check(layers=8, batch=12)  # v = 1: any m
     with pytest.raises(ShardingError, match="pipeline_microbatches=4 or 8"):
-        PipelineSpec(4, 6, 2, "bounded").check(layers=8, batch=12)
-    with pytest.raises(ShardingError, match="circular or bounded"):
+        PipelineSpec(4, 6, 2, "1f1b").check(layers=8, batch=12)
+    with pytest.raises(ShardingError, match="circular or 1f1b"):
         PipelineSpec(4, 8, 2, "gpipe").check(layers=8, batch=8)
 
 
@@ -149,9 +149,9 @@ def _one_device(m):
     return jax.jit(step).lower(*_abstract(m)).compile()
 
 
-def _bounded(v, m):
-    spec = PipelineSpec(P, m, v, "bounded")
-    vg = bounded_value_and_grad(
+def _one_f_one_b(v, m):
+    spec = PipelineSpec(P, m, v, "1f1b")
+    vg = one_f_one_b_value_and_grad(
         spec, block_fn=_block, stage_layers=scan_blocks, embed=_embed, head_loss=_head_loss
     )
     return jax.jit(vg).lower(*_abstract(m)).compile()
@@ -166,7 +166,7 @@ def test_bubble_from_flops_and_memory_flat_in_micro_batches():
     for m in (P, 2 * P):
         ideal = _flops(_one_device(m))
         for v in (1, 2, 4):
-            exe = _bounded(v, m)
+            exe = _one_f_one_b(v, m)
             ratio, formula = _flops(exe) / ideal, 1 + (P - 1) / (v * m)
             assert abs(ratio / formula - 1) <= 0.02, (v, m, ratio, formula)
             temp = exe.memory_analysis().temp_size_in_bytes
@@ -186,9 +186,9 @@ def test_loss_scale_scales_loss_and_gradients():
         lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), a.dtype), (rest, blocks)
     )
     tokens = jnp.asarray(rng.integers(0, VOCAB, tokens.shape), jnp.int32)
-    spec = PipelineSpec(P, P, 2, "bounded")
+    spec = PipelineSpec(P, P, 2, "1f1b")
     vg = jax.jit(
-        bounded_value_and_grad(
+        one_f_one_b_value_and_grad(
             spec, block_fn=_block, stage_layers=scan_blocks, embed=_embed, head_loss=_head_loss
         )
     )
@@ -197,14 +197,14 @@ def test_loss_scale_scales_loss_and_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, 1024.0 * a, rtol=1e-6), plain, scaled)
 
 
-# --- fp16 loss scaling under the bounded schedule, in the trainer ----------------------------
+# --- fp16 loss scaling under the 1F1B schedule, in the trainer ----------------------------
 FP16 = dict(
     steps=2,
     batch=8,
     seq=16,
     warmup=1,
     precision="fp16",
-    pipeline_schedule="bounded",
+    pipeline_schedule="1f1b",
     pipeline_microbatches=2,
     **{"model.layers": 4},
 )

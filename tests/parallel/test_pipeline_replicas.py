@@ -36,7 +36,7 @@ def _report(axes, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, extra",
-    [("gpipe", {}), ("bounded", {}), ("circular", {"virtual_stages": 2})],
+    [("gpipe", {}), ("1f1b", {}), ("circular", {"virtual_stages": 2})],
 )
 def test_data_axis_gradients_are_reduced_once_per_step(schedule, extra):
     """m = p and m = 2p: every data-axis collective runs once per step, and their bytes are
@@ -59,7 +59,7 @@ def test_fsdp_weights_gathered_once_per_step_on_request():
     for gather, inside in (("microbatch", True), ("step", False)):
         report, _ = _report(
             axes,
-            pipeline_schedule="bounded",
+            pipeline_schedule="1f1b",
             pipeline_microbatches=4,
             pipeline_gather_weights=gather,
         )

@@ -57,15 +57,15 @@ def test_bubble_in_flops_matches_the_formula(schedule, v, m, stack_flops):
 
 # Parity through the project's harness (one-device reference from the same random state).
 # GPipe is the circular loop at v = 1 (one loop, one stage partition): the circular and
-# bounded cases cover its uneven stages and its m = 6, at a fraction of the compiles.
+# 1F1B cases cover its uneven stages and its m = 6, at a fraction of the compiles.
 UNEVEN_AND_ANY_M = {  # name: (mesh axes, config overrides)
-    "bounded-6-layers-on-4": ({"stage": 4, "data": 2}, {"pipeline_schedule": "bounded"}),
+    "1f1b-6-layers-on-4": ({"stage": 4, "data": 2}, {"pipeline_schedule": "1f1b"}),
     "circular-6-layers-on-2x2": (
         {"stage": 2, "data": 2},
         {"pipeline_schedule": "circular", "virtual_stages": 2, "pipeline_microbatches": 2},
     ),
-    # m = 6 on 3 stages: the bounded loop; the circular loop's m > p runs in test_pipeline.py
-    "bounded-m6-on-3": ({"stage": 3, "data": 2}, {"pipeline_schedule": "bounded"}),
+    # m = 6 on 3 stages: the 1F1B loop; the circular loop's m > p runs in test_pipeline.py
+    "1f1b-m6-on-3": ({"stage": 3, "data": 2}, {"pipeline_schedule": "1f1b"}),
 }
 
 
@@ -119,6 +119,6 @@ def test_bad_stage_layers_and_early_reentry_are_clear_errors():
         make_setup(cfg, _mesh({"stage": 4}))
     with pytest.raises(ShardingError, match="pipeline_schedule"):  # refused by train_config
         make_setup(
-            train_config(pipeline_schedule="1f1b", **{"model.layers": 8}),
+            train_config(pipeline_schedule="zb-h1", **{"model.layers": 8}),
             _mesh({"stage": 2}),
         )

@@ -167,7 +167,7 @@ def test_written_plan_reads_back_as_the_same_parallel_plan(tmp_path, workload, m
         assert cfg.precision.compute == w.precision
         assert dict(cfg.model_overrides) == overrides  # typed: ints stay ints
     if mesh_list[0] == {"data": 2, "stage": 4}:
-        assert {"pipeline.schedule=bounded", "pipeline.schedule=circular"} <= seen
+        assert {"pipeline.schedule=1f1b", "pipeline.schedule=circular"} <= seen
         assert "pipeline.virtual_stages=2" in seen and "pipeline.microbatches=8" in seen
     if mesh_list[0] == {"data": 8}:
         assert {"data.zero=1", "data.zero=2", "remat.policy=full", "offload.optimizer=True"} <= seen

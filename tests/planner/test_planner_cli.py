@@ -22,12 +22,12 @@ def _json(capsys) -> dict:
 
 def test_estimate_prints_what_cost_estimate_predicts(capsys):
     args = ["estimate", "--cluster", "a100-8", "--hosts", "2", *MODEL, "--json"]
-    args += ["--set", "tensor=4,stage=2", "--set", "schedule=bounded,microbatches=4"]
+    args += ["--set", "tensor=4,stage=2", "--set", "schedule=1f1b,microbatches=4"]
     assert main(args) == 0
     got = _json(capsys)
     cluster = load_cluster("a100-8").with_hosts(2)
     w = Workload.from_preset("llama-7b", 64, 1024)
-    plan = candidate(data=2, stage=2, tensor=4, schedule="bounded", microbatches=4)
+    plan = candidate(data=2, stage=2, tensor=4, schedule="1f1b", microbatches=4)
     want = estimate(w, plan, cluster)
     assert got["mesh"] == {"data": 2, "stage": 2, "tensor": 4}
     assert got["memory_bytes"] == pytest.approx(want.memory)

@@ -143,9 +143,7 @@ def test_search_space_has_experts_only_for_moe_moe_stages_and_no_moe_context():
     assert [c.count for c in a2a] == [4 * 3 * 1]
     assert all(c.count == 3 * 2 for c in est.comms if c.axes == ("data",))
     # the trainer's refusals, in its words
-    refusals = {
-        "per-stage vjp.*gpipe or circular": candidate(stage=2, expert=4, schedule="bounded")
-    }
+    refusals = {"per-stage vjp.*gpipe or circular": candidate(stage=2, expert=4, schedule="1f1b")}
     refusals["ring attention's token order"] = candidate(context=2, expert=4)
     for needle, plan in refusals.items():
         with pytest.raises(ShardingError, match=needle):

@@ -1,7 +1,7 @@
 """Pipeline terms of the planner against what the trainer compiles (issue 9).
 
 Probes (8 CPU devices, llama-small, fp32, batch 16, seq 128) the terms were written from:
-/work/tools/probe.py with data/fsdp/tensor x stage for gpipe, bounded (1F1B) and circular;
+/work/tools/probe.py with data/fsdp/tensor x stage for gpipe, 1f1b and circular;
 interleaved 1F1B with ``shardlib.planner.validate`` (wire bytes exact, FLOPs within 3%).
 """
 
@@ -36,11 +36,11 @@ def test_every_stage_holds_its_blocks_and_embedding_and_head():
             {"all-reduce data": 19.75, "all-reduce stage": 5.25, "collective-permute stage": 8.75},
         ),
         (  # 1F1B: a permute per executed forward and backward (7 each) and head trip (4)
-            dict(data=2, stage=4, microbatches=4, schedule="bounded"),
+            dict(data=2, stage=4, microbatches=4, schedule="1f1b"),
             {"all-reduce data": 19.75, "all-reduce stage": 4.12, "collective-permute stage": 4.5},
         ),
         (  # interleaved 1F1B, v = 2: and the round-robin weight regrouping of circular
-            dict(data=2, stage=4, microbatches=4, schedule="bounded", virtual=2),
+            dict(data=2, stage=4, microbatches=4, schedule="1f1b", virtual=2),
             {
                 "all-reduce data": 23.5,
                 "all-reduce stage": 5.62,
@@ -83,18 +83,18 @@ def test_collective_bytes_match_the_compiled_schedules(plan, kinds):
 def test_schedules_and_trainer_constraints():
     assert iterations("gpipe", 4, 4, 1) == 7
     assert iterations("circular", 4, 4, 2) == 11
-    assert iterations("bounded", 4, 4, 1) == 10  # warm-up 3, steady 4, cool-down 3
-    assert iterations("bounded", 4, 8, 2) == 16 + 8 + 4 - 2
-    assert bubble_fraction("bounded", 4, 8, 1) == pytest.approx(3 / 8)  # 1F1B: (p-1)/m
-    assert bubble_fraction("bounded", 4, 8, 2) == pytest.approx(3 / 16)  # (p-1)/(m·v)
+    assert iterations("1f1b", 4, 4, 1) == 10  # warm-up 3, steady 4, cool-down 3
+    assert iterations("1f1b", 4, 8, 2) == 16 + 8 + 4 - 2
+    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(3 / 8)  # 1F1B: (p-1)/m
+    assert bubble_fraction("1f1b", 4, 8, 2) == pytest.approx(3 / 16)  # (p-1)/(m·v)
     w = _w()
     with pytest.raises(ShardingError):  # circular needs m >= p
         estimate(_w(8), candidate(stage=4, microbatches=2, schedule="circular", virtual=2))
     with pytest.raises(ShardingError):  # equal stages only
         estimate(_w(6), candidate(stage=4, microbatches=4, schedule="gpipe"))
     with pytest.raises(ShardingError, match="multiple of 4"):  # interleaved: m % p == 0
-        estimate(_w(8), candidate(stage=4, microbatches=2, schedule="bounded", virtual=2))
-    estimate(_w(8), candidate(stage=4, microbatches=4, schedule="bounded", virtual=2))
+        estimate(_w(8), candidate(stage=4, microbatches=2, schedule="1f1b", virtual=2))
+    estimate(_w(8), candidate(stage=4, microbatches=4, schedule="1f1b", virtual=2))
     assert w.layers == 4
 
 
@@ -103,7 +103,7 @@ def test_bubble_is_computed_and_reported_as_bubble_time():
 
     w = Workload.from_preset("llama-7b", 64, 4096)
     cluster = load_cluster("h100-8")
-    est = estimate(w, candidate(fsdp=2, stage=4, microbatches=8, schedule="bounded"), cluster)
+    est = estimate(w, candidate(fsdp=2, stage=4, microbatches=8, schedule="1f1b"), cluster)
     # 1F1B: every stage executes m + p - 1 forwards, recomputes and backwards; the head runs
     # once per micro-batch, so the bubble is (p-1)/m of the blocks' compute only
     assert 0 < est.bubble_s < 3 / 8 * est.compute_s

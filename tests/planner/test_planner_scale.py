@@ -44,7 +44,7 @@ def test_one_f_one_b_with_full_recompute_runs_seven_all_reduces_per_layer_and_tr
     """2 forward + 2 backward (Megatron), the 1F1B stage's recomputed forward (2) and the
     layer's own recompute under full remat (the attention output's all-reduce): 7."""
     w = Workload.from_preset("llama-small", 16, 128, "fp32", layers=4)
-    plan = dict(data=2, stage=2, tensor=2, schedule="bounded", microbatches=2)
+    plan = dict(data=2, stage=2, tensor=2, schedule="1f1b", microbatches=2)
     for remat, per_layer in (("none", 6), ("full", 7)):
         est = estimate(w, candidate(**plan, remat=remat), backend="cpu")
         ctx = _ctx(w, **plan, remat=remat)
@@ -58,7 +58,7 @@ def test_compiled_one_f_one_b_full_recompute_matches_prediction():
     from shardlib.planner.validate import validate
 
     w = Workload.from_preset("llama-small", 16, 128, "fp32", layers=4)
-    plan = candidate(data=2, stage=2, tensor=2, schedule="bounded", microbatches=2, remat="full")
+    plan = candidate(data=2, stage=2, tensor=2, schedule="1f1b", microbatches=2, remat="full")
     check = validate(w, plan)
     tensor = check.compiled_wire_by_axes["tensor"]
     # within the planner's 5% bytes target: the interleaved-1F1B loop's head trips and

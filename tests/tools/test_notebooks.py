@@ -97,8 +97,8 @@ def _check_outputs_02(nb) -> None:
     assert _images(_cell(nb, "ax_bubble")) == 1
 
     memory = _text(_cell(nb, "memory.setdefault("))
-    growth = dict(re.findall(r"(gpipe|bounded): temp grows (\S+)x", memory))
-    assert float(growth["gpipe"]) >= 1.5 and float(growth["bounded"]) <= 1.02, memory
+    growth = dict(re.findall(r"(gpipe|1f1b): temp grows (\S+)x", memory))
+    assert float(growth["gpipe"]) >= 1.5 and float(growth["1f1b"]) <= 1.02, memory
     assert _images(_cell(nb, "ax_mem")) == 1
 
     remat = _text(_cell(nb, "remat[policy] ="))

@@ -70,7 +70,8 @@ from shardlib.parallel.pipeline.views import (
     to_stages,
 )
 
-SCHEDULES = ("gpipe", "circular", "bounded")
+SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
 BUFFER_NAMES = (None, "batch", "seq", "embed")  # [m, b, seq, embed]
 _PICKED = "pipeline_round_weights"  # a stage's layer, picked from [v, k, ...] per trip
@@ -112,9 +113,9 @@ class PipelineSpec:
     microbatches: int
     """m: micro-batches streamed through the stages per (accumulation) batch."""
     virtual_stages: int = 1
-    """v: layer groups per device (circular, or interleaved 1F1B when bounded); 1 for GPipe."""
+    """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
-    """gpipe | circular | bounded (see the module docstrings)."""
+    """gpipe | circular | 1f1b (see the module docstrings)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline_replicas.py``)."""
@@ -122,15 +123,15 @@ class PipelineSpec:
     """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
 
     def iterations(self) -> int:
-        """Loop trips: GPipe m+p-1, circular v·m+p-1, bounded ((interleaved) 1F1B)
+        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
         v·m+v·p+p-2 over its three phases (``pipeline_schedule.Schedule``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
-        return v * m + v * p + p - 2 if self.schedule == "bounded" else v * m + p - 1
+        return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
 
     def executed(self) -> int:
         """Chunk forwards (each with its backward) a stage executes: the loop trips, but
-        bounded's warm-up runs only forwards and its cool-down only backwards: v·m+p-1."""
-        if self.schedule == "bounded":
+        1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1."""
+        if self.schedule == "1f1b":
             return self.virtual_stages * self.microbatches + self.stages - 1
         return self.iterations()
 
@@ -148,7 +149,7 @@ class PipelineSpec:
             )
         if v < 1 or (v > 1 and self.schedule == "gpipe"):
             raise ShardingError(
-                f"virtual_stages={v} needs pipeline_schedule=circular or bounded (interleaved "
+                f"virtual_stages={v} needs pipeline_schedule=circular or 1f1b (interleaved "
                 f"1F1B), got {self.schedule}."
             )
         if self.stage_layers:
@@ -176,9 +177,9 @@ class PipelineSpec:
                 f"batch {batch} is not divisible by pipeline_microbatches={m}. Fix: choose a "
                 "batch that is a multiple of the pipeline micro-batches."
             )
-        if v > 1 and self.schedule == "bounded" and m % p:
+        if v > 1 and self.schedule == "1f1b" and m % p:
             raise ShardingError(
-                f"interleaved 1F1B (pipeline_schedule=bounded, virtual_stages={v}) runs "
+                f"interleaved 1F1B (pipeline_schedule=1f1b, virtual_stages={v}) runs "
                 f"micro-batches in groups of the {p} stages; pipeline_microbatches={m} is not "
                 f"a multiple of {p} (Megatron-LM's rule). Fix: pipeline_microbatches="
                 f"{' or '.join(map(str, sorted({max(p, m - m % p), m + p - m % p})))}, or "
@@ -202,13 +203,13 @@ class PipelineParallel:
     }
 
     schedule: str = "gpipe"
-    """gpipe | circular | bounded (1F1B; interleaved 1F1B with virtual_stages > 1); used when
+    """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1); used when
     the mesh has a stage axis > 1."""
     microbatches: int = 0
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
-    """Circular or bounded (interleaved 1F1B) schedule: layer groups per device (v); the
-    bubble falls to (p-1)/(m·v). Bounded with v > 1 needs micro-batches a multiple of p."""
+    """Circular or 1f1b (interleaved 1F1B) schedule: layer groups per device (v); the
+    bubble falls to (p-1)/(m·v). 1f1b with v > 1 needs micro-batches a multiple of p."""
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, first to last; () = L/(p·v) each, or, when that does
     not divide, ``pipeline_partition.balanced_stages`` (set by ``for_layers``). Uneven
@@ -222,6 +223,8 @@ class PipelineParallel:
     reduce-scatter per step, for a full copy of the stage's weights and gradients)."""
 
     def __post_init__(self) -> None:
+        if self.schedule in SCHEDULE_ALIASES:  # the spelling users typed before the rename
+            object.__setattr__(self, "schedule", SCHEDULE_ALIASES[self.schedule])
         if self.schedule not in SCHEDULES:
             raise ShardingError(
                 f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
@@ -293,8 +296,8 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
     with a remat policy already around ``block_fn``).
     """
     p, m, v = spec.stages, spec.microbatches, spec.virtual_stages
-    if spec.schedule == "bounded":
-        raise ValueError("the bounded schedule is a value_and_grad, see pipeline_1f1b")
+    if spec.schedule == "1f1b":
+        raise ValueError("the 1F1B schedule is a value_and_grad, see pipeline_1f1b")
 
     def layers(block_fn, blocks_state, carry):
         """One copy of the weights per data replica (one gradient reduction per step).

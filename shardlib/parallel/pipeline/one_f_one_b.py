@@ -1,4 +1,4 @@
-"""Memory-bounded pipeline: (interleaved) 1F1B as one jitted SPMD program.
+"""Memory-1F1B pipeline: (interleaved) 1F1B as one jitted SPMD program.
 
 GPipe under ``jax.grad`` runs every forward before the first backward, so it keeps the
 residuals of all m micro-batches. 1F1B (Narayanan et al., SC21, sec. 2.2) bounds memory by
@@ -64,7 +64,7 @@ ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carr
 STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work (in profiles and op names)
 
 
-def bounded_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
+def one_f_one_b_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
     """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
     grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
 

@@ -12,7 +12,7 @@ construction.
 The total is the mean over micro-batches (``stats_mean``), what gradient accumulation over
 the same m micro-batches reports on one device: the pipeline's micro-batches take the place
 of accumulation's (``shardlib/parallel/layer_loop.py``). GPipe and circular use these helpers
-(``pipeline.pipeline_layers``); the bounded schedule computes its own per-stage vjp and
+(``pipeline.pipeline_layers``); the 1F1B schedule computes its own per-stage vjp and
 does not carry statistics yet (``PipelineParallel.check`` refuses such models there), and
 would call the same helpers to do so.
 """
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None:
     """Refuse what cannot carry block statistics (the trainer's and the planner's refusal:
-    one text): the bounded schedule, and per-replica weights (``gather_weights=step``: a
+    one text): the 1F1B schedule, and per-replica weights (``gather_weights=step``: a
     replica's micro-batch would compute its own, different, statistics)."""
     if gather_weights == "step":
         raise ShardingError(
@@ -42,10 +42,10 @@ def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None
             "router's load-balancing loss): each replica would compute its own. Fix: "
             "pipeline_gather_weights=microbatch (the default) for this model."
         )
-    if schedule == "bounded":
+    if schedule == "1f1b":
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "
-            "pipeline_schedule=bounded computes its own per-stage vjp, which does not yet "
+            "pipeline_schedule=1f1b computes its own per-stage vjp, which does not yet "
             "carry block statistics between stages (pipeline_stats.py). Fix: "
             "pipeline_schedule=gpipe or circular (they carry them), or drop the stage axis."
         )
@@ -83,6 +83,6 @@ def stats_mean(stats_M):
 def stats_tokens(spec: PipelineSpec | None, tokens: int) -> int:
     """Tokens one set of block statistics covers (the model's ``aux(totals, tokens)``): a
     micro-batch's under GPipe/circular (``stats_mean``), the batch's otherwise."""
-    if spec is None or spec.schedule == "bounded":
+    if spec is None or spec.schedule == "1f1b":
         return tokens
     return tokens // spec.microbatches

@@ -167,7 +167,7 @@ PIPELINE_PROBES: tuple[Probe, ...] = (
         candidate(data=2, stage=4, schedule="gpipe", microbatches=4),
         "batch=16 model.layers=4 model.vocab=16384",
     ),
-    (candidate(data=2, stage=4, schedule="bounded", microbatches=4), "batch=16 model.layers=4"),
+    (candidate(data=2, stage=4, schedule="1f1b", microbatches=4), "batch=16 model.layers=4"),
     (
         candidate(data=2, stage=4, schedule="circular", virtual=2, microbatches=4),
         "batch=16 model.layers=8",
@@ -216,11 +216,11 @@ SCALE_PROBES: tuple[Probe, ...] = (
         f"{_W7} batch=4 model.layers=2",
     ),
     (
-        candidate(stage=2, tensor=4, schedule="bounded", microbatches=4, remat="full"),
+        candidate(stage=2, tensor=4, schedule="1f1b", microbatches=4, remat="full"),
         f"{_W39} batch=4 model.layers=4",
     ),
     (
-        candidate(stage=2, tensor=4, schedule="bounded", microbatches=2, remat="selective"),
+        candidate(stage=2, tensor=4, schedule="1f1b", microbatches=2, remat="selective"),
         f"{_W7} batch=4 model.layers=4",
     ),
     (

@@ -194,7 +194,7 @@ class Context:
     @cached_property
     def executed(self) -> int:
         """Chunk forwards (and backwards) a stage executes per step: the trips, except for
-        bounded, whose warm-up trips run only forwards and cool-down only backwards
+        1f1b, whose warm-up trips run only forwards and cool-down only backwards
         (``PipelineSpec.executed``: v·m+p-1); 1 without stages."""
         p = self.p
         if p.stage == 1:
@@ -281,12 +281,12 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
     return out
 
 
-VIRTUAL_SCHEDULES = ("circular", "bounded")  # schedules with v virtual stages per device
+VIRTUAL_SCHEDULES = ("circular", "1f1b")  # schedules with v virtual stages per device
 
 
 def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
     """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
-    v·m+p-1 circular, v·m+v·p+p-2 bounded, (interleaved) 1F1B); 1 without stages."""
+    v·m+p-1 circular, v·m+v·p+p-2 (interleaved) 1F1B); 1 without stages."""
     if stages == 1:
         return 1
     v = virtual if schedule in VIRTUAL_SCHEDULES else 1

@@ -54,7 +54,7 @@ def fsdp(ctx: Context) -> Contribution:
     # gate/up under GPipe, all but the down projection under circular, llama-small on 8
     # devices; 0.76 of a pass at 175B): counted as a whole pass, as for 1F1B
     layer_grads, outer_grads = gradient_reductions(ctx)
-    recompute = p.schedule == "bounded" or p.remat == "full"
+    recompute = p.schedule == "1f1b" or p.remat == "full"
     passes = 3 if p.stage > 1 and recompute else 2
     if p.stage == 1:
         layer_gathers = 2 * ctx.layers_per_device * m
@@ -103,7 +103,7 @@ def fsdp(ctx: Context) -> Contribution:
         gathered_outer += full * weight_bytes
         if param.name == "lm_head" and _head_over_stage(ctx):
             comms += _head_over_stage_comms(ctx, full, outer_grads)
-            if p.schedule == "bounded":  # inside its loop: the gathered head and its gradient
+            if p.schedule == "1f1b":  # inside its loop: the gathered head and its gradient
                 gathered_outer += full * MASTER_BYTES  # (fsdp=2 x stage=4: 0.88 with it)
             continue
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
@@ -174,7 +174,7 @@ def _head_over_stage_comms(ctx: Context, full: float, grads: float) -> list[Comm
     p, w = ctx.p, ctx.w
     axes = (str(Axis.STAGE), str(Axis.FSDP))
     stage = (str(Axis.STAGE),)
-    back = grads if p.schedule == "bounded" else 1
+    back = grads if p.schedule == "1f1b" else 1
     kind, wb, grad = ctx.scatter_kind, w.compute_bytes, full * MASTER_BYTES / p.fsdp
     return [
         Comm("fsdp", "weights", "collective-permute", axes, p.stage, full * wb / p.stage, 1, True),

@@ -10,7 +10,7 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
 * the pipeline is one SPMD loop in which every stage computes every iteration, so the
   bubble is real compute: GPipe runs m+p-1 iterations of L/p blocks (FLOPs x (m+p-1)/m),
   circular v·m+p-1 iterations of L/(p·v) blocks (x (v·m+p-1)/(v·m): REFERENCE.md's
-  (p-1)/(m·v) bubble, Narayanan et al. 2021). The bounded schedule ((interleaved) 1F1B)
+  (p-1)/(m·v) bubble, Narayanan et al. 2021). The 1F1B schedule ((interleaved) 1F1B)
   runs v·m+v·p+p-2 trips in three phases and executes v·m+p-1 chunk forwards and as many
   backwards (one recomputed forward and one backward of L/(p·v) blocks): the same
   (p-1)/(m·v) bubble; the head's forward and backward run on each micro-batch once, as
@@ -19,11 +19,11 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
   are replicated over ``tensor``) moves along ``stage``: GPipe and circular compile 2
   collective-permutes forward and 3 backward (the roll and the hand-over to the micro-batch
   buffer), and 2 all-reduces over ``stage`` (reading the last stage's output into the
-  buffer, and its transpose); bounded compiles a permute per executed forward (activations
+  buffer, and its transpose); 1F1B compiles a permute per executed forward (activations
   up) and backward (cotangents down) and one per head trip (m), and all-reduces of one per
   backward (device 0's cotangent to the embedding) and one per head trip (the last stage's
   output to the head). Measured on jax 0.10.2, CPU, p = 2, 4, 8, with data, FSDP and
-  tensor axes (``tests/planner/test_planner_pipeline.py``; bounded v = 1, 2 on data 2 x stage 4);
+  tensor axes (``tests/planner/test_planner_pipeline.py``; 1F1B v = 1, 2 on data 2 x stage 4);
 * circular and interleaved 1F1B regroup their weights once forward (compute dtype) and
   once backward (fp32 gradients) from the stored contiguous layout to the round-robin one:
   an all-to-all over min(v, p) devices of the device's L/p blocks, and when v < p a
@@ -59,7 +59,7 @@ from shardlib.planner.cost.terms.base import (
 
 __all__ = ["iterations", "partition"]  # re-exported: the trainer's loop trips and partition
 
-FORWARD_PERMUTES = {"gpipe": 2, "circular": 2}  # per trip (bounded: per executed chunk)
+FORWARD_PERMUTES = {"gpipe": 2, "circular": 2}  # per trip (1f1b: per executed chunk)
 BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3}
 STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
@@ -78,14 +78,14 @@ STAGE_ALL_REDUCES = 2
 
 def _admits(workload, cluster, space, chosen, size) -> bool:
     # MoE models and a context axis pipeline too (GPipe/circular carry the router's
-    # statistics; ring attention runs inside the stage loop); the bounded schedule's MoE
+    # statistics; ring attention runs inside the stage loop); the 1F1B schedule's MoE
     # refusal is ``_check``'s, per plan
     return space.pipeline and size <= min(space.max_stage, workload.layers)
 
 
 def _check(workload, view) -> None:
     """The pipeline strategy's own refusals (equal stages, circular m >= p, MoE under the
-    bounded schedule), in the trainer's words."""
+    1F1B schedule), in the trainer's words."""
     view.plan.pipeline.spec(view.sizes).check(workload.layers, workload.global_batch)
     if workload.experts:
         check_block_stats(view.plan.pipeline.schedule)
@@ -121,7 +121,7 @@ def layer_sets_saved(ctx: Context) -> float:
     p = ctx.p
     if p.stage == 1:
         return 1.0
-    if p.schedule == "bounded":
+    if p.schedule == "1f1b":
         return 1.0 / p.virtual
     v = p.virtual if p.schedule == "circular" else 1
     return ctx.trips / v
@@ -164,14 +164,14 @@ def gradient_reductions(ctx: Context, *, per_replica: bool = False) -> tuple[flo
     ``strategies/pipeline_replicas.py``): once per step, after the loop. Over the others
     (``fsdp``, context) GPipe/circular reduce each iteration's L/(p·v) layer gradients
     inside the loop (m+p-1 or v·m+p-1 iterations), embedding and head once after it;
-    bounded reduces every gradient it carries every iteration (m+2(p-1) times).
+    1F1B reduces every gradient it carries every iteration (m+2(p-1) times).
     """
     p = ctx.p
     if p.stage == 1:
         return ctx.layers_per_device * p.microbatches, p.microbatches
     if per_replica:
         return ctx.layers_per_device, 1
-    if p.schedule == "bounded":
+    if p.schedule == "1f1b":
         return ctx.layers_per_device * ctx.trips, ctx.trips
     return ctx.layer_runs, 1
 
@@ -180,7 +180,7 @@ def head_batch(ctx: Context) -> int:
     """Sequences the output head runs on at once on one device: the whole data shard
     (outside the pipeline), or one micro-batch for 1F1B (inside its loop)."""
     p = ctx.p
-    if p.stage > 1 and p.schedule != "bounded":
+    if p.stage > 1 and p.schedule != "1f1b":
         return ctx.w.global_batch // p.batch_ways
     return ctx.micro_batch
 
@@ -194,7 +194,7 @@ def extra_flops(ctx: Context) -> tuple[float, float]:
     layer = (w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)) / p.tensor
     stage_fwd = tokens * ctx.layers_per_device * layer  # one forward over all micro-batches
     frac = bubble_fraction(p.schedule, p.stage, p.microbatches, p.virtual)
-    if p.schedule != "bounded":
+    if p.schedule != "1f1b":
         return 3 * stage_fwd * frac, 0.0
     # 1F1B: fwd + recomputed fwd + bwd (4 units) per executed chunk; the head once per
     # micro-batch (the ideal's), only in the trips where the last stage finishes one
@@ -208,7 +208,7 @@ def pipeline(ctx: Context) -> Contribution:
     axes, n = (str(Axis.STAGE),), p.stage
     trips = ctx.trips
     bsh = ctx.micro_batch * ctx.local_seq * w.embed * w.compute_bytes
-    if p.schedule == "bounded":  # per executed forward / backward, per head trip
+    if p.schedule == "1f1b":  # per executed forward / backward, per head trip
         permutes, all_reduces = 2 * ctx.executed + p.microbatches, ctx.executed + p.microbatches
     else:
         permutes = (FORWARD_PERMUTES[p.schedule] + BACKWARD_PERMUTES[p.schedule]) * trips
@@ -235,7 +235,7 @@ def pipeline(ctx: Context) -> Contribution:
     bubble, recompute = extra_flops(ctx)
     # 1F1B keeps its ring of 2vp-1 saved stage inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
-    if p.schedule == "bounded":
+    if p.schedule == "1f1b":
         buffers = stage_inputs_saved(ctx) * bsh + regrouped_weights(ctx)
     else:
         c = ctx.calib

@@ -27,12 +27,12 @@ def state(ctx: Context) -> Contribution:
     grads = n * MASTER_BYTES
     # accumulation carries a sum of gradients; so does the 1F1B pipeline loop (all of them,
     # embedding and head too), GPipe/circular differentiate their loop and do not
-    accumulates = p.microbatches > 1 if p.stage == 1 else p.schedule == "bounded"
+    accumulates = p.microbatches > 1 if p.stage == 1 else p.schedule == "1f1b"
     accumulator = grads / (p.data if p.zero >= 2 else 1) if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
     in_flight = ctx.layer_elements_gathered
     live = ctx.calib["grad_layers_live"]
-    if p.stage > 1 and p.schedule == "bounded":  # a stage's vjp returns all its L/p layers' at once
+    if p.stage > 1 and p.schedule == "1f1b":  # a stage's vjp returns all its L/p layers' at once
         live += ctx.layers_per_device - 1
     in_flight *= live * MASTER_BYTES
     # the optimizer update's temporaries, as sharded as the optimizer state (ZeRO-1 shrinks them)

@@ -50,7 +50,7 @@ def tensor(ctx: Context) -> Contribution:
     tokens = ctx.micro_batch * ctx.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = p.microbatches
-    if p.stage > 1 and p.schedule == "bounded":  # embedding and head run inside the loop
+    if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run inside the loop
         m = ctx.executed
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
@@ -58,7 +58,7 @@ def tensor(ctx: Context) -> Contribution:
     # stage's recomputed forward, then each layer's own recompute inside its backward
     # (compiled, 39B/146B-class layouts: 7 all-reduces per layer and loop trip; issue 15)
     forward = FORWARD_PER_LAYER
-    if p.stage > 1 and p.schedule == "bounded":
+    if p.stage > 1 and p.schedule == "1f1b":
         forward += FORWARD_PER_LAYER
     if p.remat == "full":
         forward += RECOMPUTED_PER_LAYER
