@@ -19,9 +19,9 @@ def layer_stack_program(setup):
     The blocks run through the plan's layer loop (remat policy, pipeline schedule, parameter
     offload) on one gradient-accumulation micro-batch.
     """
-    plan, target = setup.plan, setup.target
+    plan, workload = setup.plan, setup.workload
     graphdef, dtype = setup.graphdef, setup.compute_dtype
-    layers = plan.layer_loop(target, dtype)
+    layers = plan.layer_loop(workload, dtype)
     names = ("batch", "seq", "embed")
     x_sharding = jax.sharding.NamedSharding(setup.mesh, setup.rules.spec(names))
 
@@ -40,7 +40,7 @@ def layer_stack_program(setup):
 
     params = setup.abstract_state()["params"]
     x = jax.ShapeDtypeStruct(
-        (target.micro_batch, target.seq, target.dims["embed"]),  # [batch, seq, embed]
+        (workload.micro_batch, workload.seq, workload.dims["embed"]),  # [batch, seq, embed]
         setup.compute_dtype,
         sharding=x_sharding,
     )

@@ -78,7 +78,8 @@ def _grad_program(setup):
     from shardlib.parallel import zeropp
     from shardlib.train.step import make_loss_fn
 
-    fn = jax.jit(zeropp.value_and_grad(setup, make_loss_fn(setup, with_metrics=True)))
+    loss_fn = make_loss_fn(setup, with_metrics=True)
+    fn = jax.jit(zeropp.value_and_grad(setup.plan, loss_fn, setup.step_layout))
     params = setup.abstract_state()["params"]
     return fn.lower(params, setup.abstract_batch()).compile().as_text()
 

@@ -37,7 +37,7 @@ from shardlib.train.setup import make_setup  # noqa: E402
 
 CFG = train_config(model="llama-small", batch=16, seq=128)
 VOCAB_PARALLEL = ("reduce-scatter", "all-reduce", "all-gather", "all-gather")
-"""FSDP's vocab-parallel head, of [b, s, h] each (``planner.terms.fsdp``)."""
+"""FSDP's vocab-parallel head, of [b, s, h] each (``planner.cost.terms.fsdp``)."""
 
 
 def report(devices: int, **axes):

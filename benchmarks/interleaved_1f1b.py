@@ -104,12 +104,12 @@ def ideal_flops(layout: str) -> int:
     p, t = axes["stage"], axes["tensor"]
     mesh = mesh_spec(tensor=t).build(jax.devices()[:t])
     setup = make_setup(_cfg(layout, 1, 1, {}), mesh)
-    layers = setup.target.layers // p
+    layers = setup.workload.blocks // p
     dtype = setup.compute_dtype
     params = setup.abstract_state()["params"]
     graph, _ = nnx.split(nnx.merge(setup.graphdef, params).blocks)
     block = remat_block(
-        lambda w, x: nnx.merge(graph, w)(x, None), setup.plan.remat.spec(setup.target)
+        lambda w, x: nnx.merge(graph, w)(x, None), setup.plan.remat.spec(setup.workload)
     )
 
     def stage_of(a, sharding):  # the first L/p layers, laid out as the stacked blocks
@@ -118,7 +118,7 @@ def ideal_flops(layout: str) -> int:
     stage = jax.tree.map(stage_of, params["blocks"], setup.param_shardings["blocks"])
     names = ("batch", "seq", "embed")
     x_sharding = jax.sharding.NamedSharding(mesh, setup.rules.spec(names))
-    x_shape = (per_replica, setup.target.seq, setup.target.dims["embed"])
+    x_shape = (per_replica, setup.workload.seq, setup.workload.dims["embed"])
     x = jax.ShapeDtypeStruct(x_shape, dtype, sharding=x_sharding)
 
     def work(w, x):

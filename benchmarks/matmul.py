@@ -3,7 +3,7 @@
     python benchmarks/matmul.py --cluster h200-1                 # on a GPU (30 s)
     python benchmarks/matmul.py --cluster h200-1 --json out.json
 
-The planner prices every matmul of a step as ``planner.throughput.Matmul.seconds``: a
+The planner prices every matmul of a step as ``planner.cost.throughput.Matmul.seconds``: a
 roofline whose compute ceiling is ``peak x matmul_efficiency``, with a half-wave tail over
 the streaming multiprocessors and the HBM slope below the ridge. This measures the same
 products (square sweeps, and the per-block products of Llama 1B and 7B at 8k tokens) with

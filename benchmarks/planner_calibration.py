@@ -5,8 +5,8 @@
 
 Each published run is costed as the planner costs a layout (``planner.estimate`` on the
 ``a100-8`` preset with ``--hosts``), running the publication's own program
-(``planner.megatron``: Megatron-LM's GPT block, tensor, pipeline and data-parallel traffic,
-recompute) on the planner's hardware model: a GPT-3 style model of the published shape
+(``planner.calibrate.megatron``: Megatron-LM's GPT block, tensor, pipeline and data-parallel
+traffic, recompute) on the planner's hardware model: a GPT-3 style model of the published shape
 (SwiGLU width 8h/3: GPT's 4h MLP FLOPs; vocab 51,200), 1F1B costed as ``gpipe`` (the same
 (p-1)/m bubble). Published and predicted throughput are counted with the publication's own
 FLOP formula, so predicted/published = published step time / predicted step time.

@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.reference import zero_memory, zero_wire
 from shardlib.analysis import LayoutReport, explain
-from shardlib.parallel.state_layouts import HOST_KINDS
+from shardlib.parallel.offload import HOST_KINDS
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 from flax import nnx
 
 from models import llama, moe
+from models.llama import hf as llama_hf
 from shardlib.core.model import ModelEntry
 
 _FAMILIES = {
@@ -20,11 +21,16 @@ _FAMILIES = {
 }
 
 
+_HF = {"llama": llama_hf.ADAPTER}
+"""Each family's Hugging Face names and layouts (``HFAdapter``); moe has none yet."""
+
+
 def registry() -> dict[str, ModelEntry]:
-    """Every preset with the model class that builds it (``model(config, rngs)``)."""
+    """Every preset with the model class that builds it (``model(config, rngs)``) and its
+    family's Hugging Face adapter, if any."""
     return {
-        name: ModelEntry(config=cfg, model=module)
-        for presets, _, module in _FAMILIES.values()
+        name: ModelEntry(config=cfg, model=module, hf=_HF.get(family))
+        for family, (presets, _, module) in _FAMILIES.items()
         for name, cfg in presets.items()
     }
 

@@ -8,8 +8,7 @@ mesh, the rules and the strategies that fill them, building a model on one devic
 shards, the shardings of the batch and of optax's state, ``explain`` and ``show_sharding``.
 """
 
-# Imported eagerly so that the name ``shardlib.analysis`` is the function: importing the
-# submodule later must not rebind the package attribute to the module.
+from shardlib import parallel
 from shardlib.analysis import explain
 from shardlib.analysis.picture import ShardingPicture, sharding_picture, show_sharding
 from shardlib.analysis.report import LayoutReport, format_bytes
@@ -25,16 +24,7 @@ from shardlib.core.mesh import (
 )
 from shardlib.core.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
 from shardlib.data.tokens import embedded_corpus, global_batch
-from shardlib.parallel import (
-    context_parallel,
-    data_parallel,
-    expert_parallel,
-    fsdp,
-    sequence_parallel,
-    tensor_2d,
-    tensor_3d,
-    tensor_parallel,
-)
+from shardlib.parallel import *  # noqa: F403 - every strategy's rule function (parallel.__all__)
 from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
 from shardlib.parallel.state import (
     abstract_optimizer_state,
@@ -46,6 +36,7 @@ from shardlib.parallel.state import (
 )
 
 __all__ = [
+    *parallel.__all__,
     "LOGICAL_NAMES",
     "Axis",
     "LayoutReport",
@@ -61,13 +52,9 @@ __all__ = [
     "build_model",
     "compose",
     "constrain",
-    "context_parallel",
-    "data_parallel",
     "embedded_corpus",
-    "expert_parallel",
     "explain",
     "format_bytes",
-    "fsdp",
     "global_batch",
     "init_optimizer",
     "load_mesh",
@@ -78,13 +65,9 @@ __all__ = [
     "reference_mesh",
     "resolve_spec",
     "rules_for_mesh",
-    "sequence_parallel",
     "shard_model",
     "sharding_picture",
     "show_sharding",
     "simulate_cpu_devices",
-    "tensor_2d",
-    "tensor_3d",
-    "tensor_parallel",
     "use_layout",
 ]

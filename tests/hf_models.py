@@ -2,10 +2,26 @@
 
 Llama 2 style: multi-head attention, plain RoPE, a separate LM head. Llama 3 style:
 grouped-query attention, llama3 RoPE scaling, tied embeddings. Shared by the import/export
-tests (``test_hf.py``) and the fine-tuning chain (``test_hf_finetune.py``).
+tests (``test_hf.py``, ``test_hf_live.py``) and the fine-tuning chain
+(``test_hf_finetune.py``).
+
+Default tests read one of each, saved with the logits transformers computed for them, from
+``interop/fixtures/`` (``fixture``): they need neither transformers nor torch. Tests marked
+``hf`` (``pip install -e ".[hf]"``) make models and compute logits live (``make_hf``,
+``hf_logits``), and check that transformers still computes the fixtures' logits.
 """
 
+from pathlib import Path
+
 import numpy as np
+from tokenizer_data import SPECIALS, WORDS
+
+FIXTURES = Path(__file__).parent / "interop" / "fixtures"
+"""``STYLE/config.json``, ``STYLE/model.safetensors`` and ``STYLE/logits.npz`` (the tokens
+and transformers' logits for them); ``regenerate.py`` writes them."""
+FIXTURE_VOCAB = len(WORDS) + len(SPECIALS)
+"""The fixtures' vocabulary: the fine-tuning chain's word-level tokenizer (16 words, <unk>,
+</s>), so one model per style serves every test."""
 
 STYLES = {
     "llama2": dict(num_key_value_heads=4, tie_word_embeddings=False),
@@ -51,3 +67,35 @@ def hf_logits(model_or_dir, tokens):
 
 def rel_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+
+
+def fixture(style: str) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A ``style`` fixture: its directory, tokens [2, 12] and transformers' logits for them
+    [2, 12, vocab] (fp32)."""
+    directory = FIXTURES / style
+    with np.load(directory / "logits.npz") as saved:
+        return directory, saved["tokens"], saved["logits"]
+
+
+def assert_like_fixture(directory, style: str, *, same_values: bool) -> None:
+    """``directory`` (an export) holds the ``style`` fixture's tensors - every name, shape and
+    dtype, and with ``same_values`` every value - and a ``config.json`` that agrees with the
+    fixture's on every key both have: the same model, in the form transformers reads."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    def tensors(where):
+        return {k: v for f in sorted(Path(where).glob("*.safetensors")) for k, v in
+                load_file(f).items()}  # fmt: skip
+
+    ours, theirs = tensors(directory), tensors(FIXTURES / style)
+    assert sorted(ours) == sorted(theirs)
+    for name, x in theirs.items():
+        assert (ours[name].shape, ours[name].dtype) == (x.shape, x.dtype), name
+        if same_values:
+            np.testing.assert_array_equal(ours[name], x, err_msg=name)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    want = json.loads((FIXTURES / style / "config.json").read_text())
+    differ = {k: (config[k], want[k]) for k in config.keys() & want.keys() if config[k] != want[k]}
+    assert not differ, differ

@@ -63,7 +63,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _package(module: str) -> str | None:
-    """``shardlib.parallel.context.ring`` -> ``parallel``; the top-level ``shardlib`` -> None."""
+    """``shardlib.parallel.context.kernels`` -> ``parallel``; the top-level ``shardlib`` -> None."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 

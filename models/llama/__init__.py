@@ -1,5 +1,6 @@
 """Llama-style decoder: the model (``model``), its KV cache for generation (``cache``), LoRA
-adapters (``lora``), and the layers it is built from (``norm``, ``rotary``)."""
+adapters (``lora``), its Hugging Face names and layouts (``hf``), and the layers it is built
+from (``norm``, ``rotary``)."""
 
 from models.llama.model import PRESETS, Llama, LlamaConfig, preset
 

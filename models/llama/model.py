@@ -354,6 +354,11 @@ class Llama(nnx.Module):
             logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...].astype(dtype))
         return constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary tables cover (``Generator``: prompt + new tokens fit)."""
+        return self.cfg.max_positions
+
     def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
         """Logits [batch, T, vocab] of T new tokens at positions start.., and the KV cache
         with their keys and values written in (``models.llama.cache``: prefill and decode)."""

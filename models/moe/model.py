@@ -17,7 +17,6 @@ layout comes from shardlib's rules and the form of its all-to-all from ``shardli
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +25,7 @@ from flax import nnx
 
 from models.llama.model import Attention, Block, Llama, LlamaConfig, RMSNorm, _param, stack_blocks
 from models.moe.routing import Routing, route
+from shardlib.core.capabilities import ExpertRouting
 from shardlib.core.layout import constrain
 from shardlib.core.ops import DISPATCH_NAMES, EXPERT_NAMES, exchange
 
@@ -69,11 +69,21 @@ class MoeConfig(LlamaConfig):
     def moe_layers(self) -> int:
         return self.layers // self.moe_every
 
+    def routing(self) -> ExpertRouting:
+        """The routing facts the planner reads (``shardlib.core.model.Routed``)."""
+        return ExpertRouting(
+            experts=self.experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            dim="expert",  # [expert, ...]: the leading dim of the stacked expert weights
+            every=self.moe_every,
+            group_size=self.group_size,
+            no_drop=self.no_drop,
+        )
+
     def capacity(self, group: int) -> int:
-        """Slots per expert in a group of ``group`` tokens (at most ``group``: k <= E)."""
-        if self.no_drop:
-            return group
-        return min(group, math.ceil(self.top_k * group / self.experts * self.capacity_factor))
+        """Slots per expert in a group of ``group`` tokens: the routing's one formula."""
+        return self.routing().capacity(group)
 
     def param_count(self) -> int:
         e, h, k, d, f, v = (
@@ -198,7 +208,15 @@ class MoeGroup(nnx.Module):
 
 
 class Moe(Llama):
-    """Llama's embedding and head around a stack of ``MoeGroup``s (``Decoder`` with stats)."""
+    """Llama's embedding and head around a stack of ``MoeGroup``s (``Decoder`` with stats,
+    ``Routed``). Llama's KV-cache path runs Llama blocks only: not a ``Generator``."""
+
+    init_cache = None  # None opts out of the Generator protocol (isinstance is False)
+    decode = None
+
+    def routing(self) -> ExpertRouting:
+        """The routing of its MoE layers (``shardlib.core.model.Routed``)."""
+        return self.cfg.routing()
 
     def make_blocks(self, cfg: MoeConfig, rngs: nnx.Rngs) -> nnx.Module:
         return stack_blocks(lambda r: MoeGroup(cfg, r), cfg.moe_layers, rngs)

@@ -182,7 +182,7 @@ class LayoutReport:
     def host_argument_bytes(self) -> int:
         """Per device, the arguments whose sharding places them in host memory. The CPU
         backend's ``memory_analysis`` counts them with the device arguments (jax 0.10)."""
-        from shardlib.parallel.state_layouts import HOST_KINDS
+        from shardlib.parallel.offload import HOST_KINDS
 
         return sum(t.bytes_per_device for t in self.tensors if t.memory_kind in HOST_KINDS)
 

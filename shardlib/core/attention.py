@@ -1,8 +1,8 @@
 """Attention on one device: dense, chunked (online softmax) and cuDNN, and packed documents.
 
 ``LocalAttention`` is what ``shardlib.core.ops.attention`` runs when no strategy installs
-another form (``use_ops``); context parallelism (``shardlib.parallel.context``) wraps it in
-collectives across its axis and reuses the blockwise arithmetic below for ring attention.
+another form (``use_ops``); a strategy that splits the sequence over a mesh axis wraps it in
+collectives across that axis and reuses the blockwise arithmetic below.
 
 Softmax over a row of scores needs the row's maximum and sum; processed block by block, a
 running maximum ``m`` and sum ``l`` are kept per query and the partial output is rescaled by

@@ -4,7 +4,7 @@ Megatron's vocab-parallel lookup (Shoeybi et al. 2019): each device holds a bloc
 table's rows, looks up the tokens that fall in it (others read as zero), and the partial
 rows are summed over the devices that split vocab. Under tensor parallelism alone XLA
 derives this form from the layouts. Under FSDP's vocab-parallel table
-(``strategies.fsdp``) the token batch is split over the same ``fsdp`` axis as the
+(``parallel.fsdp``) the token batch is split over the same ``fsdp`` axis as the
 table's rows, and XLA's gather partitioner then sometimes gathers the whole table instead
 (data 8 x fsdp 8, jax 0.10.2, CPU: an 8 MiB all-gather and an all-reduce of its
 gradient over all 64 devices). So here it is explicit, as Megatron writes it:

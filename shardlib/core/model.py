@@ -9,7 +9,9 @@ points in the ``shardlib.models`` group, so any installed package can add its ow
 
 A model the trainer drives follows the ``Decoder`` protocol below: it owns the embedding,
 one uniform stack of blocks and the head, and the library owns the layer loop between them
-(``shardlib.core.ops.run_blocks``), where remat, pipelining and offload plug in.
+(``shardlib.core.ops.run_blocks``), where remat, pipelining and offload plug in. A family
+that has a Hugging Face form registers an ``HFAdapter`` with its presets: the library's
+import, export and ``init_from`` read every name and ``config.json`` field from it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib.core.capabilities import ExpertRouting, HFAdapter, Routed
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import abstract_state, names_at, path_str
 from shardlib.core.values import convert_value
@@ -39,7 +42,7 @@ RESIDUAL = ("batch", "res_seq", "res_embed")
 """Logical names of the residual stream [batch, seq, embed] between a ``Decoder``'s blocks
 (the layer loop's carry). Its own names, apart from ``seq``/``embed`` inside attention and
 the MLP, let Megatron-SP and 2D/3D tensor parallelism split it alone; the library reads the
-carry's layout from them (``strategies.remat.partition_saved_inputs``)."""
+carry's layout from them (``parallel.remat.partition_saved_inputs``)."""
 
 
 @runtime_checkable
@@ -56,6 +59,9 @@ class Decoder(Protocol):
       summed stats; its ``"loss"`` entry is added to the training objective.
     * ``checkpoint_names`` (class attribute, optional): the intermediates the blocks tag with
       ``checkpoint_name``, which a remat policy may save or offload by name.
+
+    What a model may offer besides, each optional, is in ``core.capabilities``: ``Generator``
+    (KV-cache generation), ``Routed`` (mixture-of-experts routing), ``HFAdapter``.
     """
 
     blocks: nnx.Module
@@ -81,6 +87,8 @@ class ModelEntry:
     """A frozen dataclass; ``resolve_model`` overrides its fields by name."""
     model: Callable[[Any, nnx.Rngs], nnx.Module]
     """``model(config, rngs)``: usually the model class (its ``checkpoint_names`` is read)."""
+    hf: HFAdapter | None = None
+    """Its names and layouts in Hugging Face checkpoints; None: it has no Hugging Face form."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,26 @@ def resolve_model(name: str, overrides: Mapping[str, str | object] | None = None
     return ModelFactory(name, config, functools.partial(entry.model, config), model_type)
 
 
+def hf_adapter(model: str | ModelFactory | Any) -> HFAdapter:
+    """The Hugging Face adapter of a preset (its name or factory) or of a preset's config
+    (by its exact type: a family's presets share one config class)."""
+    name = model.name if isinstance(model, ModelFactory) else model
+    if isinstance(name, str):
+        entry = registry().get(name)
+        adapters = {entry.hf} if entry else set()
+    else:  # a plain function's settings are a dict naming it (``Setup.model_cfg``)
+        name = model.get("factory") if isinstance(model, dict) else type(model).__name__
+        adapters = {e.hf for e in registry().values() if type(e.config) is type(model)}
+    if len(adapters) == 1 and None not in adapters:
+        return adapters.pop()
+    raise ShardingError(
+        f"model {name} has no Hugging Face adapter (or its presets register several): its "
+        "parameters have no Hugging Face names. Fix: register its presets with ModelEntry(..., "
+        "hf=HFAdapter(...)) (shardlib.core.capabilities; models/llama/hf.py is one), "
+        "or use a model that has one."
+    )
+
+
 def _function_factory(name: str, overrides: dict) -> ModelFactory:
     module_name, _, attr = name.partition(":")
     try:
@@ -221,15 +249,17 @@ class Inventory:
     """The intermediates the blocks tag for remat (the model class's ``checkpoint_names``)."""
     block_stats: bool = False
     """The blocks return ``(x, stats)``: statistics the layer loop sums (an MoE router's)."""
+    routing: ExpertRouting | None = None
+    """The model's mixture-of-experts routing (``Routed``); None for a dense model."""
 
 
 def inventory(factory: ModelFactory) -> Inventory:
     """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly."""
-    built: list[type] = []  # the model's class, seen once while it is built abstractly
+    built: list = []  # (the model's class, its routing), seen once while it is built abstractly
 
     def make():
         model = factory.make(nnx.Rngs(0))
-        built.append(type(model))
+        built.append((type(model), model.routing() if isinstance(model, Routed) else None))
         return model
 
     graphdef, shapes, names = abstract_state(make)
@@ -253,8 +283,9 @@ def inventory(factory: ModelFactory) -> Inventory:
         count,
         stacked.pop() if stacked else 0,
         tuple(params),
-        checkpoint_names=_class_checkpoint_names(built[0]),
+        checkpoint_names=_class_checkpoint_names(built[0][0]),
         block_stats=_returns_stats(graphdef, shapes),
+        routing=built[0][1],
     )
 
 

@@ -1,24 +1,30 @@
 """What is being trained: the model's tensors with their logical names, batch and sequence.
 
-The planner never builds the model: it reads the parameter inventory the model itself
+One description of the model and the step, read by the plan's checks (``ParallelPlan.check``:
+each strategy refuses what it cannot run before anything compiles), the trainer and the
+planner. Nothing is built: the facts come from the parameter inventory the model itself
 declares (``shardlib.core.model.inventory``: ``nnx.eval_shape``, nothing allocated), so the
 rules that lay out the real model (``shardlib.parallel.plan``) say how each candidate splits
 each tensor, and a new model needs no copy of its parameter list here. The widths the FLOP
 and activation formulas use (embed, heads, mlp, ...) are the sizes of those logical dims.
 FLOPs follow the usual transformer count (6 per parameter per token, plus attention); an
 MoE block counts the expert slots the program computes. Routing facts that no parameter
-shape shows (top-k, capacity, which blocks are MoE) come from the model's config.
+shape shows (experts, top-k, capacity, which blocks are MoE) come from the model itself
+(``shardlib.core.model.Routed``); a dense model has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from shardlib.core.capabilities import ExpertRouting
 from shardlib.core.errors import ShardingError
+from shardlib.core.model import inventory, resolve_model
 
 LAYERS = "layers"
 """The logical name of the stacked blocks' leading dim (``nnx.vmap``'s partition name)."""
@@ -52,6 +58,11 @@ class ParamInfo:
         return self.size * self.share
 
 
+def _shape(shape) -> tuple[int, ...]:
+    """A shape given as a tuple or as an array-like (``jax.ShapeDtypeStruct``)."""
+    return tuple(shape.shape if hasattr(shape, "shape") else shape)
+
+
 def param_infos(entries, layers: int) -> tuple[ParamInfo, ...]:
     """``ParamInfo``s from an inventory's ``(path, shape, names)`` entries.
 
@@ -62,7 +73,7 @@ def param_infos(entries, layers: int) -> tuple[ParamInfo, ...]:
     out = []
     for path, shape, names in entries:
         path = path if isinstance(path, str) else ".".join(str(k) for k in path)
-        shape = tuple(getattr(shape, "shape", shape))
+        shape = _shape(shape)
         names = tuple(names) if names is not None else (None,) * len(shape)
         stacked = bool(names) and names[0] == LAYERS
         if stacked:
@@ -76,7 +87,8 @@ def param_infos(entries, layers: int) -> tuple[ParamInfo, ...]:
 
 @dataclass(frozen=True)
 class Workload:
-    """A model's parameters with the batch and sequence it is trained on."""
+    """A model's parameters with the batch and sequence it is trained on: what a
+    ``ParallelPlan`` is checked against, what the trainer runs and what the planner costs."""
 
     model: str
     """The model name ``shardlib.core.model.resolve_model`` resolves (a preset or module:fn)."""
@@ -85,17 +97,29 @@ class Workload:
     param_count: int
     """Parameters of the model (the inventory's count)."""
     layers: int
-    """Decoder layers (the config's ``layers``, else the stacked dim)."""
+    """Decoder layers: the stacked blocks, times the decoder layers in one block."""
     global_batch: int
-    """Sequences per optimizer step."""
+    """Sequences per optimizer step (all micro-batches together)."""
     seq: int
     """Tokens per sequence."""
     precision: str = "bf16"
-    """Compute dtype: bf16 (fp32 master weights, as shardlib trains) or fp32."""
+    """Compute dtype: bf16 (fp32 master weights, as shardlib trains), fp16 or fp32."""
     cfg: Any = None
-    """The model's config (None for a plain function): MoE routing facts only."""
+    """The model's config (None for a plain function): the settings a plan file records."""
     overrides: tuple[tuple[str, Any], ...] = ()
     """The ``model.NAME`` settings applied to the model (as given)."""
+    routing: ExpertRouting | None = None
+    """The model's mixture-of-experts routing (``shardlib.core.model.Routed``); None: dense."""
+    blocks: int = 0
+    """Stacked blocks: the leading ``layers`` dim of the model's ``blocks``, which the layer
+    loop and a pipeline split (an MoE model stacks groups of ``routing.every`` layers)."""
+    microbatches: int = 1
+    """Gradient-accumulation micro-batches the batch is split into (the plan's; the planner
+    leaves 1 and costs each candidate's own)."""
+    checkpoint_names: tuple[str, ...] = ()
+    """Intermediates the model tags with ``checkpoint_name`` (for ``remat=names:...``)."""
+    block_stats: bool = False
+    """The blocks return per-layer statistics besides the residual (an MoE router's)."""
 
     def __hash__(self) -> int:
         return self._hash
@@ -104,7 +128,30 @@ class Workload:
     def _hash(self) -> int:
         """The fields' hash, computed once: the planner's caches key on the workload
         thousands of times per search, and its parameter list is long."""
-        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return hash(tuple(vars(self)[f.name] for f in dataclasses.fields(self)))
+
+    @classmethod
+    def from_params(
+        cls, entries, *, routing: ExpertRouting | None = None, model: str = "", **fields
+    ) -> Workload:
+        """The workload of ``(path, shape, names)`` entries (``core.model.Inventory.params``)
+        with the step's ``fields`` (``global_batch`` and ``seq`` default to 1): for a plan's
+        checks on a model of one's own, or tests. Blocks are the stacked ``layers`` dim."""
+        entries = tuple((path, _shape(shape), names) for path, shape, names in entries)
+        stacked = [shape[0] for _, shape, names in entries if names and names[0] == LAYERS]
+        blocks = stacked[0] if stacked else 0
+        layers = blocks * (routing.every if routing else 1)
+        return cls(
+            model=model,
+            params=param_infos(entries, layers),
+            param_count=sum(math.prod(shape) for _, shape, _ in entries),
+            layers=layers,
+            global_batch=fields.pop("global_batch", 1),
+            seq=fields.pop("seq", 1),
+            routing=routing,
+            blocks=blocks,
+            **fields,
+        )
 
     @classmethod
     def from_factory(
@@ -115,23 +162,23 @@ class Workload:
         precision: str = "bf16",
         overrides=(),
         inv=None,
+        microbatches: int = 1,
     ) -> Workload:
         """The workload of a ``shardlib.core.model.ModelFactory``; ``inv``: its inventory when
         the caller has it already (the model is then not built again)."""
-        from shardlib.core.model import inventory
-
         inv = inventory(factory) if inv is None else inv
-        layers = int(getattr(factory.config, "layers", 0) or inv.layers)
-        return cls(
+        return cls.from_params(
+            inv.params,
+            routing=inv.routing,
             model=factory.name,
-            params=param_infos(inv.params, layers),
-            param_count=int(inv.param_count),
-            layers=layers,
             global_batch=global_batch,
             seq=seq,
             precision=precision,
             cfg=factory.config,
             overrides=tuple(dict(overrides).items()),
+            microbatches=microbatches,
+            checkpoint_names=inv.checkpoint_names,
+            block_stats=inv.block_stats,
         )
 
     @classmethod
@@ -139,8 +186,6 @@ class Workload:
         cls, model: str, global_batch: int, seq: int, precision: str = "bf16", **overrides
     ) -> Workload:
         """``model`` (a registered name or ``package.module:function``) with overrides."""
-        from shardlib.core.model import resolve_model
-
         try:
             factory = resolve_model(model, overrides)
         except ValueError as err:
@@ -161,14 +206,15 @@ class Workload:
     # --- widths: the sizes of the logical dims the parameters name ---------------------------
     @cached_property
     def dims(self) -> Mapping[str, int]:
-        """Size of each logical dim of the dense parameters (those without an ``expert``
-        dim), and ``expert_mlp``: the experts' hidden width."""
+        """Size of each logical dim of the dense parameters (those without the experts' dim,
+        ``routing.dim``), that dim's size, and ``expert_mlp``: the experts' hidden width."""
         out: dict[str, int] = {}
+        experts_dim = self.routing.dim if self.routing else None
         for param in self.params:
             names = dict(param.dims)
-            if "expert" in names:
+            if experts_dim in names:
                 out.setdefault("expert_mlp", names.get("mlp", 0))
-                out.setdefault("expert", names["expert"])
+                out.setdefault(experts_dim, names[experts_dim])
                 continue
             for name, size in param.dims:
                 if name is not None:
@@ -198,34 +244,41 @@ class Workload:
         """Bytes per activation element (the compute dtype)."""
         return 2 if self.precision == "bf16" else 4
 
-    # --- mixture of experts: the expert count from the shapes, routing from the config -------
+    # --- the step ----------------------------------------------------------------------------
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one gradient-accumulation micro-batch."""
+        return self.global_batch // self.microbatches
+
+    # --- mixture of experts: the model's routing (``Routed``) --------------------------------
     @property
     def experts(self) -> int:
-        """Experts per MoE layer (0: a dense model), from the ``expert`` dim."""
-        return self._dim("expert")
+        """Experts per MoE layer (0: a dense model)."""
+        return self.routing.experts if self.routing else 0
 
     @property
     def top_k(self) -> int:
-        return int(getattr(self.cfg, "top_k", 1) or 1)
+        """Experts each token is sent to (1 for a dense model)."""
+        return self.routing.top_k if self.routing else 1
 
     @property
     def moe_every(self) -> int:
-        """Every n-th block is an MoE block (``MoeConfig.moe_every``; 0: a dense model)."""
-        return int(getattr(self.cfg, "moe_every", 1)) if self.experts else 0
+        """Every n-th decoder layer is an MoE layer (0: a dense model)."""
+        return self.routing.every if self.routing else 0
 
     @property
     def moe_layers(self) -> int:
-        return self.layers // self.moe_every if self.experts else 0
+        return self.layers // self.moe_every if self.routing else 0
 
     @property
     def group_tokens(self) -> int:
-        """Tokens per routing group (``MoeConfig.group_size``, 0: one sequence)."""
-        return int(getattr(self.cfg, "group_size", 0) or 0) or self.seq
+        """Tokens per routing group (the routing's group size; 0 there: one sequence)."""
+        return (self.routing.group_size if self.routing else 0) or self.seq
 
     @property
     def capacity(self) -> int:
-        """Slots per expert and routing group (``MoeConfig.capacity``)."""
-        return self.cfg.capacity(self.group_tokens) if self.experts else 0
+        """Slots per expert and routing group (the routing's own formula)."""
+        return self.routing.capacity(self.group_tokens) if self.routing else 0
 
     @property
     def slots_per_token(self) -> float:

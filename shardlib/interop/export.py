@@ -4,7 +4,8 @@
   header of name -> dtype/shape/byte range, then the raw little-endian bytes); the model
   and run config travel in the header's ``__metadata__``.
 * ``PATH.npz``: numpy's zip of ``.npy`` files, one per tensor (``np.load(PATH)``).
-* ``--format hf``: a Hugging Face Llama directory (``shardlib.interop.hf_io.export_hf``).
+* ``--format hf``: a Hugging Face directory, in the names of the model family's ``HFAdapter``
+  (``shardlib.interop.hf_io.export_hf``).
 * any other ``PATH``: a directory with a plain orbax checkpoint of the parameter tree
   (``PATH/params``, restorable by ``orbax.checkpoint.StandardCheckpointer``) and
   ``PATH/config.json``.
@@ -150,13 +151,18 @@ def export(directory: str | Path, out: str | Path, *, step: int | None = None) -
 
 
 def export_hf_checkpoint(directory: str | Path, out: str | Path, *, step: int | None = None):
-    """A checkpoint's parameters as a Hugging Face Llama directory (LoRA merged); the files."""
+    """A checkpoint's parameters as a Hugging Face directory (LoRA merged); the files.
+
+    The checkpoint's model preset gives the Hugging Face names (``hf_adapter``); a model
+    without an adapter fails here, before anything is written.
+    """
+    from shardlib.core.errors import ShardingError
+    from shardlib.core.model import hf_adapter
     from shardlib.interop.hf_io import export_hf
 
     step, tensors, meta = read_params(Path(directory).absolute(), step)
-    if not {"vocab", "embed", "heads", "kv_heads"} <= set(meta["model"]):
-        raise CheckpointError(
-            f"export --format hf: checkpoint {directory} holds "
-            f"{meta['config']['model']}, not a Llama."
-        )
-    return export_hf(tensors, meta["model"], out)
+    try:
+        adapter = hf_adapter(meta["config"]["model"])
+    except ShardingError as err:
+        raise CheckpointError(f"export --format hf: checkpoint {directory}: {err}") from None
+    return export_hf(tensors, meta["model"], adapter, out)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out: names, layouts, config.json, safetensors shards.
+"""Hugging Face checkpoints in and out: config.json, layouts, safetensors shards.
 
 Import reads a local directory (``config.json`` + ``*.safetensors``, with or without
 ``model.safetensors.index.json``) lazily: ``safetensors.safe_open`` maps each shard and
@@ -6,19 +6,24 @@ Import reads a local directory (``config.json`` + ``*.safetensors``, with or wit
 parameter with ``jax.make_array_from_callback``, so each device (and each process) reads
 exactly the slice of the layers it holds, straight into the mesh's layout.
 
-The layouts differ in three ways, all handled here:
+Nothing here names an architecture's parameters: a model family's ``HFAdapter``
+(``shardlib.core.model``, registered with its presets) maps each parameter path to a
+Hugging Face name and one of the layouts below, and ``config.json`` to config fields. The
+layouts differ from shardlib's in three ways, all handled here:
 
 * shardlib stacks the blocks (every block weight has a leading ``layers`` dim); Hugging
   Face names each layer (``model.layers.{i}.self_attn.q_proj.weight``);
 * Hugging Face stores ``nn.Linear`` weights as [out, in]; shardlib stores [in, out] with
-  heads split out: ``wq`` [embed, heads, head_dim] = ``q_proj`` [heads*head_dim, embed];
-  ``wo`` [heads, head_dim, embed] = ``o_proj`` [embed, heads*head_dim];
+  heads split out: ``in_heads`` [embed, heads, head_dim] = [heads*head_dim, embed];
+  ``out_heads`` [heads, head_dim, embed] = [embed, heads*head_dim];
 * rotary pairs: Hugging Face (and shardlib) rotate feature i with i + head_dim/2
   ("rotate_half"); Meta's original checkpoints rotate neighbours (2i, 2i+1). Hugging
   Face's conversion script permutes q/k rows once; ``interleaved_rope=True`` applies the
-  same permutation for weights still in Meta's order (``meta_to_half``).
+  same permutation to an adapter's ``rotary`` weights still in Meta's order
+  (``meta_to_half``).
 
-LoRA adapters have no Hugging Face name: export merges them into their base weights.
+Parameters without a Hugging Face name (LoRA adapters) are not imported; export folds them
+into their base weights (``HFAdapter.merged``).
 """
 
 from __future__ import annotations
@@ -30,102 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from shardlib.checkpoint.store import CheckpointError
+from shardlib.core.capabilities import HFAdapter
+from shardlib.core.model import registry
 
 
 class HFError(CheckpointError):
     """A Hugging Face directory that is missing, damaged, or does not fit the model."""
 
 
-# shardlib parameter path -> (Hugging Face name, layout); "{i}" is the layer index
-_LAYER = "model.layers.{i}."
-TENSORS = {
-    "embedding": ("model.embed_tokens.weight", "same"),
-    "final_norm/scale": ("model.norm.weight", "same"),
-    "lm_head": ("lm_head.weight", "transpose"),
-    "blocks/attn_norm/scale": (_LAYER + "input_layernorm.weight", "same"),
-    "blocks/mlp_norm/scale": (_LAYER + "post_attention_layernorm.weight", "same"),
-    "blocks/attn/wq": (_LAYER + "self_attn.q_proj.weight", "in_heads"),
-    "blocks/attn/wk": (_LAYER + "self_attn.k_proj.weight", "in_heads"),
-    "blocks/attn/wv": (_LAYER + "self_attn.v_proj.weight", "in_heads"),
-    "blocks/attn/wo": (_LAYER + "self_attn.o_proj.weight", "out_heads"),
-    "blocks/mlp/w_gate": (_LAYER + "mlp.gate_proj.weight", "transpose"),
-    "blocks/mlp/w_up": (_LAYER + "mlp.up_proj.weight", "transpose"),
-    "blocks/mlp/w_down": (_LAYER + "mlp.down_proj.weight", "transpose"),
-}
-ROTARY = ("blocks/attn/wq", "blocks/attn/wk")  # the weights whose rows rotary pairs up
-LORA_WEIGHTS = {"q": "attn/wq", "k": "attn/wk", "v": "attn/wv", "o": "attn/wo"}
-LORA_WEIGHTS |= {"gate": "mlp/w_gate", "up": "mlp/w_up", "down": "mlp/w_down"}
-
-
 # --- config.json ------------------------------------------------------------------------
-
-
-def model_settings(hf: dict, source: str = "config.json") -> dict:
-    """Hugging Face ``config.json`` -> shardlib Llama config fields (``model.NAME`` values)."""
-    if hf.get("model_type", "llama") != "llama":
-        raise HFError(f"{source}: model_type={hf.get('model_type')!r}; only llama is supported.")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise HFError(f"{source}: {flag}=true; shardlib's Llama has no biases.")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFError(f"{source}: hidden_act={hf['hidden_act']!r}; shardlib's MLP is SwiGLU.")
-    heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor")
-        scaling = (*(float(rope[k]) for k in keys), int(rope["original_max_position_embeddings"]))
-    elif kind != "default":
-        raise HFError(f"{source}: rope_type={kind!r}; supported: default, llama3.")
-    return {
-        "vocab": hf["vocab_size"],
-        "embed": hf["hidden_size"],
-        "layers": hf["num_hidden_layers"],
-        "heads": heads,
-        "kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp": hf["intermediate_size"],
-        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_scaling": scaling,
-        "max_positions": hf.get("max_position_embeddings", 8192),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
-
-
-def hf_config(model: dict) -> dict:
-    """shardlib Llama config fields -> a ``config.json`` that ``transformers`` loads."""
-    scaling = model.get("rope_scaling")
-    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
-    if scaling:
-        factor, low, high, original = scaling
-        rope = {
-            "rope_type": "llama3", "rope_theta": model["rope_theta"], "factor": factor,
-            "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }  # fmt: skip
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model["vocab"],
-        "hidden_size": model["embed"],
-        "intermediate_size": model["mlp"],
-        "num_hidden_layers": model["layers"],
-        "num_attention_heads": model["heads"],
-        "num_key_value_heads": model["kv_heads"],
-        "head_dim": model["head_dim"],
-        "hidden_act": "silu",
-        "max_position_embeddings": model["max_positions"],
-        "rms_norm_eps": model["norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "rope_scaling": rope if scaling else None,
-        "rope_parameters": rope,
-        "tie_word_embeddings": bool(model["tie_embeddings"]),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
 
 
 def read_config(directory: str | Path) -> dict:
@@ -136,6 +54,37 @@ def read_config(directory: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise HFError(f"{path} is not valid JSON ({err}).") from None
+
+
+def adapter_for(hf: dict, source: str = "config.json") -> HFAdapter:
+    """The registered adapter that reads ``config.json``'s ``model_type``."""
+    kind = hf.get("model_type")
+    readers: dict[str, HFAdapter] = {}
+    for adapter in {e.hf for e in registry().values() if e.hf is not None}:
+        if readers.setdefault(adapter.hf_type, adapter) is not adapter:
+            raise HFError(
+                f"two registered HFAdapters read model_type={adapter.hf_type!r}. Fix: "
+                "uninstall one of the model packages that register them."
+            )
+    if kind not in readers:
+        known = ", ".join(sorted(readers)) or "none"
+        raise HFError(
+            f"{source}: model_type={kind!r}; no registered model reads it (registered: "
+            f"{known}). Fix: convert the checkpoint to one of those, or register an HFAdapter "
+            "for it with its model's presets."
+        )
+    return readers[kind]
+
+
+def model_settings(adapter: HFAdapter, hf: dict, source: str = "config.json") -> dict:
+    """``config.json`` -> the model's config fields, by ``adapter``; what it cannot represent
+    (or a missing key) raises ``HFError`` naming ``source``."""
+    try:
+        return adapter.settings(hf)
+    except KeyError as err:
+        raise HFError(f"{source}: no {err.args[0]!r}. Fix: a complete config.json.") from None
+    except ValueError as err:
+        raise HFError(f"{source}: {err}") from None
 
 
 # --- layouts ----------------------------------------------------------------------------
@@ -224,11 +173,12 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
 
 
-def read_slice(shards: Shards, name: str, layout: str, shape, index, interleave_hd=0):
+def read_slice(shards: Shards, name: str, layout: str, shape, index, interleave=False):
     """Slice ``index`` of one layer (shardlib ``shape``) read from Hugging Face tensor ``name``.
 
-    Only the rows/columns covering the slice are read; ``interleave_hd`` > 0 reorders q/k
-    rows from Meta's rotary order (``meta_to_half``) whole heads at a time.
+    Only the rows/columns covering the slice are read; ``interleave`` reorders an
+    ``in_heads`` tensor's rows from Meta's rotary order (``meta_to_half``) whole heads at a
+    time.
     """
     b = _bounds(index, shape)
     if layout == "same":
@@ -243,8 +193,8 @@ def read_slice(shards: Shards, name: str, layout: str, shape, index, interleave_
     if layout == "in_heads":  # [heads*hd, embed] -> [embed, heads, hd]
         (e0, e1) = b[0]
         block = shards.read(name, (rows, slice(e0, e1)))
-        if interleave_hd:
-            block = meta_to_half(block, interleave_hd)
+        if interleave:
+            block = meta_to_half(block, hd)
         return block.reshape(nh, hd, e1 - e0).transpose(2, 0, 1)[:, :, d0:d1]
     (e0, e1) = b[2]  # out_heads: [embed, heads*hd] -> [heads, hd, embed]
     block = shards.read(name, (slice(e0, e1), rows))

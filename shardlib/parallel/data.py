@@ -1,7 +1,9 @@
 """Data parallelism: split the batch, replicate everything else.
 
 Gradients of replicated parameters are summed across the axis by XLA (one all-reduce per
-step, 2(N-1)/N of the gradient bytes on the wire); no communication is written here.
+step, 2(N-1)/N of the gradient bytes on the wire); no communication is written here. Two
+settings compress it instead: ZeRO++'s (``zeropp.py``) and 1-bit Adam's momentum exchange
+(``onebit_momentum``, ``train/onebit.py``); ``gradients.py`` picks the path they take.
 """
 
 from collections.abc import Mapping
@@ -40,7 +42,7 @@ class DataParallel:
     """Gradient accumulation: the batch is split into this many sequential micro-batches
     (under a pipeline, each of them is split again into the pipeline's micro-batches)."""
     quantized_weights: bool = False
-    """ZeRO++ qwZ: ZeRO-3's weight all-gathers carry int8 blocks (``strategies/zeropp.py``)."""
+    """ZeRO++ qwZ: ZeRO-3's weight all-gathers carry int8 blocks (``parallel/zeropp.py``)."""
     hpz: bool = False
     """ZeRO++ hpZ: on a ``data x fsdp`` mesh (nodes x devices per node) the backward weight
     all-gather runs over ``fsdp`` alone, from a secondary partition kept after forward."""
@@ -48,10 +50,15 @@ class DataParallel:
     """ZeRO++ qgZ: the gradient reduce-scatter is an all-to-all of quantized blocks."""
     gradient_bits: int = 4
     """qgZ code width: 4 (the paper's) or 8."""
+    onebit_momentum: bool = False
+    """1-bit Adam (Tang et al. 2021; ``optimizer=onebit_adam`` sets it): gradients stay on
+    their device and Adam's momentum crosses ``data`` as packed signs with error feedback,
+    after ``optimizer.freeze_step`` full-precision steps: 1/32 of the all-reduce's bytes.
+    Plain data parallelism (zero=0, no offload) with adam or adamw (``train/onebit.py``)."""
     vocab_parallel: bool = True
     """FSDP: split the embedding table and output projection on vocab and run the lookup and
     logits vocab-parallel, where that moves fewer bytes than gathering the tables (the plan
-    decides per model and batch, ``ParallelPlan.for_target``); false: never."""
+    decides per model and batch, ``ParallelPlan.for_workload``); false: never."""
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -65,19 +72,20 @@ class DataParallel:
         """Whether any ZeRO++ part is on (the gradient then comes from ``zeropp``)."""
         return self.quantized_weights or self.hpz or self.quantized_gradients
 
-    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, workload) -> None:
         """The batch splits into micro-batches, and each one over the batch's mesh axes."""
         if self.zeropp:
             zeropp.check(self, mesh_axes, rules)
-        if target.batch % self.microbatches:
+        batch = workload.global_batch
+        if batch % self.microbatches:
             raise ShardingError(
-                f"batch={target.batch} is not divisible by microbatches={self.microbatches}. "
+                f"batch={batch} is not divisible by microbatches={self.microbatches}. "
                 "Fix: choose a batch that is a multiple of microbatches."
             )
-        mb = target.micro_batch
+        mb = workload.micro_batch
         resolve_spec(
             f"batch (one micro-batch of {mb} sequences)",
-            (mb, target.seq + 1),
+            (mb, workload.seq + 1),
             ("batch", None),
             rules,
             mesh_axes,
@@ -85,7 +93,7 @@ class DataParallel:
         )
         resolve_spec(
             "activations [batch, seq, embed]",
-            (mb, target.seq, 1),
+            (mb, workload.seq, 1),
             ("batch", "seq", None),
             rules,
             mesh_axes,

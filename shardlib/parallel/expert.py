@@ -76,7 +76,7 @@ class ExpertParallel:
         """The forms this strategy gives the model's ops (``ParallelPlan.ops``)."""
         return {"exchange": explicit_exchange if self.dispatch == "shard_map" else None}
 
-    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target) -> None:
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, workload) -> None:
         if self.dispatch == "shard_map":
             expert_axis(rules, dict(mesh_axes))  # the explicit all-to-all's layout needs
 

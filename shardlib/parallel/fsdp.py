@@ -17,7 +17,7 @@ vocab-sized table is ever gathered whole; the loss's log-softmax reduces over th
 vocab (optax's cross-entropy: XLA picks the target logit with a masked local gather and
 an all-reduce of [batch, seq] values, not a gather of the logits). XLA inserts the
 all-gather of each other weight before use and the reduction of its gradient. Otherwise
-(or under a pipeline, ``ParallelPlan.for_target``) the tables split on embed and are
+(or under a pipeline, ``ParallelPlan.for_workload``) the tables split on embed and are
 gathered whole, as every other weight.
 """
 

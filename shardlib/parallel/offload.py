@@ -20,6 +20,8 @@ from shardlib.core.mesh import Axis
 
 HOST_MEMORY = "pinned_host"
 DEVICE_MEMORY = "device"
+HOST_KINDS = ("pinned_host", "unpinned_host")
+"""Memory kinds that are host memory (what a layout report counts apart from the device's)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Offload:
     params: bool = False
     """Keep the stacked block weights in pinned host memory; fetch one layer at a time."""
 
-    def check(self, mesh_axes: Mapping[str, int], rules, target) -> None:
+    def check(self, mesh_axes: Mapping[str, int], rules, workload) -> None:
         if self.params and mesh_axes.get(Axis.STAGE, 1) > 1:
             raise ShardingError(
                 "offload_params with a stage axis: pipelined weights stay on the device. Fix: "

@@ -3,9 +3,9 @@
 A plan is the mesh (named axes and sizes) plus one section per strategy. A mesh axis
 switches its strategy on (``fsdp`` -> FSDP, ``tensor`` -> Megatron, ...); a section holds
 that strategy's knobs. The plan alone yields the rules, runs every strategy's own checks
-and hands the trainer its layer loop and gradient function (``parallel.layer_loop``). A mesh
-TOML carries it as ``[mesh]`` plus ``[parallel.<section>]`` tables, read straight into the
-sections' fields; ``shardlib plan`` writes the same tables.
+and hands the trainer its layer loop (``parallel.layer_loop``) and its one gradient path
+(``parallel.gradients``). A mesh TOML carries it as ``[mesh]`` plus ``[parallel.<section>]``
+tables, read straight into the sections' fields; ``shardlib plan`` writes the same tables.
 
 The composition order of the rules is written once, in ``rules``.
 
@@ -17,8 +17,8 @@ declares what it brings, so nothing else has to list it:
 * ``logical_names`` (class attribute): names it adds to the models' vocabulary
   (``rules.LOGICAL_NAMES``), replicated unless a rule splits them;
 * ``rules(mesh_axes) -> list[Rules]`` for the axes present; optional ``refine(rules)``
-  derives entries from the composed table; optional ``check(mesh_axes, rules, target)``
-  holds the strategy's refusals.
+  derives entries from the composed table; optional ``check(mesh_axes, rules, workload)``
+  holds the strategy's refusals (``workload``: the model and step, ``core.workload``).
 
 Adding a strategy is its module, one field here (and its place in ``rules``' order), an
 op in ``shardlib.core.ops`` if the model has to call one, and one planner term.
@@ -41,13 +41,14 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR, Axis, MeshSpec, load_mesh
 from shardlib.core.ops import use_ops
 from shardlib.core.rules import Indivisible, Rules, base_rules, compose, divides
-from shardlib.core.target import Target
 from shardlib.core.values import replace_path
+from shardlib.core.workload import Workload
+from shardlib.parallel import gradients
 from shardlib.parallel.context import ContextParallel
 from shardlib.parallel.data import DataParallel
 from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
-from shardlib.parallel.layer_loop import layer_loop, make_grad_fn
+from shardlib.parallel.layer_loop import layer_loop
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.remat import Remat
@@ -157,43 +158,44 @@ class ParallelPlan:
         """Rules per role of the training state (parameters, gradients, optimizer state)."""
         return zero(self.rules, stage=self.data.zero, mesh_axes=self.mesh_axes)
 
-    def for_target(self, target: Target) -> ParallelPlan:
+    def for_workload(self, workload: Workload) -> ParallelPlan:
         """The plan for this model: what depends on its shapes (uneven pipeline stages,
-        whether FSDP's head runs vocab-parallel: ``strategies.fsdp.vocab_parallel_pays``)."""
-        pipeline = self.pipeline.for_layers(target.layers, self.mesh_axes)
+        whether FSDP's head runs vocab-parallel: ``parallel.fsdp.vocab_parallel_pays``)."""
+        pipeline = self.pipeline.for_layers(workload.blocks, self.mesh_axes)
         data = self.data
-        if data.vocab_parallel and not self._vocab_parallel_pays(target):
+        if data.vocab_parallel and not self._vocab_parallel_pays(workload):
             data = dataclasses.replace(data, vocab_parallel=False)
         if (pipeline, data) == (self.pipeline, self.data):
             return self
         return dataclasses.replace(self, pipeline=pipeline, data=data)
 
-    def _vocab_parallel_pays(self, target: Target) -> bool:
+    def _vocab_parallel_pays(self, workload: Workload) -> bool:
         """Under a pipeline, never: the head runs outside the stage loop on the whole data
         shard, where the vocab-split tables cost more memory than they save (fsdp 2 x
         stage 4, llama-small: +33 MiB per device, jax 0.10.2, CPU), and the planner costs
-        whole-table gathers there (``planner.terms.base.Context.vocab_tables``). Under
+        whole-table gathers there (``planner.cost.terms.fsdp.vocab_tables``). Under
         ZeRO++, never: its quantized gathers need every parameter's data and fsdp splits on
-        one dim, and ZeRO never splits vocab over data (``strategies.zero``)."""
+        one dim, and ZeRO never splits vocab over data (``parallel.zero``)."""
         axes = self.mesh_axes
-        if axes.get(Axis.FSDP, 1) <= 1 or "vocab" not in target.dims:
+        if axes.get(Axis.FSDP, 1) <= 1 or "vocab" not in workload.dims:
             return True  # nothing to decide (no fsdp axis, or a model without vocab)
         if axes.get(Axis.STAGE, 1) > 1 or self.data.zeropp:
             return False
         others = math.prod(axes[a] for a in self.rules.activations["batch"] if a != Axis.FSDP)
         tensor = math.prod(axes[a] for a in self.rules.params["vocab"] if a != Axis.FSDP)
-        tokens = target.batch * target.seq // max(others, 1)
-        return vocab_parallel_pays(tokens, target.dims["vocab"], axes[Axis.FSDP], tensor)
+        tokens = workload.global_batch * workload.seq // max(others, 1)
+        return vocab_parallel_pays(tokens, workload.dims["vocab"], axes[Axis.FSDP], tensor)
 
     # --- checks ----------------------------------------------------------------------------
-    def check(self, target: Target) -> None:
+    def check(self, workload: Workload) -> None:
         """Every strategy's own refusals, before anything is compiled or allocated."""
         rules, axes = self.state_rules.params, self.mesh_axes
-        with suggest_presets(batch=target.micro_batch):
+        with suggest_presets(batch=workload.micro_batch):
             for section in self.sections:
                 check = getattr(section, "check", None)
                 if check is not None:
-                    check(axes, rules, target)
+                    check(axes, rules, workload)
+        gradients.check(self)  # what spans sections: 1-bit momentum's plain data parallelism
 
     # --- what the trainer runs ---------------------------------------------------------------
     def ops(self):
@@ -215,16 +217,20 @@ class ParallelPlan:
         """Refuse packed rows (document masks) where attention cannot keep them apart."""
         self.context.check_packed(self.mesh_axes)
 
-    def layer_loop(self, target: Target, dtype):
+    def layer_loop(self, workload: Workload, dtype):
         """``layers(block_fn, blocks_state, carry)``: how the model's stacked blocks run
         (remat policy, GPipe/circular pipeline, per-layer fetch of offloaded weights)."""
-        return layer_loop(self, target, dtype)
+        return layer_loop(self, workload, dtype)
 
-    def value_and_grad(self, loss_fn, **model_parts):
-        """``jax.value_and_grad(loss_fn)``, or the 1F1B pipeline's own gradient function
-        (``staging.make_grad_fn``: ``graphdef``, ``dtype``, ``target``, ``rest_shardings``,
-        ``has_aux``)."""
-        return make_grad_fn(self, loss_fn, **model_parts)
+    def value_and_grad(
+        self, loss_fn, layout: gradients.StepLayout, *, has_aux=False, loss_scale=None
+    ):
+        """``(params, batch) -> (loss, grads)`` of the trainer's loss on this layout, averaged
+        over ``data.microbatches``: plain, 1-bit momentum's per-device, ZeRO++'s or the
+        1F1B schedule's, one path for all (``parallel.gradients``)."""
+        return gradients.value_and_grad(
+            self, loss_fn, layout, has_aux=has_aux, loss_scale=loss_scale
+        )
 
     def pipeline_spec(self):
         """The pipeline on this mesh (None without a ``stage`` axis of size > 1)."""

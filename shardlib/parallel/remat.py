@@ -120,12 +120,12 @@ class Remat:
     def __post_init__(self) -> None:
         parse_remat(self.policy)  # unknown modes fail when the plan is made
 
-    def spec(self, target=None) -> RematSpec:
+    def spec(self, workload=None) -> RematSpec:
         """The parsed policy; names are checked against the model's tagged intermediates."""
-        return parse_remat(self.policy, target.checkpoint_names if target else ())
+        return parse_remat(self.policy, workload.checkpoint_names if workload else ())
 
-    def check(self, mesh_axes, rules, target) -> None:
-        self.spec(target)
+    def check(self, mesh_axes, rules, workload) -> None:
+        self.spec(workload)
 
 
 def remat_block(block_fn: Callable, spec: RematSpec, never_save: tuple[str, ...] = ()) -> Callable:

@@ -54,7 +54,7 @@ def zero(
     """Rules per state role for ZeRO ``stage`` over mesh ``axis``, on top of ``rules``.
 
     Sharded roles split every parameter over ``axis`` along one dim, as FSDP does
-    (``strategies.fsdp.PARAM_DIMS``, ``rules.SHARED_ORDER``) but never on vocab: the
+    (``parallel.fsdp.PARAM_DIMS``, ``rules.SHARED_ORDER``) but never on vocab: the
     logits are not vocab-parallel over ``axis``, so the embedding and head tables split
     on embed (a vocab split would be resharded at every use). That is in addition to whatever
     ``rules`` already split that dim over (``fsdp`` in HSDP), outer mesh axes first.

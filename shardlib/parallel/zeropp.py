@@ -129,9 +129,9 @@ def _hops(spec: P, shape: tuple, *, axes, weight_bits: int, grad_bits: int, dtyp
     return first, second
 
 
-def batch_axes(setup) -> tuple[str, ...]:
+def batch_axes(batch_spec: P) -> tuple[str, ...]:
     """The mesh axes the batch (and ZeRO-3's parameters) split over, outer first."""
-    entry = setup.batch_sharding.spec[0]
+    entry = batch_spec[0]
     return tuple(entry) if isinstance(entry, tuple) else ((entry,) if entry else ())
 
 
@@ -151,11 +151,13 @@ def check(data, mesh_axes, rules) -> None:
         )
 
 
-def value_and_grad(setup, loss_fn):
-    """``(params, tokens) -> ((loss, metrics), grads)`` with ZeRO++'s collectives.
+def value_and_grad(plan, loss_fn, layout):
+    """``(params, tokens) -> ((loss, metrics), grads)`` with ZeRO++'s collectives (the
+    plan's ``data`` settings; ``parallel.gradients`` picks this path).
 
     ``loss_fn(params, tokens) -> (loss, metrics)`` is the full-model loss; parameters and
-    gradients are in their ZeRO-3 layouts (``setup.param_specs``).
+    gradients are in their ZeRO-3 layouts (``layout.param_specs``, a
+    ``gradients.StepLayout``).
 
     ZeRO-3 frees gathered weights after forward and gathers them again for backward. Here
     the loss is a ``custom_vjp`` that keeps only the shards (hpZ: the secondary partition)
@@ -164,14 +166,14 @@ def value_and_grad(setup, loss_fn):
     by adding ``0 * loss``; XLA would otherwise merge the two identical gathers (it does
     so through ``jax.checkpoint``'s and optimization barriers on CPU, seen with jax 0.10.2).
     """
-    data, axes = setup.plan.data, batch_axes(setup)
-    n = math.prod(setup.plan.mesh_axes[a] for a in axes)
+    data, axes = plan.data, batch_axes(layout.batch_spec)
+    n = math.prod(plan.mesh_axes[a] for a in axes)
     opts = dict(
         axes=axes, weight_bits=8 if data.quantized_weights else 0,
         grad_bits=data.gradient_bits if data.quantized_gradients else 0,
-        dtype=setup.compute_dtype,
+        dtype=layout.dtype,
     )  # fmt: skip
-    specs, is_spec = setup.param_specs, (lambda s: isinstance(s, P))
+    specs, is_spec = layout.param_specs, (lambda s: isinstance(s, P))
     hpz = data.hpz
 
     def body(params, tokens_BL1):
@@ -218,8 +220,8 @@ def value_and_grad(setup, loss_fn):
 
     return jax.shard_map(
         body,
-        mesh=setup.mesh,
-        in_specs=(specs, setup.batch_sharding.spec),
+        mesh=layout.mesh,
+        in_specs=(specs, layout.batch_spec),
         out_specs=((P(), P()), specs),
         check_vma=False,
     )

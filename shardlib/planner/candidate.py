@@ -4,16 +4,15 @@ A candidate is the very object the trainer runs (``shardlib.parallel.plan.Parall
 what the planner costs, writes and validates is one description with no translation in
 between. ``candidate(...)`` builds one from the search's knobs: the mesh axes with size > 1
 in ``AXIS_ORDER`` and the sections those knobs set. ``PlanView`` is a read-only lens on a
-plan (axis sizes, the micro-batch count whichever section holds it, the schedule in the
-trainer's words): it keeps nothing the plan does not say.
+plan (its axis sizes, and the settings each term reads from its own section): it keeps
+nothing the plan does not say.
 
 Mesh axes are always laid out in ``AXIS_ORDER`` (outermost first), the order of the
-``placement`` each planner term declares for its axis (``planner.terms.SEARCH_AXES``). The
-last axes vary fastest over device ids and so stay inside a host: tensor parallelism (an
-all-reduce on the critical path of every layer) is innermost, then context, expert and FSDP
-(per-layer traffic that overlaps compute), then pipeline stages and data parallelism, whose
-traffic is a once-per-step gradient reduction or small point-to-point sends that tolerate a
-slow link.
+``placement`` each planner term declares for its axis (``planner.cost.terms.SEARCH_AXES``;
+each declaration says why it sits where it does). The last axes vary fastest over device
+ids and so stay inside a host: an axis with an all-reduce on the critical path of every
+layer goes innermost, per-layer traffic that overlaps compute next, and a once-per-step
+gradient reduction or small point-to-point sends, which tolerate a slow link, outermost.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from shardlib.core.mesh import Axis, MeshSpec
 from shardlib.parallel.data import DataParallel
@@ -28,22 +28,20 @@ from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.parallel.remat import Remat
-from shardlib.planner.cost.terms import SEARCH_AXES
+from shardlib.planner.cost.terms import SEARCH_AXES, TERMS, hooks
+from shardlib.planner.cost.terms.remat import REMAT
+
+__all__ = ["AXIS_ORDER", "REMAT", "PlanView", "batch_ways", "candidate"]
 
 AXIS_ORDER: tuple[Axis, ...] = tuple(a.axis for a in sorted(SEARCH_AXES, key=lambda a: a.placement))
 """The searched mesh axes, outermost first (by their terms' ``placement``)."""
-BATCH_AXES: tuple[str, ...] = tuple(str(a.axis) for a in SEARCH_AXES if a.splits_batch)
+BATCH_AXES: tuple[str, ...] = tuple(str(a.axis) for a in SEARCH_AXES if "batch" in a.splits)
 """Axes whose every index gets its own rows of the batch."""
 
 
 def batch_ways(sizes: Mapping[str, int]) -> int:
     """Ways the batch is split over the mesh ``sizes`` (absent axes: 1)."""
     return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
-
-
-REMAT = ("none", "selective", "full")
-"""Remat policies the cost model knows, lightest first: keep everything; drop attention
-scores; keep layer inputs (``Remat.policy``)."""
 
 
 def candidate(
@@ -87,58 +85,43 @@ _remat = functools.lru_cache(maxsize=16)(Remat)
 _offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=optimizer))
 
 
-class PlanView:
-    """What the cost terms read from a ``ParallelPlan``, derived once when the view is made
-    (the search reads these numbers millions of times); the plan is the only input."""
+_SPLITS: dict[str, tuple[str, ...]] = {
+    dim: tuple(str(a.axis) for a in SEARCH_AXES if dim in a.splits)
+    for dim in ("batch", "seq", "layers")
+}
+"""Per dim of the step: the axes that split it (``SearchAxis.splits``)."""
+_UNSPLIT = {str(a): 1 for a in AXIS_ORDER}
+_SETTINGS = hooks("settings")
+_OWN = frozenset(("plan", "sizes", "_ways"))
 
-    __slots__ = (
-        "plan",
-        "sizes",
-        "data",
-        "fsdp",
-        "tensor",
-        "context",
-        "expert",
-        "stage",
-        "batch_ways",
-        "zero",
-        "microbatches",
-        "accumulation",
-        "schedule",
-        "virtual",
-        "remat",
-        "offload",
-        "fused_attention",
-    )
+
+class PlanView(dict[str, int]):
+    """What the cost terms read from a ``ParallelPlan``: a mapping of mesh axis sizes (every
+    searched axis, 1 where the plan has none, and any other axis the plan has), and as
+    attributes the settings each term reads from its own section (``Term.settings``:
+    ``view.microbatches``). Derived once when the view is made (the search reads these
+    numbers millions of times); the plan is the only input.
+    """
 
     def __init__(self, plan: ParallelPlan):
+        super().__init__(_UNSPLIT)
+        self.update(plan.mesh.axes)
         self.plan = plan
         self.sizes: dict[str, int] = dict(plan.mesh.axes)
-        """Mesh axis sizes (absent axes: 1 below)."""
-        get = self.sizes.get
-        self.data, self.fsdp, self.tensor = get("data", 1), get("fsdp", 1), get("tensor", 1)
-        self.context, self.expert, self.stage = get("context", 1), get("expert", 1), get("stage", 1)
-        staged = self.stage > 1
-        self.batch_ways: int = batch_ways(self.sizes)
-        """Ways the batch is split (``BATCH_AXES``: data, FSDP and expert replicas)."""
-        self.zero: int = plan.data.zero
-        self.accumulation: int = plan.data.microbatches
-        """Gradient-accumulation micro-batches (``data.microbatches``), stages or not."""
-        self.microbatches: int = (
-            (plan.pipeline.microbatches or self.stage) if staged else self.accumulation
-        )
-        """The cost model's one count: the pipeline's micro-batches with stages (0 in the
-        plan: one per stage), else gradient accumulation's."""
-        self.schedule: str = plan.pipeline.schedule if staged else "none"
-        """``PipelineParallel.schedule`` (gpipe | 1f1b | circular); ``none`` without stages."""
-        self.virtual: int = plan.pipeline.virtual_stages if staged else 1
-        """Virtual stages per device (the circular schedule's v)."""
-        self.remat: str = plan.remat.policy
-        self.offload: bool = plan.offload.optimizer
-        """Optimizer state in host memory between steps."""
-        self.fused_attention: bool = plan.context.attention_impl == "cudnn"
-        """One fused kernel (cuDNN's flash attention): the score matrix never reaches HBM,
-        is never saved for the backward pass, and its products run at the kernel's rate."""
+        """The axes the plan has, and their sizes."""
+        self._ways = {dim: math.prod([self[a] for a in axes]) for dim, axes in _SPLITS.items()}
+        for settings in _SETTINGS:  # in ``TERMS`` order: a term may read those before it
+            self.__dict__.update(settings(self))
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Each term's settings (``Term.settings``) by name."""
+        return {k: v for k, v in self.__dict__.items() if k not in _OWN}
+
+    def ways(self, dim: str) -> int:
+        """Ways the axes that split ``dim`` (batch, seq, layers: ``SearchAxis.splits``)
+        split it together."""
+        return self._ways[dim]
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
@@ -152,12 +135,7 @@ class PlanView:
         return " x ".join(f"{n}={s}" for n, s in self.axes)
 
     def knobs_text(self) -> str:
-        """``zero1 circularx2 m=4 remat=full offload`` (``-`` when every knob is off)."""
-        zero = f"zero{self.zero}" if self.zero else ""
-        pipe = ""
-        if self.stage > 1:
-            pipe = self.schedule + (f"x{self.virtual}" if self.virtual > 1 else "")
-        parts = [zero, pipe, f"m={self.microbatches}" if self.microbatches > 1 else ""]
-        parts += [f"remat={self.remat}" if self.remat != "none" else ""]
-        parts += ["offload" if self.offload else ""]
+        """``zero1 circularx2 m=4 remat=full offload`` (``-`` when every knob is off): each
+        term's own part (``Term.knobs_text``)."""
+        parts = (term.knobs_text(self) for term in TERMS)
         return " ".join(p for p in parts if p) or "-"

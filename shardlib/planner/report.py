@@ -10,7 +10,7 @@ from rich.table import Table
 from shardlib.analysis.report import format_bytes
 from shardlib.core.workload import Workload
 from shardlib.planner.candidate import PlanView
-from shardlib.planner.cost.throughput import is_exposed
+from shardlib.planner.cost.throughput import exposed_strategies, is_exposed
 from shardlib.planner.cost.total import Estimate, collective_seconds
 from shardlib.planner.inputs.cluster import Cluster
 from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
@@ -97,7 +97,7 @@ def family_lines(workload: Workload, cluster: Cluster, best: Estimate) -> list[s
     n, lines = cluster.num_devices, []
     for name, sizes in FAMILIES:
         fixed = sizes(n)
-        if fixed == {"stage": 1} and PlanView(best.plan).stage == 1:
+        if fixed == {"stage": 1} and PlanView(best.plan)["stage"] == 1:
             continue  # the best plan has no pipeline already
         space = Space().fixing(fixed)
         found = search(workload, cluster, space, top=1).best
@@ -190,12 +190,12 @@ def axis_times(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = defaultdict(
         lambda: {"wire_bytes": 0.0, "seconds": 0.0, "critical_seconds": 0.0}
     )
-    staged = PlanView(est.plan).stage > 1
+    exposed = exposed_strategies(PlanView(est.plan))
     for comm in est.comms:
         row, seconds = out[",".join(comm.axes)], collective_seconds(comm, cluster, est.plan)
         row["wire_bytes"] += comm.wire_bytes
         row["seconds"] += seconds
-        row["critical_seconds"] += seconds if is_exposed(comm, staged) else 0.0
+        row["critical_seconds"] += seconds if is_exposed(comm, exposed) else 0.0
     return dict(out)
 
 
@@ -266,7 +266,7 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         "total (device)", f"{format_bytes(est.memory_bytes)} / {format_bytes(cluster.memory_bytes)}"
     )
     wide.print(memory)
-    compute = Table(title="compute per device and step, by part (planner.throughput)")
+    compute = Table(title="compute per device and step, by part (planner.cost.throughput)")
     for col in ("part", "time", "share"):
         compute.add_column(col, justify="left" if col == "part" else "right")
     for part, seconds in est.compute_parts.items():

@@ -1,16 +1,18 @@
 """Search the plans of a workload on a cluster: enumerate, prune by memory, rank by time.
 
 The space (``Space``): every factorisation of the device count over the mesh axes the
-planner terms declare (``planner.terms.SEARCH_AXES``: data, stage, fsdp, expert, context,
-tensor), each size admitted by its axis's own constraint, then ZeRO stage over ``data``,
-pipeline schedule and virtual stages, micro-batch count, rematerialisation and offload.
+planner terms declare (``planner.cost.terms.SEARCH_AXES``), each size admitted by its
+axis's own constraint, then the values of each term's knobs it allows on that mesh
+(``Term.choices``, ``Term.allows``: ZeRO stage, pipeline schedule and virtual stages), the
+micro-batch count, and the trades (``Knob.trades``: rematerialisation, offload). The
+search names no strategy: what it knows of one is that strategy's term's declarations.
 
 ``search`` is exact under the cost model but does not cost every point:
 1. meshes are visited in order of a lower bound on their step time (compute at m = 1 plus
    the critical-path collectives, which no knob below makes smaller), and the walk stops
    once that bound exceeds the k-th best plan found (branch and bound);
 2. for one mesh, ZeRO stage, schedule and micro-batch count, more rematerialisation or
-   offload never makes a step faster (more FLOPs, more host traffic), so once a
+   offload (a trade) never makes a step faster (more FLOPs, more host traffic), so once a
    (remat, offload) pair fits, every pair that is at least as heavy on both is skipped,
    and so is every such pair once one is slower than the k-th best plan found; without
    stages the same holds across larger micro-batch counts (smaller matmuls, more
@@ -21,7 +23,6 @@ pipeline schedule and virtual stages, micro-batch count, rematerialisation and o
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -31,78 +32,96 @@ from dataclasses import dataclass
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import ParallelPlan
-from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, batch_ways, candidate
-from shardlib.planner.cost.terms import SEARCH_AXES
-from shardlib.planner.cost.throughput import is_exposed
+from shardlib.planner.candidate import AXIS_ORDER, PlanView, batch_ways, candidate
+from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
+from shardlib.planner.cost.terms.base import Knob
+from shardlib.planner.cost.throughput import exposed_strategies, is_exposed
 from shardlib.planner.cost.total import Estimate, collective_seconds, estimate
 from shardlib.planner.inputs.cluster import Cluster
 
+KNOBS: tuple[Knob, ...] = tuple(knob for term in TERMS for knob in term.knobs)
+"""Every term's searched settings (``Term.knobs``), in the terms' order."""
+TRADES: tuple[Knob, ...] = tuple(knob for knob in KNOBS if knob.trades)
+"""The knobs whose heavier values only trade time for memory (``Knob.trades``)."""
+MICROBATCHES = "microbatches"
+"""The search's own knob: how the batch of a replica streams (the one count of
+``PlanView.microbatches``, whichever section holds it)."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Space:
-    """Which values each knob may take."""
+    """Which values each knob and axis may take: each term's ``Knob`` unless given
+    (``Space(zero=(0, 1))``), and the largest size of an axis (``limits``)."""
 
-    microbatches: tuple[int, ...] | None = None
+    menus: tuple[tuple[str, tuple], ...]
+    """Values tried per knob, in ``KNOBS`` order."""
+    limits: tuple[tuple[str, int], ...]
+    """Largest size per mesh axis where given (1 leaves the axis out); else the axis's own
+    (``SearchAxis.largest``: tensor stays inside a host, at most 64 stages)."""
+    microbatches: tuple[int, ...] | None
     """Micro-batch counts tried (those that divide the per-replica batch); None: every
     divisor of the per-replica batch, so that a batch such as 1536 = 3 x 512 finds the
     m = 3k a pipeline needs (m >= stages still applies)."""
-    zero: tuple[int, ...] = (0, 1, 2)
-    """ZeRO stages over the data axis (only 0 when data = 1)."""
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "circular")
-    """Pipeline schedules when stage > 1 (``PipelineParallel.schedule``; 1F1B is 1F1B,
-    interleaved with virtual stages; circular GPipe with virtual stages)."""
-    virtual: tuple[int, ...] = (2, 4)
-    """Virtual stages per device for the circular and 1F1B schedules (besides v = 1 for
-    1f1b)."""
-    remat: tuple[str, ...] = REMAT
-    """Remat policies, lightest first."""
-    offload: tuple[bool, ...] = (False, True)
-    """Optimizer state in host memory or not."""
-    max_tensor: int | None = None
-    """Largest tensor degree (default: devices per host: tensor never crosses hosts)."""
-    max_stage: int = 64
-    """Largest pipeline degree."""
-    context: bool = True
-    """Try context parallelism."""
-    pipeline: bool = True
-    """Try pipeline parallelism."""
-    fixed: tuple[tuple[str, int], ...] = ()
+    fixed: tuple[tuple[str, int], ...]
     """Mesh axis sizes every plan has (``shardlib plan --fix tensor=8``); the other axes are
     searched."""
-    staged_only: bool = False
-    """Only meshes with a stage axis (a fixed schedule or virtual stage count needs one)."""
+    required: tuple[str, ...]
+    """Axes every plan has with a size > 1 (a fixed schedule needs a stage axis)."""
+
+    def __init__(
+        self,
+        menus: Mapping[str, tuple] | tuple = (),
+        limits: Mapping[str, int] | tuple = (),
+        microbatches: tuple[int, ...] | None = None,
+        fixed: tuple[tuple[str, int], ...] = (),
+        required: tuple[str, ...] = (),
+        **knobs: tuple,
+    ):
+        given = {**dict(menus), **knobs}
+        unknown = sorted(set(given) - {k.name for k in KNOBS})
+        if unknown:
+            names = ", ".join(k.name for k in KNOBS)
+            raise TypeError(f"Space: no knob {unknown}; knobs: {names}, microbatches.")
+        values = tuple((k.name, tuple(given.get(k.name, k.values))) for k in KNOBS)
+        object.__setattr__(self, "menus", values)
+        object.__setattr__(self, "limits", tuple(dict(limits).items()))
+        object.__setattr__(self, "microbatches", microbatches)
+        object.__setattr__(self, "fixed", tuple(fixed))
+        object.__setattr__(self, "required", tuple(required))
+
+    def menu(self, knob: str) -> tuple:
+        """The values tried for ``knob``."""
+        return dict(self.menus)[knob]
+
+    def limit(self, axis: str) -> int | None:
+        """The largest size this space gives ``axis``, if it gives one."""
+        return dict(self.limits).get(axis)
 
     def fixing(self, settings: Mapping[str, int | str | bool]) -> Space:
         """This space with ``settings`` fixed: axis sizes filter the meshes, a knob
-        (``zero``, ``microbatches``, ``schedule``, ``virtual``, ``remat``, ``offload``)
-        becomes a menu of one. Unknown names raise ShardingError."""
+        (``microbatches`` or a term's: ``zero``, ``schedule``, ``virtual``, ``remat``,
+        ``offload``) becomes a menu of one, as its term says (``Term.fix``). Unknown names
+        raise ShardingError."""
         axes = {str(a) for a in AXIS_ORDER}
-        menus = {"zero": "zero", "microbatches": "microbatches", "schedule": "schedules"}
-        menus |= {"virtual": "virtual", "remat": "remat", "offload": "offload"}
-        unknown = sorted(set(settings) - axes - set(menus))
+        knobs = [MICROBATCHES, *(k.name for k in KNOBS)]
+        unknown = sorted(set(settings) - axes - set(knobs))
         if unknown:
             raise ShardingError(
                 f"--fix {', '.join(unknown)}: not an axis or knob. Fix: use "
-                f"{', '.join([*AXIS_ORDER, *menus])}."
+                f"{', '.join([*AXIS_ORDER, *knobs])}."
             )
         fixed = tuple((k, int(v)) for k, v in settings.items() if k in axes)
-        changes: dict = {k: (v,) for k, v in settings.items() if k in menus}
-        changes = {menus[k]: v for k, v in changes.items()}
-        virtual, schedule = settings.get("virtual"), settings.get("schedule")
-        if virtual is not None:  # v > 1: circular or interleaved 1F1B; v = 1 the others'
-            circular = ("circular", "1f1b") if virtual > 1 else ("gpipe", "1f1b")
-            if schedule is not None and schedule not in circular:
-                raise ShardingError(
-                    f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
-                    "the circular or 1F1B schedule only. Fix: fix one of the two."
-                )
-            changes["schedules"] = (schedule,) if schedule else circular
-            if virtual == 1:
-                changes.pop("virtual")
-        staged = "schedule" in settings or virtual is not None
-        return dataclasses.replace(
-            self, fixed=self.fixed + fixed, staged_only=self.staged_only or staged, **changes
-        )
+        menus, required = dict(self.menus), list(self.required)
+        for term in TERMS:
+            own = {k.name: settings[k.name] for k in term.knobs if k.name in settings}
+            if own:
+                changes, needs = term.fix(own)
+                menus.update(changes)
+                required += [a for a in needs if a not in required]
+        microbatches = self.microbatches
+        if MICROBATCHES in settings:
+            microbatches = (settings[MICROBATCHES],)
+        return Space(menus, self.limits, microbatches, self.fixed + fixed, tuple(required))
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,8 +132,9 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
     """Axis sizes whose product is the device count and whose dims divide (cheap checks).
 
     The axes of ``SEARCH_AXES`` in their order, each over the divisors of the devices left
-    that its ``admits`` takes; the last axis gets what is left; the batch must split over
-    the batch axes. Yields ``{axis: size}`` for every axis of ``AXIS_ORDER``.
+    up to its largest size that its ``admits`` takes; the last axis gets what is left; the
+    batch must split over the batch axes. Yields ``{axis: size}`` for every axis of
+    ``AXIS_ORDER``.
     """
 
     fixed = dict(space.fixed)
@@ -122,10 +142,13 @@ def meshes(workload: Workload, cluster: Cluster, space: Space) -> Iterator[dict[
     def walk(i: int, left: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
         axis = SEARCH_AXES[i]
         name, last = str(axis.axis), i == len(SEARCH_AXES) - 1
+        largest = space.limit(name) or axis.largest(cluster)
         for size in (left,) if last else _divisors(left):
             if fixed.get(name, size) != size:
                 continue
-            if size > 1 and not axis.admits(workload, cluster, space, chosen, size):
+            if size > 1 and largest is not None and size > largest:
+                continue
+            if size > 1 and not axis.admits(workload, cluster, chosen, size):
                 continue
             sizes = {**chosen, name: size}
             if not last:
@@ -151,42 +174,25 @@ def microbatch_menu(space: Space, per_replica: int) -> tuple[int, ...]:
 def knob_groups(
     workload: Workload, mesh: dict[str, int], space: Space
 ) -> Iterator[list[ParallelPlan]]:
-    """For one mesh: lists of plans sharing (zero, schedule, m), ordered lightest first."""
-    if space.staged_only and mesh["stage"] == 1:
+    """For one mesh: lists of plans sharing every knob but the trades (ZeRO stage, schedule,
+    m), each ordered lightest first over the trades (``TRADES``: remat, offload)."""
+    if any(mesh[a] == 1 for a in space.required):
         return
     per_replica = _per_replica(workload, mesh)
-    # ZeRO shards over ``data``. With an fsdp, context, expert or stage axis beside it XLA
-    # merges and places the reductions in ways the cost model does not follow (compiled:
-    # HSDP + ZeRO-2 memory 1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those
-    # combinations are not searched (nor beside an axis added later, until measured)
-    plain = all(s == 1 for a, s in mesh.items() if a not in ("data", "tensor"))
-    zeros = space.zero if mesh["data"] > 1 and plain else tuple(z for z in space.zero if z == 0)
-    if mesh["stage"] > 1:
-        scheds = [(s, 1) for s in space.schedules if s != "circular"]
-        for interleaved in ("circular", "1f1b"):
-            if interleaved in space.schedules:
-                scheds += [(interleaved, v) for v in space.virtual if v > 1]
-    else:
-        scheds = [("gpipe", 1)]  # no stage axis: the pipeline section stays as it is
+    # each term's values of its own knobs on this mesh (``Term.choices``), then m
+    choices = [term.choices(workload, mesh, space) for term in TERMS if term.choices]
+    allows = [term.allows for term in TERMS if term.allows]
     menu = microbatch_menu(space, per_replica)
-    for zero, (schedule, virtual), m in itertools.product(zeros, scheds, menu):
+    trades = [space.menu(knob.name) for knob in TRADES]
+    for *picked, m in itertools.product(*choices, menu):
         if per_replica % m:
             continue
-        # the trainer's constraints (strategies/pipeline.py): equal stages; circular m >= p
-        if mesh["stage"] > 1 and workload.layers % (mesh["stage"] * virtual):
+        knobs = {k: v for part in picked for k, v in part.items()} | {MICROBATCHES: m}
+        if not all(ok(workload, mesh, knobs) for ok in allows):
             continue
-        # every schedule streams at least one micro-batch per stage (m >= p, Narayanan et al.;
-        # circular needs it): with fewer, stages idle most of the step and GPipe's saved
-        # residuals, measured at m = 1, fall outside the fitted range (0.90x)
-        if mesh["stage"] > 1 and m < mesh["stage"]:
-            continue
-        if schedule == "1f1b" and virtual > 1 and m % mesh["stage"]:
-            continue  # interleaved 1F1B streams whole groups of p micro-batches
-        knobs = dict(zero=zero, microbatches=m, schedule=schedule, virtual=virtual)
         yield [
-            candidate(**mesh, **knobs, remat=r, offload=o)
-            for r in space.remat
-            for o in space.offload
+            candidate(**mesh, **knobs, **dict(zip([k.name for k in TRADES], heavier, strict=True)))
+            for heavier in itertools.product(*trades)
         ]
 
 
@@ -202,11 +208,20 @@ def rank_key(est: Estimate) -> tuple[float, float, float, float]:
     )
 
 
-def _dominated(plan: ParallelPlan, fitting: list[ParallelPlan]) -> bool:
-    """Some plan of ``fitting`` (the group's fitting plans, or those already too slow) has
-    no more remat and no more offload."""
-    r, o = REMAT.index(plan.remat.policy), plan.offload.optimizer
-    return any(REMAT.index(f.remat.policy) <= r and f.offload.optimizer <= o for f in fitting)
+def trade_ranks(space: Space) -> list[tuple[int, ...]]:
+    """How heavy each plan of a knob group is on each trade (its value's place in
+    ``Knob.values``), in the group's order (``knob_groups``: the product of the menus)."""
+    menus = [space.menu(knob.name) for knob in TRADES]
+    return [
+        tuple(knob.values.index(v) for knob, v in zip(TRADES, heavier, strict=True))
+        for heavier in itertools.product(*menus)
+    ]
+
+
+def _dominated(rank: tuple[int, ...], fitting: list[tuple[int, ...]]) -> bool:
+    """Some plan of ``fitting`` (the ranks of the group's fitting plans, or of those already
+    too slow) is no heavier on any trade (no more remat, no more offload)."""
+    return any(all(f <= r for f, r in zip(other, rank, strict=True)) for other in fitting)
 
 
 def estimate_or_none(workload, plan, cluster) -> Estimate | None:
@@ -221,28 +236,38 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     """No plan on ``mesh`` is faster: compute without recompute or bubble at one
     micro-batch (the largest matmuls: the throughput model's fastest rate), plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
-    latency only grows with m). With stages the pipeline loop's bubble trips also move
-    bytes, fewest at the most micro-batches: GPipe and circular there bound every
-    schedule (1F1B has more trips and a recomputed forward), the smallest bound is kept."""
+    latency only grows with m). Where a term moves bytes that fall with more micro-batches
+    (a pipeline loop's bubble trips), its ``bounds`` name the plans that bound the mesh
+    instead, at the most micro-batches ``m``; the smallest bound is kept."""
     whole = estimate_or_none(workload, candidate(**mesh), cluster)
     if whole is None:
         return math.inf
     options = [whole]
-    if mesh["stage"] > 1:
-        per_replica = _per_replica(workload, mesh)
-        m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
-        plans = [candidate(**mesh, microbatches=m)]
-        plans += [
-            candidate(**mesh, schedule="circular", virtual=v, microbatches=m) for v in space.virtual
-        ]
+    per_replica = _per_replica(workload, mesh)
+    m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
+    bounds = [knobs for t in TERMS if t.bounds for knobs in t.bounds(mesh, space, m)]
+    if bounds:
+        plans = [candidate(**mesh, **knobs) for knobs in bounds]
         options = [e for e in (estimate_or_none(workload, p, cluster) for p in plans) if e]
     critical = min((_critical_s(e, cluster) for e in options), default=math.inf)
     return whole.compute_s + critical
 
 
 def _critical_s(est: Estimate, cluster: Cluster) -> float:
-    staged = PlanView(est.plan).stage > 1
-    return sum(collective_seconds(c, cluster, est.plan) for c in est.comms if is_exposed(c, staged))
+    exposed = exposed_strategies(PlanView(est.plan))
+    critical = (c for c in est.comms if is_exposed(c, exposed))
+    return sum(collective_seconds(c, cluster, est.plan) for c in critical)
+
+
+def _carry_key(plan: ParallelPlan, mesh: Mapping[str, int]) -> tuple:
+    """The groups whose pruning carries over: without stages a step is no faster with more
+    micro-batches (smaller matmuls, a reduction per micro-batch), so what fits or is too
+    slow at m rules out heavier plans at every larger m too (groups come in ascending m
+    per ZeRO stage); with stages each (ZeRO stage, schedule, v, m) stands alone."""
+    view = PlanView(plan)
+    if mesh["stage"] == 1:
+        return (view.zero,)
+    return (view.zero, view.schedule, view.virtual, view.microbatches)
 
 
 @dataclass(frozen=True)
@@ -270,33 +295,30 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
     )
     heap: list[tuple[float, int, Estimate]] = []  # max-heap of the best `top` by -step
     evaluated, visited, tie = 0, 0, itertools.count()
+    group_ranks = trade_ranks(space)
     for bound, _, mesh in bounded:
         if bound == math.inf or (len(heap) >= top and bound > -heap[0][0][0]):
             break
         visited += 1
-        # without stages a step is no faster with more micro-batches (smaller matmuls, a
-        # reduction per micro-batch): what fits or is too slow at m rules out heavier
-        # plans at every larger m too (groups come in ascending m per ZeRO stage)
         carried: dict[tuple, tuple[list, list]] = {}
         for group in knob_groups(workload, mesh, space):
-            view = PlanView(group[0])
-            key = (view.zero, view.schedule, view.virtual, view.microbatches)
-            if mesh["stage"] == 1:
-                key = (view.zero,)
-            fitting, too_slow = carried.setdefault(key, ([], []))
+            ranks = {id(plan): r for plan, r in zip(group, group_ranks, strict=True)}
+            fitting, too_slow = carried.setdefault(_carry_key(group[0], mesh), ([], []))
             best_here: Estimate | None = None
             worst = -heap[0][0][0] if len(heap) >= top else math.inf
             # the heaviest plan (most remat, offload) uses the least memory: if it does not
             # fit, nothing in the group does
             heaviest = group[-1]
             known: dict[int, Estimate | None] = {}
-            if not (_dominated(heaviest, fitting) or _dominated(heaviest, too_slow)):
+            rank = ranks[id(heaviest)]
+            if not (_dominated(rank, fitting) or _dominated(rank, too_slow)):
                 known[id(heaviest)] = est = estimate_or_none(workload, heaviest, cluster)
                 evaluated += 1
                 if est is None or not est.fits:
                     continue
             for plan in group:
-                if _dominated(plan, fitting) or _dominated(plan, too_slow):
+                rank = ranks[id(plan)]
+                if _dominated(rank, fitting) or _dominated(rank, too_slow):
                     continue
                 if id(plan) in known:
                     est = known[id(plan)]
@@ -304,11 +326,11 @@ def search(workload: Workload, cluster: Cluster, space: Space = Space(), top: in
                     est = estimate_or_none(workload, plan, cluster)
                     evaluated += 1
                 if est is not None and rank_key(est)[0] > worst:
-                    too_slow.append(plan)
+                    too_slow.append(rank)
                     continue
                 if est is None or not est.fits:
                     continue
-                fitting.append(plan)
+                fitting.append(rank)
                 if best_here is None or rank_key(est) < rank_key(best_here):
                     best_here = est
             if best_here is not None:

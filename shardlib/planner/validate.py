@@ -66,7 +66,7 @@ def simulable(workload: Workload, plan: ParallelPlan) -> tuple[Workload, Paralle
     view = PlanView(plan)
     if view.size <= MAX_SIMULATED:
         return workload, plan, ""
-    data, batch = view.data, workload.global_batch
+    data, batch = view["data"], workload.global_batch
     for cut in range(2, data + 1):
         if data % cut == 0 and batch % cut == 0 and view.size // cut <= MAX_SIMULATED:
             sizes = {**view.sizes, "data": data // cut}

@@ -1,9 +1,10 @@
 """Text generation with a KV cache on a mesh: a jitted prefill, then a jitted decode step.
 
-The model supplies ``init_cache(batch, length)`` and ``decode(tokens_BT, cache, start)``
-(``models.llama.cache``); here the cache is laid out on the mesh by the activation rules of
-``CACHE_NAMES`` (the batch over the data axes, kv heads over ``tensor``), the parameters
-keep their training layout, and sampling is greedy (temperature 0), temperature or top-k.
+The model follows the ``Generator`` protocol (``shardlib.core.model``: ``init_cache``,
+``decode``, ``max_positions``; ``models.llama.cache`` implements it); here the cache is laid
+out on the mesh by the activation rules of ``CACHE_NAMES`` (the batch over the data axes, kv
+heads over ``tensor``), the parameters keep their training layout, and sampling is greedy
+(temperature 0), temperature or top-k.
 Generation stops at ``max_new_tokens`` or when every sequence has produced ``eos``.
 Tokens are bytes by default (the embedded corpus' vocabulary); a ``tokenizers``
 ``tokenizer.json`` gives any other vocabulary: given, in a Hugging Face directory, or the one
@@ -24,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlib.core.capabilities import Generator
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import mesh_axes
 from shardlib.core.rules import Rules
@@ -82,9 +84,15 @@ def pick(logits_BV, key, temperature: float, top_k: int):
 
 def generate(model, prompt_BP, *, mesh: Mesh, rules: Rules, sampling: Sampling) -> Generated:
     """Continue every row of ``prompt_BP`` (token ids, equal lengths) on ``mesh``."""
+    if not isinstance(model, Generator):
+        raise ShardingError(
+            f"generate: {type(model).__name__} has no KV-cache path (the Generator protocol of "
+            "shardlib.core.model: init_cache, decode, max_positions). Fix: generate with a "
+            "model that implements it, such as a llama preset."
+        )
     prompt_BP = np.asarray(prompt_BP, dtype=np.int32)
     b, p = prompt_BP.shape
-    limit = model.cfg.max_positions
+    limit = model.max_positions
     total = p + sampling.max_new_tokens
     if p < 1:
         raise ShardingError("generate: the prompt is empty. Fix: give at least one token.")

@@ -2,10 +2,11 @@
 
 ``checkpoint.init_from=DIR`` (``shardlib train --load-params DIR``) starts a fresh run -
 step 0, a new optimizer state - from the parameters in ``DIR``: the latest step of a
-shardlib ``checkpoint_dir``, or a Hugging Face Llama directory (``config.json`` +
-``*.safetensors``). Both are read straight into the run's parameter shardings, each device
-reading only its slice; every tensor's shape is checked first, naming the tensor. A Hugging
-Face directory's ``config.json`` also gives the model's settings (``with_source_model``).
+shardlib ``checkpoint_dir``, or a Hugging Face directory (``config.json`` +
+``*.safetensors``) of a model family that registers an ``HFAdapter`` (Llama does). Both are
+read straight into the run's parameter shardings, each device reading only its slice; every
+tensor's shape is checked first, naming the tensor. A Hugging Face directory's
+``config.json`` also gives the model's settings (``with_source_model``).
 Parameters the source does not have (LoRA adapters added for fine-tuning) keep their fresh
 initialisation. A run that resumes from its own ``checkpoint_dir`` ignores ``init_from``.
 """
@@ -25,6 +26,7 @@ from shardlib.checkpoint.store import (
     load_orbax,
     read_meta,
 )
+from shardlib.core.model import hf_adapter
 from shardlib.interop.hf_io import flatten, load_params, unflatten
 
 
@@ -37,14 +39,16 @@ def with_source_model(cfg):
     """``cfg`` with the model settings of ``checkpoint.init_from``'s ``config.json`` when it
     is a Hugging Face directory, so that ``--load-params DIR`` alone describes the model;
     ``model.NAME`` settings given explicitly win. Other sources, and a model factory of the
-    user's (``pkg.module:make_model``), leave ``cfg`` as it is."""
+    user's (``pkg.module:make_model``), leave ``cfg`` as it is; a preset without a Hugging
+    Face adapter is refused, naming the fix."""
     source = cfg.checkpoint.init_from
     if not source or ":" in cfg.model or not is_hf_directory(source):
         return cfg
     from shardlib.interop.hf import model_settings, read_config
     from shardlib.train.config import override
 
-    settings = model_settings(read_config(source), f"{source}/config.json")
+    adapter = hf_adapter(cfg.model)
+    settings = model_settings(adapter, read_config(source), f"{source}/config.json")
     settings |= dict(cfg.model_overrides)
     return override(cfg, {f"model.{k}": v for k, v in settings.items()})
 
@@ -95,14 +99,15 @@ def load_checkpoint_params(directory: str | Path, abstract: dict) -> dict:
 
 
 def load_initial_params(source: str | Path, abstract: dict, model_cfg) -> dict:
-    """Parameters from ``source`` (see the module docstring) in ``abstract``'s shardings."""
+    """Parameters from ``source`` (see the module docstring) in ``abstract``'s shardings.
+    ``model_cfg``: the model's preset config (its class finds the Hugging Face adapter)."""
     if not Path(source).is_dir():
         raise CheckpointError(
             f"init_from {source}: no such directory. Fix: a checkpoint_dir of an earlier run "
-            "or a Hugging Face Llama directory (config.json + *.safetensors)."
+            "or a Hugging Face directory (config.json + *.safetensors)."
         )
     if is_hf_directory(source):
-        return load_params(source, abstract, jsonable(model_cfg))
+        return load_params(source, abstract, jsonable(model_cfg), hf_adapter(model_cfg))
     return load_checkpoint_params(source, abstract)
 
 
@@ -120,12 +125,15 @@ def max_abs_difference(a: dict, b: dict) -> float:
 
 
 def model_factory(source: str | Path):
-    """The model a checkpoint was trained with, or a Hugging Face directory's Llama."""
+    """The model a checkpoint was trained with, or a Hugging Face directory's: the preset of
+    the adapter that reads its ``model_type``, every shape from its ``config.json``."""
     from shardlib.core.model import resolve_model
-    from shardlib.interop.hf import model_settings, read_config
+    from shardlib.interop.hf import adapter_for, model_settings, read_config
 
-    if is_hf_directory(source):  # any Llama preset: every field comes from config.json
-        return resolve_model("llama-tiny", model_settings(read_config(source)))
+    if is_hf_directory(source):
+        config, where = read_config(source), f"{source}/config.json"
+        adapter = adapter_for(config, where)
+        return resolve_model(adapter.preset, model_settings(adapter, config, where))
     _, meta = read_meta(Path(source).absolute())
     name = meta["config"]["model"]
     if ":" in name:  # a model factory of the user's: its keyword settings

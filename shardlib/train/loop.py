@@ -68,7 +68,7 @@ def open_data(setup: TrainSetup):
     """
     from shardlib.data.index import is_prepared
 
-    data, seed, vocab = setup.cfg.data, setup.cfg.run.seed, setup.target.dims.get("vocab", 0)
+    data, seed, vocab = setup.cfg.data, setup.cfg.run.seed, setup.workload.dims.get("vocab", 0)
     if data.mix or is_prepared(data.path):
         from shardlib.data.loader import PreparedData
 

@@ -212,18 +212,12 @@ def device_peak(device, override: float = 0.0) -> tuple[float, str]:
 
 def model_flops(setup) -> tuple[float, str]:
     """(forward + backward FLOPs of one step without recompute, how they were counted)."""
-    from shardlib.core.workload import Workload
-
-    cfg = setup.cfg
     try:
-        workload = Workload.from_factory(
-            setup.model, cfg.data.batch, cfg.data.seq, cfg.precision.compute, inv=setup.inventory
-        )
-        return float(workload.model_flops), "6 per parameter per token + attention"
+        return float(setup.workload.model_flops), "6 per parameter per token + attention"
     except (AttributeError, KeyError, ShardingError, TypeError):
         # a model whose dims the planner does not read: the parameter count alone
-        tokens = cfg.data.batch * cfg.data.seq
-        return 6.0 * setup.inventory.param_count * tokens, "6 per parameter per token"
+        tokens = setup.workload.global_batch * setup.workload.seq
+        return 6.0 * setup.workload.param_count * tokens, "6 per parameter per token"
 
 
 def compiled_flops(compiled) -> float:

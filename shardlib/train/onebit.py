@@ -15,12 +15,17 @@ paper, DeepSpeed's ``NcclBackend.compressed_allreduce``):
 Bytes per device after warm-up: an all-to-all and an all-gather of Ψ/8 bytes, i.e.
 2(N-1)/N · Ψ/8 against the fp32 all-reduce's 2(N-1)/N · 4Ψ: 1/32, plus 2N fp32 scales.
 
-The transform (``onebit_adam``) is an optax ``GradientTransformation`` whose ``update`` must
-run inside ``shard_map`` over the data axis on *local* gradients: the communication is part
-of the update. ``build_onebit_step`` is that step. Error buffers differ per device, so they
-are stored sharded over the data axis (``error_specs``); momentum and variance are the same
-on every device after each step and stay replicated (plain data parallelism, ZeRO-0, as in
-DeepSpeed, where 1-bit Adam does not combine with ZeRO).
+The transform (``scale_by_onebit_adam``) is an optax ``GradientTransformation`` whose
+``update`` must run inside ``shard_map`` over the data axis on *local* gradients: the
+communication is part of the update. ``build_onebit_step`` is that step. Error buffers differ
+per device, so they are stored sharded over the data axis (``error_specs``); momentum and
+variance are the same on every device after each step and stay replicated (plain data
+parallelism, ZeRO-0, as in DeepSpeed, where 1-bit Adam does not combine with ZeRO).
+
+What selects all this is the plan's ``parallel.data.onebit_momentum``, a data-parallel
+communication setting: ``optimizer=onebit_adam`` is AdamW with it set (``optim.SPELLINGS``).
+The plan refuses the layouts it cannot run on (``parallel.gradients.check``) and its gradient
+path gives the step each device's own gradient (``parallel.gradients``).
 
 0/1 Adam (Lu et al. 2022) is not offered: its local steps let the parameters of different
 workers drift apart between synchronisations, which the one-logical-array-per-parameter
@@ -37,7 +42,6 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.parallel.compression import onebit_compress, onebit_decompress
 
@@ -156,45 +160,10 @@ def error_specs(opt_state_specs, abstract_opt_state):
     return jax.tree.map(fix, opt_state_specs, abstract_opt_state, is_leaf=is_state)
 
 
-def check_layout(plan) -> None:
-    """1-bit Adam compresses over ``data`` alone, on replicated state (DeepSpeed: ZeRO-0)."""
-    others = {a: s for a, s in plan.mesh_axes.items() if a != AXIS and s > 1}
-    problems = []
-    if others:
-        problems.append(f"mesh axes {others} besides {AXIS!r}")
-    if plan.data.zero:
-        problems.append(f"zero={plan.data.zero}")
-    if plan.offload.optimizer or plan.offload.params:
-        problems.append("offload")
-    if problems:
-        raise ShardingError(
-            f"optimizer=onebit_adam compresses the momentum over the {AXIS!r} axis of a plain "
-            f"data-parallel mesh with replicated state, but this plan has "
-            f"{', '.join(problems)}. Fix: a mesh data=N with zero=0 and no offload "
-            "(as in DeepSpeed, 1-bit Adam does not combine with ZeRO), or optimizer=adamw."
-        )
-
-
-def _local_grads(loss_fn, params, tokens_BL1, microbatches: int):
-    """(loss, metrics), grads of this device's rows, averaged over sequential micro-batches
-    (rows i, i + m, ... as ``step.accumulate_grads``)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if microbatches == 1:
-        return grad_fn(params, tokens_BL1)
-    b, l1 = tokens_BL1.shape
-    micro_MBL1 = tokens_BL1.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
-
-    def body(total, tokens_mb):
-        return jax.tree.map(jnp.add, total, grad_fn(params, tokens_mb)), None
-
-    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro_MBL1[0]))
-    total, _ = jax.lax.scan(body, zero, micro_MBL1)
-    return jax.tree.map(lambda x: x / microbatches, total)
-
-
 def build_onebit_step(setup: TrainSetup, loss_fn):
-    """The train step for 1-bit Adam: the whole step in shard_map over ``data``, so that
-    gradients stay local and only the optimizer's compressed collectives cross the axis.
+    """The train step under ``parallel.data.onebit_momentum``: the whole step in shard_map
+    over ``data``, so that the plan's gradient path yields each device's own gradient (its
+    1-bit case) and only the optimizer's compressed collectives cross the axis.
 
     ``grad_norm`` is the root mean square over workers of the local gradient norms: the
     averaged gradient is never formed after warm-up. With fp16 the loss scaler skips a step
@@ -202,7 +171,7 @@ def build_onebit_step(setup: TrainSetup, loss_fn):
     """
     from shardlib.train import precision
 
-    tx, sched, cfg = setup.tx, setup.schedule, setup.cfg
+    tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
     specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
     batch_spec = setup.batch_sharding.spec
@@ -210,12 +179,10 @@ def build_onebit_step(setup: TrainSetup, loss_fn):
     def local(state, tokens_BL1):
         params = state["params"]
         scale = state["loss_scale"]["scale"] if scaled else 1.0
-
-        def fn(p, t):
-            loss, extra = loss_fn(p, t)
-            return loss * scale, extra
-
-        (loss, extra), grads = _local_grads(fn, params, tokens_BL1, setup.plan.data.microbatches)
+        grad_fn = plan.value_and_grad(
+            loss_fn, setup.step_layout, has_aux=True, loss_scale=scale if scaled else None
+        )
+        (loss, extra), grads = grad_fn(params, tokens_BL1)
         grads = jax.tree.map(lambda g: g / scale, grads)
         updates, new_opt = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

@@ -1,21 +1,33 @@
 """Optimizers and learning-rate schedules by name, all from optax, plus gradient clipping.
 
 Every optimizer here keeps its state as trees shaped like the parameters (adafactor's
-factored statistics drop one dim of their parameter), so ``shardlib.parallel.state_layouts`` can lay
+factored statistics drop one dim of their parameter), so ``shardlib.parallel.state`` can lay
 each state tensor out like its parameter. Weight decay skips norms and biases everywhere.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import Axis
+
+if TYPE_CHECKING:
+    from shardlib.parallel.plan import ParallelPlan
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam")
 WARMUPS = ("linear", "log")
+SPELLINGS = {"onebit_adam": ("adamw", {"onebit_momentum": True})}
+"""Optimizer names that are another optimizer plus ``[parallel.data]`` settings: DeepSpeed's
+OneBitAdam is AdamW whose momentum crosses the data axis in 1 bit. The one place a name sets
+how gradients travel (``resolve_optimizer``); everything else reads the plan."""
+ONEBIT_BASES = ("adam", "adamw")  # the optimizers whose momentum 1-bit Adam exchanges
 
 
 def check_optimizer(opt) -> None:
@@ -97,22 +109,43 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def _optimizer(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
+def resolve_optimizer(opt, plan: ParallelPlan):
+    """``(optimizer, plan)`` with a ``SPELLINGS`` name replaced by its optimizer and the
+    plan's ``[parallel.data]`` settings it stands for; other names pass unchanged."""
+    if opt.name not in SPELLINGS:
+        return opt, plan
+    name, data = SPELLINGS[opt.name]
+    plan = dataclasses.replace(plan, data=dataclasses.replace(plan.data, **data))
+    return dataclasses.replace(opt, name=name), plan
+
+
+def _onebit_adam(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
+    """Adam(W) whose momentum is averaged over the ``n`` data devices in 1 bit
+    (``train/onebit.py``); decoupled decay after the direction, as DeepSpeed's."""
+    from shardlib.train.onebit import scale_by_onebit_adam
+
+    if cfg.name not in ONEBIT_BASES:
+        raise ShardingError(
+            f"parallel.data.onebit_momentum exchanges Adam's momentum in 1 bit, but "
+            f"optimizer={cfg.name} keeps none to exchange. Fix: optimizer=adamw or adam (or "
+            "onebit_adam), or onebit_momentum=false."
+        )
+    direction = scale_by_onebit_adam(
+        b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-8, freeze_step=cfg.freeze_step, n=n,
+        steps=steps, bias_correction=cfg.bias_correction,
+    )  # fmt: skip
+    wd = cfg.weight_decay if cfg.name == "adamw" else 0.0  # adam: no decay, as below
+    decay = [optax.add_decayed_weights(wd, decay_mask)] if wd else []
+    return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
+
+
+def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     wd, mask = cfg.weight_decay, decay_mask
     eps = {"eps": cfg.eps} if cfg.eps else {}  # 0: the optimizer's own default
     if cfg.name == "adamw":
         return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
     if cfg.name == "adam":  # no decay at all: that is what distinguishes it from adamw
         return optax.adam(lr, b1=cfg.b1, b2=cfg.b2, **eps)
-    if cfg.name == "onebit_adam":  # decoupled decay after the direction, as DeepSpeed's
-        from shardlib.train.onebit import scale_by_onebit_adam
-
-        direction = scale_by_onebit_adam(
-            b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-8, freeze_step=cfg.freeze_step, n=n,
-            steps=steps, bias_correction=cfg.bias_correction,
-        )  # fmt: skip
-        decay = [optax.add_decayed_weights(wd, mask)] if wd else []
-        return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
     if cfg.name == "sgd":
         sgd = optax.sgd(lr, momentum=cfg.momentum)
         return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
@@ -132,17 +165,31 @@ def _optimizer(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTra
     )
 
 
-def build_optimizer(cfg, steps: int, data_devices: int = 1) -> optax.GradientTransformation:
+def build_optimizer(
+    cfg, steps: int, plan: ParallelPlan | None = None
+) -> optax.GradientTransformation:
     """Global-norm clipping (if set), then the named optimizer with the named schedule.
 
-    ``data_devices``: the data axis 1-bit Adam compresses over. Its update sees each
-    device's local gradient, so its clipping uses the local norm (the averaged gradient is
-    never formed after warm-up).
+    A ``SPELLINGS`` name is resolved against ``plan`` first (``resolve_optimizer``). With the
+    plan's ``data.onebit_momentum`` the Adam update averages the momentum over the ``data``
+    axis in 1 bit; it sees each device's local gradient, so its clipping uses the local norm
+    (the averaged gradient is never formed after warm-up).
     """
+    if plan is not None:
+        cfg, plan = resolve_optimizer(cfg, plan)
+    elif cfg.name in SPELLINGS:
+        raise ShardingError(
+            f"optimizer={cfg.name} sets parallel.data settings {SPELLINGS[cfg.name][1]}, "
+            "which need the plan. Fix: build_optimizer(cfg, steps, plan)."
+        )
     parts = []
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(_optimizer(cfg, schedule(cfg, steps), steps, data_devices))
+    lr = schedule(cfg, steps)
+    if plan is not None and plan.data.onebit_momentum:
+        parts.append(_onebit_adam(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1)))
+    else:
+        parts.append(_optimizer(cfg, lr))
     return optax.chain(*parts)
 
 
@@ -164,17 +211,12 @@ def _is_adapter(path) -> bool:
     return any("lora_" in str(getattr(k, "key", k)) for k in path)
 
 
-def stop_base_gradients(loss_fn, lora_rank: int):
-    """With LoRA, ``loss_fn`` sees the base weights as constants: XLA then drops their
+def frozen_base(params, lora_rank: int):
+    """With LoRA, the loss sees the base weights as constants: XLA then drops their
     weight-gradient products (``freeze_base`` would discard them anyway), and the reported
     gradient norm is the adapters'."""
     if not lora_rank:
-        return loss_fn
-
-    def frozen(params, *args):
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x if _is_adapter(path) else jax.lax.stop_gradient(x), params
-        )
-        return loss_fn(params, *args)
-
-    return frozen
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if _is_adapter(path) else jax.lax.stop_gradient(x), params
+    )

@@ -23,14 +23,15 @@ from jax.sharding import PartitionSpec as P
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
 from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_model
 from shardlib.core.rules import Rules
-from shardlib.core.target import Target
+from shardlib.core.workload import Workload
 from shardlib.data.tokens import BATCH_NAMES
-from shardlib.parallel import state_layouts as layouts
+from shardlib.parallel import state as layouts
+from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
 from shardlib.train import precision
 from shardlib.train.config import TrainConfig
-from shardlib.train.optim import build_optimizer, freeze_base, schedule
+from shardlib.train.optim import build_optimizer, freeze_base, resolve_optimizer, schedule
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,14 @@ class TrainSetup:
 
     cfg: TrainConfig
     plan: ParallelPlan
-    """``cfg.parallel`` with the mesh's axis sizes."""
+    """``cfg.parallel`` with the mesh's axis sizes, the model's shapes and the settings an
+    optimizer name stands for (``optim.resolve_optimizer``: onebit_adam's 1-bit momentum)."""
     model: ModelFactory
     """Builds the model (``model.make(rngs)``); ``model.config`` is its preset config."""
     inventory: Inventory
     """The model's parameters: graphdef, shapes and logical names (nothing allocated)."""
-    target: Target
-    """What the plan was checked against (model facts, batch, sequence)."""
+    workload: Workload
+    """The model and step the plan was checked against (shapes, routing, batch, sequence)."""
     mesh: Mesh
     param_specs: dict
     tx: optax.GradientTransformation
@@ -107,6 +109,20 @@ class TrainSetup:
         return self._grad_like_shardings(self.plan.state_rules.grads)
 
     @cached_property
+    def step_layout(self) -> StepLayout:
+        """What the plan's gradient path reads of this model and its layouts."""
+        return StepLayout(
+            graphdef=self.graphdef,
+            dtype=self.compute_dtype,
+            workload=self.workload,
+            mesh=self.mesh,
+            param_specs=self.param_specs,
+            param_shardings=self.param_shardings,
+            grad_shardings=self.grad_shardings,
+            batch_spec=self.batch_sharding.spec,
+        )
+
+    @cached_property
     def update_shardings(self) -> dict:
         """The layout in which gradients enter the optimizer: the optimizer state's."""
         return self._grad_like_shardings(self.plan.state_rules.opt_state)
@@ -120,11 +136,11 @@ class TrainSetup:
             self.tx,
             self._abstract_opt_state,
             self.param_shapes,
-            self.param_names,
             self.mesh,
             self.plan.state_rules.opt_state,
+            names=self.param_names,
         )
-        if self.cfg.optimizer.name == "onebit_adam":  # error buffers: one per device
+        if self.plan.data.onebit_momentum:  # 1-bit Adam's error buffers: one per device
             from shardlib.train.onebit import error_specs
 
             specs = error_specs(specs, self._abstract_opt_state)
@@ -234,33 +250,30 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
     model = resolve_model(cfg.model, dict(cfg.model_overrides) | cfg.lora.model_settings())
     inv = inventory(model)
-    target = Target.from_params(
-        inv.params,
-        checkpoint_names=inv.checkpoint_names,
-        block_stats=inv.block_stats,
-        batch=cfg.data.batch,
+    workload = Workload.from_factory(
+        model,
+        cfg.data.batch,
+        cfg.data.seq,
+        cfg.precision.compute,
+        overrides=cfg.model_overrides,
+        inv=inv,
         microbatches=plan.data.microbatches,
-        seq=cfg.data.seq,
-        precision=cfg.precision.compute,
     )
-    plan = plan.for_target(target)
-    plan.check(target)
-    if cfg.optimizer.name == "onebit_adam":
-        from shardlib.train.onebit import check_layout
-
-        check_layout(plan)
-    with suggest_presets(batch=target.micro_batch):
+    plan = plan.for_workload(workload)
+    _, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
+    plan.check(workload)
+    with suggest_presets(batch=workload.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(
         cfg=cfg,
         plan=plan,
         model=model,
         inventory=inv,
-        target=target,
+        workload=workload,
         mesh=mesh,
         param_specs=specs,
         tx=freeze_base(
-            build_optimizer(cfg.optimizer, cfg.run.steps, plan.mesh_axes.get("data", 1)),
+            build_optimizer(cfg.optimizer, cfg.run.steps, plan),
             cfg.lora.rank,
         ),
     )

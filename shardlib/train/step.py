@@ -1,13 +1,17 @@
 """The jitted, donated train step: loss, gradient accumulation, optax update.
 
-The step is written once for every layout. Which collectives it runs is decided by the
-shardings of its inputs and outputs and by the ``constrain`` calls in the model: XLA's
-propagation fills in the rest.
+The step is written once for every layout. Its gradient comes from the plan
+(``ParallelPlan.value_and_grad``: plain, ZeRO++, the 1F1B schedule or 1-bit momentum's
+per-device one, each fed this module's ``DecoderLoss``). Which collectives it runs is decided
+by the shardings of its inputs and outputs and by the ``constrain`` calls in the model:
+XLA's propagation fills in the rest.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +21,16 @@ from flax import nnx
 from shardlib.core.layout import constrain, use_layout
 from shardlib.core.ops import Packed, run_blocks
 from shardlib.data.tokens import BATCH_NAMES
-from shardlib.parallel import state_layouts as layouts
-from shardlib.parallel import zeropp
+from shardlib.parallel import state as layouts
+from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.train import precision
-from shardlib.train.optim import stop_base_gradients
+from shardlib.train.optim import frozen_base
 
 if TYPE_CHECKING:
+    from shardlib.parallel.plan import ParallelPlan
     from shardlib.train.setup import TrainSetup
 
 
@@ -63,7 +68,8 @@ def normalise_weights(batch):
     return {**batch, "weights": w_BL * scale}
 
 
-def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
+@dataclass(frozen=True, eq=False)
+class DecoderLoss:
     """Mean next-token cross-entropy of one batch of [b, seq + 1] tokens (``split_batch``;
     a packed batch's is the weighted mean, its weights normalised by ``normalise_weights``).
 
@@ -71,50 +77,84 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False):
     the stacked ``blocks`` (remat, pipeline, offload) and ``head``. Blocks that return
     statistics besides the residual (an MoE router's) have them summed over the layers and
     handed to the model's ``aux``; its ``"loss"`` entry joins the objective and every entry
-    is reported. ``with_metrics`` returns ``(loss, metrics)`` for
-    ``jax.value_and_grad(..., has_aux=True)``.
+    is reported. Called whole, the loss is ``(params, batch) -> loss``, or ``(loss,
+    metrics)`` with ``with_metrics`` (for ``has_aux=True``). Its parts (``split``, ``embed``,
+    ``block``, ``head``) are what the 1F1B schedule runs apart (``parallel.gradients``), so
+    every schedule trains on this one loss, its token order and its mask.
     """
-    graphdef, dtype, plan = setup.graphdef, setup.compute_dtype, setup.plan
-    layers = plan.layer_loop(setup.target, dtype)  # remat, pipeline schedule, param offload
 
-    def loss_fn(params, batch):
-        # fp32 master weights are cast once here; the model computes in ``dtype``.
-        params = cast_params(params, dtype, keep_blocks=master_blocks(plan))
-        model = nnx.merge(graphdef, params)
-        inputs_BL, targets_BL, positions_L, weights_BL = split_batch(plan, batch)
-        block_graph, blocks_state = nnx.split(model.blocks)
-        with plan.ops():  # the attention kernel and MoE exchange the plan picks
-            x_BLD = model.embed(inputs_BL, dtype=dtype)
-            x_BLD, totals = run_blocks(block_graph, blocks_state, x_BLD, positions_L, layers=layers)
-            logits_BLV = model.head(x_BLD, dtype=dtype)
+    plan: ParallelPlan
+    graphdef: nnx.GraphDef
+    dtype: Any
+    """Compute dtype; ``__call__`` casts the fp32 master weights to it once."""
+    layers: Callable
+    """The plan's layer loop (``ParallelPlan.layer_loop``)."""
+    with_metrics: bool = False
+    lora_rank: int = 0
+    """With LoRA, the base weights are constants (``optim.frozen_base``)."""
+
+    def __call__(self, params, batch):
+        params = frozen_base(params, self.lora_rank)
+        params = cast_params(params, self.dtype, keep_blocks=master_blocks(self.plan))
+        inputs_BL, targets_BL, positions_L, weights_BL = self.split(batch)
+        block_graph, blocks_state = nnx.split(nnx.merge(self.graphdef, params).blocks)
+        with self.plan.ops():  # the attention kernel and MoE exchange the plan picks
+            x_BLD = self.embed(params, inputs_BL)
+            x_BLD, totals = run_blocks(
+                block_graph, blocks_state, x_BLD, positions_L, layers=self.layers
+            )
+            loss, metrics = self.head(params, x_BLD, targets_BL, weights_BL, totals)
+        return (loss, metrics) if self.with_metrics else loss
+
+    def split(self, batch):
+        return split_batch(self.plan, batch)
+
+    def embed(self, params, inputs_BL):
+        return nnx.merge(self.graphdef, params).embed(inputs_BL, dtype=self.dtype)
+
+    def block(self, block_graph, positions_L):
+        def block_fn(layer_state, x):
+            return nnx.merge(block_graph, layer_state)(x, positions_L)
+
+        return block_fn
+
+    def head(self, params, x_BLD, targets_BL, weights_BL, totals=None):
+        """(loss, metrics): the cross-entropy (weighted where the batch carries weights)
+        plus the router's auxiliary loss where the blocks returned statistics."""
+        model = nnx.merge(self.graphdef, params)
+        logits_BLV = model.head(x_BLD, dtype=self.dtype)
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
-        tokens = stats_tokens(plan.pipeline_spec(), inputs_BL.size)
+        tokens = stats_tokens(self.plan.pipeline_spec(), x_BLD.shape[0] * x_BLD.shape[1])
         aux = {} if totals is None else model.aux(totals, tokens)
         ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
         ce = ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
             metrics["ce_loss"] = ce
-        loss = ce + aux.get("loss", 0.0)
-        return (loss, metrics) if with_metrics else loss
+        return (ce + aux["loss"] if "loss" in aux else ce), metrics
 
-    return loss_fn
+
+def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False, lora: bool = False):
+    """The trainer's loss for this setup (``DecoderLoss``); ``lora``: the base weights are
+    constants when the config trains LoRA adapters (the train step's loss)."""
+    plan, dtype = setup.plan, setup.compute_dtype
+    return DecoderLoss(
+        plan=plan,
+        graphdef=setup.graphdef,
+        dtype=dtype,
+        layers=plan.layer_loop(setup.workload, dtype),  # remat, pipeline, param offload
+        with_metrics=with_metrics,
+        lora_rank=setup.cfg.lora.rank if lora else 0,
+    )
 
 
 def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None):
-    """The plan's ``(params, tokens) -> (loss, grads)`` for this setup's model and layout.
+    """The plan's ``(params, batch) -> (loss, grads)`` for this setup's model and layout
+    (``ParallelPlan.value_and_grad``), averaged over ``parallel.data.microbatches``.
 
-    ``loss_scale``: the fp16 scale ``loss_fn`` multiplies its loss by (the 1F1B pipeline,
-    which computes its own gradients, applies it itself)."""
-    rest = {k: v for k, v in setup.param_shardings.items() if k != "blocks"}
+    ``loss_scale``: the fp16 scale; the loss and gradients come back scaled by it."""
     return setup.plan.value_and_grad(
-        loss_fn,
-        graphdef=setup.graphdef,
-        dtype=setup.compute_dtype,
-        target=setup.target,
-        rest_shardings=rest,
-        has_aux=has_aux,
-        loss_scale=loss_scale,
+        loss_fn, setup.step_layout, has_aux=has_aux, loss_scale=loss_scale
     )
 
 
@@ -128,39 +168,11 @@ def accumulate_grads(
     *,
     has_aux: bool = False,
 ):
-    """Mean loss and gradient over ``microbatches`` sequential slices of the batch.
-
-    Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
-    device's contiguous block of rows inside each micro-batch, so no data moves. Each
-    micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
-    packed batch's dict is cut alike, field by field; its weights are normalised over the
-    whole batch first, ``normalise_weights``, so the masked mean stays global too).
-    With ``has_aux`` the loss is ``(loss, metrics)`` and metrics are averaged the same way.
-    ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)`` (the 1F1B pipeline schedule).
-    """
+    """Mean loss and gradient over ``microbatches`` sequential slices of the batch
+    (``parallel.gradients.accumulate``, which ``ParallelPlan.value_and_grad`` applies
+    itself); ``grad_fn`` replaces ``jax.value_and_grad(loss_fn)``."""
     grad_fn = grad_fn or jax.value_and_grad(loss_fn, has_aux=has_aux)
-    if microbatches == 1:
-        return grad_fn(params, tokens_BL1)
-
-    def cut(x_BL):  # [B, L] -> [m, B/m, L]
-        b, l1 = x_BL.shape
-        return x_BL.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
-
-    micro_MBL1 = jax.tree.map(cut, tokens_BL1)  # a packed batch's every array alike
-
-    def body(carry, tokens_mb):
-        loss_sum, grad_sum = carry
-        tokens_mb = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_mb)
-        loss, grads = grad_fn(params, tokens_mb)
-        loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
-        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        return (loss_sum, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], micro_MBL1)
-    loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first))
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro_MBL1)
-    return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
+    return accumulate(grad_fn, loss_fn, microbatches, grad_shardings)(params, tokens_BL1)
 
 
 def build_eval_step(setup: TrainSetup):
@@ -191,11 +203,11 @@ def build_train_step(setup: TrainSetup):
     to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
     step with non-finite gradients changes neither parameters nor optimizer state.
     """
-    if setup.cfg.optimizer.name == "onebit_adam":  # its update communicates: shard_map
+    loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
+    if setup.plan.data.onebit_momentum:  # the optimizer's update communicates: shard_map
         from shardlib.train.onebit import build_onebit_step
 
-        return build_onebit_step(setup, make_loss_fn(setup, with_metrics=True))
-    loss_fn = stop_base_gradients(make_loss_fn(setup, with_metrics=True), setup.cfg.lora.rank)
+        return build_onebit_step(setup, loss_fn)
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
 
@@ -205,24 +217,9 @@ def build_train_step(setup: TrainSetup):
             tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
             tokens_BL1 = normalise_weights(tokens_BL1)  # packed: one global masked mean
             scale = state["loss_scale"]["scale"] if scaled else None
-
-            def fn(p, t):
-                loss, extra = loss_fn(p, t)
-                return (loss * scale if scaled else loss), extra
-
-            if plan.data.zeropp:  # quantized / hierarchical ZeRO-3 collectives
-                grad_fn = zeropp.value_and_grad(setup, fn)
-            else:  # the 1F1B pipeline computes its own (scaled) gradients
-                grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale)
-            (loss, extra), grads = accumulate_grads(
-                fn,
-                params,
-                tokens_BL1,
-                plan.data.microbatches,
-                setup.grad_shardings,
-                grad_fn,
-                has_aux=True,
-            )
+            # the plan's one gradient path: plain, ZeRO++ or 1F1B, over the micro-batches
+            grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale)
+            (loss, extra), grads = grad_fn(params, tokens_BL1)
             if scaled:
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)

@@ -20,6 +20,7 @@ from models.llama.model import Llama, LlamaConfig
 from models.moe.model import Moe
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.core.attention import LocalAttention
+from shardlib.core.capabilities import ExpertRouting, Generator, Routed
 from shardlib.core.layout import use_layout
 from shardlib.core.model import (
     Decoder,
@@ -207,6 +208,36 @@ def test_moe_numbers_are_those_of_the_two_stack_model():
     assert float(aux["moe_dropped"]) == 111.0
 
 
+# --- the optional protocols ------------------------------------------------------------------
+
+
+def test_llama_generates_and_the_moe_model_routes():
+    """A dense model has no routing; the MoE model has no KV-cache path (generate refuses it)."""
+    llama, moe = build(resolve_model("llama-tiny")), moe_model()
+    assert isinstance(llama, Generator) and not isinstance(llama, Routed)
+    assert isinstance(moe, Routed) and not isinstance(moe, Generator)
+    assert llama.max_positions == llama.cfg.max_positions
+    assert moe.routing() == ExpertRouting(
+        experts=8, top_k=2, capacity_factor=2.0, dim="expert", every=2, group_size=0, no_drop=False
+    )
+
+
+def test_inventory_reads_the_routing_the_model_declares():
+    assert inventory(resolve_model("llama-tiny")).routing is None
+    factory = resolve_model("moe-tiny", {"top_k": "1", "no_drop": "true"})
+    routing = inventory(factory).routing
+    assert routing == factory.config.routing()
+    assert (routing.top_k, routing.no_drop, routing.capacity(8)) == (1, True, 8)
+
+
+@pytest.mark.parametrize(("k", "factor", "group", "want"), [(2, 2.0, 16, 8), (1, 1.25, 64, 10)])
+def test_capacity_is_k_group_over_experts_times_the_factor(k, factor, group, want):
+    """ceil(k x group / E x factor), at most the group: the slots the model routes into."""
+    routing = ExpertRouting(experts=8, top_k=k, capacity_factor=factor, dim="expert")
+    assert routing.capacity(group) == want == min(group, math.ceil(k * group / 8 * factor))
+    assert ExpertRouting(experts=8, top_k=8, capacity_factor=4.0, dim="expert").capacity(4) == 4
+
+
 # --- ops settings -----------------------------------------------------------------------------
 
 
@@ -236,7 +267,8 @@ def test_shard_map_and_einsum_exchange_agree_on_an_expert_mesh():
     for dispatch in ("einsum", "shard_map"):
 
         def forward(state, tokens_BL, dispatch=dispatch):
-            with use_layout(mesh, rules), use_ops(dispatch=dispatch):
+            forms = ExpertParallel(dispatch=dispatch).ops(axes)  # the section's exchange
+            with use_layout(mesh, rules), use_ops(**forms):
                 logits, aux = nnx.merge(graphdef, state)(tokens_BL)
             return logits, aux["loss"]
 

@@ -14,7 +14,7 @@ from shardlib import (
     resolve_spec,
     rules_for_mesh,
 )
-from shardlib.core.target import Target
+from shardlib.core.workload import Workload
 from shardlib.parallel import data_parallel, fsdp, tensor_parallel
 from shardlib.parallel.plan import suggest_presets
 from shardlib.train.config import parse_overrides, train_config
@@ -156,7 +156,7 @@ def test_suggested_presets_fit_the_batch_and_never_ping_pong():
 
     def check(preset: str) -> None:
         plan = ParallelPlan.from_mesh_spec(load_mesh(preset))
-        plan.check(Target.from_params({}, batch=3, seq=16))
+        plan.check(Workload.from_params({}, global_batch=3, seq=16))
 
     for preset in ("cpu-8-dp", "cpu-8-fsdp"):
         with pytest.raises(ShardingError) as err:

@@ -1,9 +1,11 @@
 """Hugging Face Llama weights in and out, LoRA layouts and parity, generation, bad input.
 
-Tiny random Llamas made with ``transformers`` (``hf_models``: Llama 2 and Llama 3 style,
-nothing is downloaded) are imported on cpu-8-3d (data x fsdp x tensor = 2 x 2 x 2) and
-must give transformers' logits within 1e-5. Fine-tuning them on prepared data, evaluation
-and export are one chain in ``test_hf_finetune.py``.
+Tiny random Llamas made with ``transformers`` (``hf_models``: Llama 2 and Llama 3 style),
+saved with transformers' logits as fixtures (``fixtures/``), are imported on cpu-8-3d
+(data x fsdp x tensor = 2 x 2 x 2) and must give those logits within 1e-5; exported, they
+must be the fixtures' tensors bit for bit. Neither transformers nor torch is needed here:
+``test_hf_live.py`` (``pytest -m hf``) compares with transformers itself. Fine-tuning,
+evaluation and export are one chain in ``test_hf_finetune.py``.
 """
 
 import json
@@ -13,17 +15,26 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from hf_models import STYLES, hf_logits, make_hf, rel_err
+from hf_models import FIXTURE_VOCAB, STYLES, assert_like_fixture, fixture, rel_err
 
 from shardlib.core.mesh import MeshSpec
-from shardlib.interop.hf import HFError, Shards, half_to_meta, model_settings, read_config
+from shardlib.core.model import hf_adapter
+from shardlib.interop.hf import (
+    HFError,
+    Shards,
+    adapter_for,
+    half_to_meta,
+    model_settings,
+    read_config,
+)
 from shardlib.interop.hf_io import flatten, load_params
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.tools.generate import Sampling, generate, pick
 from shardlib.train.init_from import load_model
 
 CUBE = MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2)))
-VOCAB = 256
+LLAMA = hf_adapter("llama-tiny")
+_, TOKENS, _ = fixture("llama2")  # [2, 12], the same for every style
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +43,13 @@ def cube():
     return CUBE.build(jax.devices()[:8]), plan.rules
 
 
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    return {s: (root / s, make_hf(s, root / s, VOCAB)) for s in STYLES}
-
-
-TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+def settings_of(directory) -> dict:
+    return model_settings(LLAMA, read_config(directory))
 
 
 @pytest.mark.parametrize("style", list(STYLES))
-def test_import_matches_transformers_on_cube(style, hf_dirs, cube):
-    directory, hf = hf_dirs[style]
+def test_import_matches_transformers_on_cube(style, cube):
+    directory, tokens, want = fixture(style)
     mesh, rules = cube
     model = load_model(directory, mesh, rules)
     assert model.cfg.tie_embeddings == (style == "llama3")
@@ -52,15 +58,15 @@ def test_import_matches_transformers_on_cube(style, hf_dirs, cube):
     wq = model.blocks.attn.wq[...]
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}  # a slice each
-    logits = jax.jit(lambda m, t: m(t))(model, TOKENS)
-    assert rel_err(logits, hf_logits(hf, TOKENS)) < 1e-5
+    logits = jax.jit(lambda m, t: m(t))(model, tokens)
+    assert rel_err(logits, want) < 1e-5
 
 
-def test_meta_rotary_order_is_permuted_back(hf_dirs, cube, tmp_path):
+def test_meta_rotary_order_is_permuted_back(cube, tmp_path):
     """q/k rows in Meta's interleaved rotary order import to the same weights."""
     from safetensors.numpy import load_file, save_file
 
-    directory, _ = hf_dirs["llama3"]
+    directory, _, _ = fixture("llama3")
     shutil.copytree(directory, tmp_path / "meta")
     (shard,) = (tmp_path / "meta").glob("*.safetensors")
     tensors = load_file(shard)
@@ -72,17 +78,17 @@ def test_meta_rotary_order_is_permuted_back(hf_dirs, cube, tmp_path):
     plain = load_model(directory, mesh, rules)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             nnx.to_pure_dict(nnx.state(plain, nnx.Param)))  # fmt: skip
-    settings = model_settings(read_config(directory))
-    meta = load_params(tmp_path / "meta", abstract, settings, interleaved_rope=True)
-    wrong = load_params(tmp_path / "meta", abstract, settings)
+    settings = settings_of(directory)
+    meta = load_params(tmp_path / "meta", abstract, settings, LLAMA, interleaved_rope=True)
+    wrong = load_params(tmp_path / "meta", abstract, settings, LLAMA)
     want = flatten(nnx.to_pure_dict(nnx.state(plain, nnx.Param)))
     for path, x in flatten(meta).items():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(want[path]), err_msg=path)
     assert not np.array_equal(flatten(wrong)["blocks/attn/wq"], want["blocks/attn/wq"])
 
 
-def test_greedy_cache_equals_argmax_without_cache(hf_dirs, cube):
-    directory, _ = hf_dirs["llama3"]
+def test_greedy_cache_equals_argmax_without_cache(cube):
+    directory, _, _ = fixture("llama3")
     mesh, rules = cube
     model = load_model(directory, mesh, rules)
     prompt = TOKENS[:, :5]  # batch 2 over data x fsdp = 4: the cache keeps the batch whole
@@ -107,13 +113,14 @@ def test_sampling_keeps_to_the_top_k():
     assert len(set((drawn[:, None] == top3).argmax(1).tolist())) == 3  # not always the argmax
 
 
-def test_bad_inputs_fail_before_any_work(hf_dirs, cube, tmp_path):
+def test_bad_inputs_fail_before_any_work(cube, tmp_path):
+    from shardlib.core.errors import ShardingError
     from shardlib.parallel.state import abstract_params
 
-    directory, _ = hf_dirs["llama2"]
+    directory, _, _ = fixture("llama2")
     mesh, rules = cube
     model = load_model(directory, mesh, rules)
-    settings = model_settings(read_config(directory))
+    settings = settings_of(directory)
     # shapes that do not match the model config: the tensor, both shapes named
     from shardlib.core.model import resolve_model
 
@@ -121,10 +128,10 @@ def test_bad_inputs_fail_before_any_work(hf_dirs, cube, tmp_path):
     _, abstract = abstract_params(lambda: wider.make(nnx.Rngs(0)), mesh, rules)
     with pytest.raises(HFError, match=r"model.layers.0.mlp.down_proj.weight has shape \[32, 48\]"
                        r", the model expects \[32, 64\]"):  # fmt: skip
-        load_params(directory, abstract, settings | {"mlp": 64})
+        load_params(directory, abstract, settings | {"mlp": 64}, LLAMA)
     # a setting no shape shows
     with pytest.raises(HFError, match="rope_theta=10000.0 but the model has rope_theta=5"):
-        load_params(directory, abstract, settings | {"rope_theta": 5.0})
+        load_params(directory, abstract, settings | {"rope_theta": 5.0}, LLAMA)
     # a truncated shard: named before anything is read
     shutil.copytree(directory, tmp_path / "cut")
     (shard,) = (tmp_path / "cut").glob("*.safetensors")
@@ -135,10 +142,17 @@ def test_bad_inputs_fail_before_any_work(hf_dirs, cube, tmp_path):
     long = np.zeros((1, 61), np.int32)
     with pytest.raises(Exception, match="65 positions, more than the model's context of 64"):
         generate(model, long, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=4))
-    # config.json of another architecture
+    # config.json of another architecture, or one the Llama cannot represent
     bad = json.loads((directory / "config.json").read_text()) | {"model_type": "gpt2"}
-    with pytest.raises(HFError, match="model_type='gpt2'"):
-        model_settings(bad)
+    with pytest.raises(HFError, match="model_type='gpt2'; no registered model reads it"):
+        adapter_for(bad)
+    with pytest.raises(HFError, match="model_type='gpt2'; only llama"):
+        model_settings(LLAMA, bad)
+    with pytest.raises(HFError, match="mlp_bias=true; shardlib's Llama has no biases"):
+        model_settings(LLAMA, read_config(directory) | {"mlp_bias": True})
+    # a model family without Hugging Face names: refused, naming the fix
+    with pytest.raises(ShardingError, match=r"moe-tiny has no Hugging Face adapter.*Fix: regis"):
+        hf_adapter("moe-tiny")
 
 
 def test_presets_have_published_sizes():
@@ -185,15 +199,15 @@ def test_lora_parity_on_cube(cube):
     assert result.ok(1e-5), result
 
 
-def test_export_in_several_shards_reads_back(hf_dirs, cube, tmp_path):
+def test_export_in_several_shards_reads_back(cube, tmp_path):
     from shardlib.interop.hf_io import export_hf
 
-    directory, _ = hf_dirs["llama2"]
+    directory, _, _ = fixture("llama2")
     mesh, rules = cube
     model = load_model(directory, mesh, rules)
     params = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    settings = model_settings(read_config(directory))
-    files = export_hf(params, settings, tmp_path / "out", shard_bytes=20_000)
+    settings = settings_of(directory)
+    files = export_hf(params, settings, LLAMA, tmp_path / "out", shard_bytes=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted({f for f in index["weight_map"].values()})
     assert len(shards) > 2 and [f.name for f in files[: len(shards)]] == shards
@@ -202,7 +216,21 @@ def test_export_in_several_shards_reads_back(hf_dirs, cube, tmp_path):
     back = flatten(nnx.to_pure_dict(nnx.state(again, nnx.Param)))
     assert all(np.array_equal(np.asarray(back[p]), params[p]) for p in params)
     with pytest.raises(HFError, match="is not empty"):  # nothing written is overwritten
-        export_hf(params, settings, tmp_path / "out")
+        export_hf(params, settings, LLAMA, tmp_path / "out")
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_export_is_the_fixture(style, cube, tmp_path):
+    """Import then export gives back transformers' own tensors bit for bit, and a config.json
+    that agrees with its: what transformers loads from the export is the fixture, whose
+    logits it computed (``test_hf_live`` loads an export in transformers itself)."""
+    from shardlib.interop.hf_io import export_hf
+
+    directory, _, _ = fixture(style)
+    model = load_model(directory, *cube)
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    export_hf(flatten(params), settings_of(directory), LLAMA, tmp_path / "out")
+    assert_like_fixture(tmp_path / "out", style, same_values=True)
 
 
 def test_tokenizer_file_and_cache_layout(tmp_path, cube):
@@ -226,33 +254,35 @@ def test_tokenizer_file_and_cache_layout(tmp_path, cube):
     assert cache_sharding(mesh, rules, 2).spec == P(None, None, None, "tensor")  # 2 % 4
 
 
-def test_bf16_shards_import_as_their_fp32_values(hf_dirs, cube, tmp_path):
+def test_bf16_shards_import_as_their_fp32_values(cube, tmp_path):
     """Published checkpoints are bf16: numpy has no bf16, so those slices go through jax."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    import jax.numpy as jnp
+    from safetensors.flax import save_file
+    from safetensors.numpy import load_file
 
-    directory, _ = hf_dirs["llama2"]
+    directory, _, _ = fixture("llama2")
     shutil.copytree(directory, tmp_path / "bf16")
     (shard,) = (tmp_path / "bf16").glob("*.safetensors")
-    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(shard).items()}
+    tensors = {k: jnp.asarray(v, jnp.bfloat16) for k, v in load_file(shard).items()}
     save_file(tensors, shard, metadata={"format": "pt"})
     assert Shards.open(tmp_path / "bf16").dtypes["model.norm.weight"] == "BF16"
     mesh, rules = cube
     model = load_model(tmp_path / "bf16", mesh, rules)
     wq = np.asarray(model.blocks.attn.wq[...])[0]  # [embed, heads, head_dim]
-    want = tensors["model.layers.0.self_attn.q_proj.weight"].float().numpy()  # [h*d, embed]
+    want = np.asarray(tensors["model.layers.0.self_attn.q_proj.weight"], np.float32)  # [h*d, e]
     np.testing.assert_array_equal(wq, want.reshape(4, 8, 32).transpose(2, 0, 1))
 
 
-def test_load_params_takes_the_model_from_config_json(hf_dirs, tmp_path):
+def test_load_params_takes_the_model_from_config_json(tmp_path):
     """``--load-params HF_DIR`` alone describes the model; an explicit model.NAME wins."""
     from shardlib.train.config import train_config
     from shardlib.train.init_from import with_source_model
 
-    directory, _ = hf_dirs["llama3"]
+    directory, _, _ = fixture("llama3")
     cfg = with_source_model(train_config(init_from=str(directory), **{"model.layers": 1}))
     model = dict(cfg.model_overrides)
-    assert model == model_settings(read_config(directory)) | {"layers": 1}
-    assert model["rope_theta"] == 500_000.0 and model["tie_embeddings"] and model["vocab"] == 256
+    assert model == settings_of(directory) | {"layers": 1}
+    assert model["rope_theta"] == 500_000.0 and model["tie_embeddings"]
+    assert model["vocab"] == FIXTURE_VOCAB
     plain = train_config(init_from=str(tmp_path))  # not a Hugging Face directory: unchanged
     assert with_source_model(plain) == plain

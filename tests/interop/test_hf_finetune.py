@@ -1,12 +1,18 @@
-"""Issue 18's fine-tuning chain, end to end, on cpu-8-3d (data x fsdp x tensor = 2 x 2 x 2).
+"""The fine-tuning chain, end to end, on cpu-8-3d (data x fsdp x tensor = 2 x 2 x 2).
 
 A tokenizer trained here -> prompt/completion JSON lines -> ``shardlib data prepare`` with a
 held-out split -> tiny random Llamas made with ``transformers`` for that tokenizer's
 vocabulary, imported (logits within 1e-5 of transformers') -> 20 steps of fine-tuning in which
 only completion tokens carry loss (full: Llama 2 style; LoRA: Llama 3 style), evaluated on the
-held-out split -> exported in Hugging Face format. transformers loads each export: its logits
-are shardlib's, and its completion-only cross-entropy on the held-out documents is the run's
+held-out split -> exported in Hugging Face format. The export is read back: its logits are
+shardlib's, and its completion-only cross-entropy on the held-out documents is the run's
 last eval loss, which ties the split, the prompt mask, evaluation and export together.
+
+Two references: ``fixtures`` (default) starts from the models stored in ``fixtures/`` with
+transformers' logits, and reads each export back with shardlib after checking it has the
+fixture's tensor names, shapes and config (the import being transformers' function, proven
+on the fixtures, the export is too). ``transformers`` (marker ``hf``) makes the models now
+and loads each export in transformers itself.
 """
 
 import json
@@ -17,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from hf_models import hf_logits, make_hf, rel_err
+from hf_models import FIXTURE_VOCAB, assert_like_fixture, fixture, hf_logits, make_hf, rel_err
 from tokenizer_data import WORDS, lines, word_level
 
 from shardlib.core.mesh import MeshSpec
@@ -71,21 +77,35 @@ def fine_tune(directory, data, mesh, out, **settings):
     return setup, result, evals
 
 
-def imported(style: str, directory, vocab: int, mesh, rules, tokens) -> dict:
-    """A ``style`` Llama made by transformers for ``vocab`` tokens, saved to ``directory`` and
-    imported on ``mesh``: its logits must be transformers' (fp32, 1e-5). Its parameters."""
-    hf = make_hf(style, directory, vocab)
+def imported(live: bool, style: str, directory, mesh, rules) -> tuple[Path, dict]:
+    """A ``style`` Llama for the tokenizer's vocabulary - the fixture, or (``live``) one
+    transformers makes now in ``directory`` - imported on ``mesh``: its logits must be
+    transformers' (fp32, 1e-5). Its directory and parameters."""
+    source, tokens, want = fixture(style)
+    if live:
+        source, want = directory, hf_logits(make_hf(style, directory, FIXTURE_VOCAB), tokens)
+    model = load_model(source, mesh, rules)
+    assert rel_err(jax.jit(lambda m, t: m(t))(model, tokens), want) < 1e-5
+    return source, flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+
+
+def exported(live: bool, style: str, directory, mesh, rules):
+    """The reference reading an export: transformers (``live``), or shardlib after the export
+    is checked to hold the fixture's tensor names, shapes and config. ``tokens -> logits``."""
+    if live:
+        return lambda tokens: hf_logits(directory, tokens)
+    assert_like_fixture(directory, style, same_values=False)
     model = load_model(directory, mesh, rules)
-    assert rel_err(jax.jit(lambda m, t: m(t))(model, tokens), hf_logits(hf, tokens)) < 1e-5
-    return flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    forward = jax.jit(lambda m, t: m(t))
+    return lambda tokens: np.asarray(forward(model, np.asarray(tokens)))
 
 
 def logits(setup, params, tokens):
     return jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
 
 
-def held_out_loss(hf_dir, data, prompts: dict) -> float:
-    """transformers' cross-entropy of ``hf_dir`` over the targets evaluation counts: the
+def held_out_loss(export_logits, data, prompts: dict) -> float:
+    """The cross-entropy of an export (``export_logits``) over the targets evaluation counts: the
     completion tokens of the documents in the held-out split's first ``EVAL_BATCHES``
     batches, each document in a row of its own (packed rows keep attention inside a
     document; right padding changes no earlier logit of a causal model). ``prompts``: each
@@ -107,7 +127,7 @@ def held_out_loss(hf_dir, data, prompts: dict) -> float:
                 docs.append(np.pad(doc, (0, SEQ + 1 - len(doc))))
                 weights.append(np.pad(w, (0, SEQ - len(cols))))
     docs_DL1, w_DL = np.stack(docs), np.stack(weights)
-    z_DLV = hf_logits(hf_dir, docs_DL1[:, :-1]).astype(np.float64)
+    z_DLV = export_logits(docs_DL1[:, :-1]).astype(np.float64)
     z_DLV -= z_DLV.max(-1, keepdims=True)
     logp_DLV = z_DLV - np.log(np.exp(z_DLV).sum(-1, keepdims=True))
     ce_DL = -np.take_along_axis(logp_DLV, docs_DL1[:, 1:, None], -1)[..., 0]
@@ -115,7 +135,9 @@ def held_out_loss(hf_dir, data, prompts: dict) -> float:
 
 
 @pytest.mark.slow
-def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
+@pytest.mark.parametrize("live", [False, pytest.param(True, marks=pytest.mark.hf)],
+                         ids=["fixtures", "transformers"])  # fmt: skip
+def test_prepare_fine_tune_evaluate_export(live, tmp_path, capsys):
     mesh, rules = CUBE.build(jax.devices()[:8]), ParallelPlan(mesh=CUBE).rules
     tok = word_level(tmp_path / "tokenizer.json", lines(200, 0))
     prompts = write_prompts(tmp_path / "sft.jsonl", 240, seed=1)
@@ -125,22 +147,20 @@ def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
     prepared = Prepared(data)
     assert prepared.documents("eval") == 24 and prepared.documents("train") == 216
     vocab = prepared.vocab_size  # the models are made for the tokenizer: 16 words, <unk>, </s>
-    assert vocab == len(WORDS) + 2
-    tokens = np.random.default_rng(0).integers(0, vocab, (2, 12))
+    assert vocab == len(WORDS) + 2 == FIXTURE_VOCAB
+    _, tokens, _ = fixture("llama2")
 
     # Llama 2 style, full fine-tuning
-    full_dir = tmp_path / "llama2"
-    imported("llama2", full_dir, vocab, mesh, rules, tokens)
+    full_dir, _ = imported(live, "llama2", tmp_path / "llama2", mesh, rules)
     setup, full, evals = fine_tune(full_dir, data, mesh, tmp_path / "full", lr=1e-2)
     assert cli.main(["export", "--checkpoint", str(tmp_path / "full"),
                      "--out", str(tmp_path / "full_hf"), "--format", "hf"]) == 0  # fmt: skip
-    ours = logits(setup, full.state["params"], tokens)
-    assert rel_err(ours, hf_logits(tmp_path / "full_hf", tokens)) < 1e-5
-    assert abs(held_out_loss(tmp_path / "full_hf", data, prompts) - evals[-1]) <= 1e-5 * evals[-1]
+    theirs = exported(live, "llama2", tmp_path / "full_hf", mesh, rules)
+    assert rel_err(logits(setup, full.state["params"], tokens), theirs(tokens)) < 1e-5
+    assert abs(held_out_loss(theirs, data, prompts) - evals[-1]) <= 1e-5 * evals[-1]
 
     # Llama 3 style, LoRA on every projection: only the adapters move; export merges them
-    lora_dir = tmp_path / "llama3"
-    base = imported("llama3", lora_dir, vocab, mesh, rules, tokens)
+    lora_dir, base = imported(live, "llama3", tmp_path / "llama3", mesh, rules)
     setup, lora, evals = fine_tune(lora_dir, data, mesh, tmp_path / "lora", lr=3e-2, **{
         "lora.rank": 4, "lora.alpha": 8.0, "lora.targets": "q,k,v,o,gate,up,down"})  # fmt: skip
     params = flatten(jax.device_get(lora.state["params"]))
@@ -151,9 +171,9 @@ def test_prepare_fine_tune_evaluate_export(tmp_path, capsys):
     lora_ckpt = str(tmp_path / "lora")
     assert cli.main(["export", "--checkpoint", lora_ckpt, "--out", str(tmp_path / "lora_hf"),
                      "--format", "hf"]) == 0  # fmt: skip
-    ours = logits(setup, lora.state["params"], tokens)
-    assert rel_err(ours, hf_logits(tmp_path / "lora_hf", tokens)) < 1e-5
-    assert abs(held_out_loss(tmp_path / "lora_hf", data, prompts) - evals[-1]) <= 1e-5 * evals[-1]
+    theirs = exported(live, "llama3", tmp_path / "lora_hf", mesh, rules)
+    assert rel_err(logits(setup, lora.state["params"], tokens), theirs(tokens)) < 1e-5
+    assert abs(held_out_loss(theirs, data, prompts) - evals[-1]) <= 1e-5 * evals[-1]
 
     capsys.readouterr()  # generation, by default with the tokenizer the data was prepared with
     generate = ["generate", "--checkpoint", lora_ckpt, "--prompt", "the cat"]

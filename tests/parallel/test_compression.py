@@ -97,6 +97,28 @@ def test_layouts_the_compressed_paths_do_not_cover_are_refused():
                    shardlib.mesh_spec(data=8).build(jax.devices()[:8]))  # fmt: skip
 
 
+def test_onebit_adam_is_adamw_with_the_data_axis_setting():
+    """``optimizer=onebit_adam`` (DeepSpeed's spelling) is AdamW plus the data-parallel
+    setting ``onebit_momentum``: the same plan, optimizer state and error-buffer layout;
+    the setting needs an Adam momentum to exchange."""
+    mesh = shardlib.mesh_spec(data=8).build(jax.devices()[:8])
+    named = make_setup(train_config(optimizer="onebit_adam", **BASE), mesh)
+    setting = make_setup(train_config(optimizer="adamw", onebit_momentum=True, **BASE), mesh)
+    for setup in (named, setting):
+        assert setup.plan.data.onebit_momentum
+        is_state = lambda x: hasattr(x, "worker_error")  # noqa: E731
+        errors = next(
+            x for x in jax.tree.leaves(setup.opt_state_shardings, is_leaf=is_state) if is_state(x)
+        )
+        assert errors.worker_error.spec == P("data") and errors.server_error.spec == P("data")
+    shapes = [jax.tree.structure(s._abstract_opt_state) for s in (named, setting)]
+    assert shapes[0] == shapes[1]
+    plain = make_setup(train_config(optimizer="adamw", **BASE), mesh)
+    assert not plain.plan.data.onebit_momentum
+    with pytest.raises(ShardingError, match="onebit_momentum.*optimizer=sgd.*Fix"):
+        make_setup(train_config(optimizer="sgd", onebit_momentum=True, **BASE), mesh)
+
+
 @pytest.fixture(scope="module")
 def one_device_adam():
     """The reference: plain Adam on one device from ``random_state`` (3 steps)."""
@@ -148,7 +170,8 @@ def test_zeropp_exact_parity_quantized_closeness_and_bytes():
     for name, parts in (("hpz", {}), ("all", {"quantized_weights": True,
                                               "quantized_gradients": True})):  # fmt: skip
         s = make_setup(train_config(optimizer="adam", zero=3, hpz=True, **parts, **BASE), mesh)
-        fn = jax.jit(zeropp.value_and_grad(s, make_loss_fn(s, with_metrics=True)))
+        loss_fn = make_loss_fn(s, with_metrics=True)
+        fn = jax.jit(zeropp.value_and_grad(s.plan, loss_fn, s.step_layout))
         tokens = global_batch(load_tokens(None), 0, 16, 16, 0, s.batch_sharding)
         compiled = fn.lower(jax.device_put(params, s.param_shardings), tokens).compile()
         grads[name] = jax.device_get(compiled(jax.device_put(params, s.param_shardings), tokens)[1])

@@ -1,4 +1,5 @@
-"""Attention kernels against dense attention: chunked, ring, Ulysses, all-gather (issue 4).
+"""Context parallelism's attention kernels against dense attention: chunked, ring, Ulysses,
+all-gather.
 
 Cheap kernel-level equivalence on small random q/k/v: each kernel's output and its
 gradients (through the hand-written backward passes) must match plain softmax attention to

@@ -56,7 +56,7 @@ def test_parity_fp32(name, reference):
 @pytest.mark.slow
 def test_parity_with_partitioned_saved_inputs(reference):
     """Full remat under tensor parallelism keeps each block's input split over ``tensor``
-    (``strategies.remat.partition_saved_inputs``) and trains like one device without remat
+    (``parallel.remat.partition_saved_inputs``) and trains like one device without remat
     (remat changes no arithmetic: test_remat.py)."""
     setup = make_setup(CFG_FULL_REMAT, mesh_spec(**MESHES["3d"]).build())
     result = compare(setup, reference(CFG))

@@ -4,7 +4,7 @@ The schedule is checked by simulation (every dependency of every micro-batch and
 stage, for many p, v, m; no compile). The bubble is measured on a toy decoder (a gather
 embedding, tanh MLP blocks, a small head) run through ``one_f_one_b_value_and_grad`` without a
 mesh: the compiled program then holds all p stages, so its FLOPs (loop bodies times their
-trip counts, ``explain.hlo``) over those of one device's fully rematerialised step are the
+trip counts, ``analysis.hlo``) over those of one device's fully rematerialised step are the
 executed-over-ideal ratio 1 + (p-1)/(v·m) directly (the ideal: one device, the same
 recompute of the stack's forward in the backward). Parity of the real model on simulated
 devices is in ``tests/parallel/test_pipeline.py``.

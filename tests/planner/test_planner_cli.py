@@ -62,7 +62,8 @@ def test_fix_keeps_the_fixed_sizes_and_knobs(tmp_path, capsys):
 
 def test_a_fixed_schedule_implies_stages():
     space = Space().fixing({"schedule": "circular", "virtual": 2})
-    assert space.schedules == ("circular",) and space.virtual == (2,) and space.staged_only
+    assert space.menu("schedule") == ("circular",) and space.menu("virtual") == (2,)
+    assert space.required == ("stage",)
     w = Workload.from_preset("llama-7b", 64, 1024)
     best = search(w, load_cluster("a100-8"), space, top=2).best
     assert best and all(e.plan.pipeline.schedule == "circular" for e in best)

@@ -1,4 +1,4 @@
-"""Pipeline terms of the planner against what the trainer compiles (issue 9).
+"""Pipeline terms of the planner against what the trainer compiles.
 
 Probes (8 CPU devices, llama-small, fp32, batch 16, seq 128) the terms were written from:
 /work/tools/probe.py with data/fsdp/tensor x stage for gpipe, 1f1b and circular;

@@ -1,4 +1,4 @@
-"""The planner's memory and tensor terms at published widths (issue 15, item 3).
+"""The planner's memory and tensor terms at published widths.
 
 The full-depth held-out table (7B on 64 devices, 70B on 512, 175B on 1024, the plans the
 search picks included) is ``benchmarks/planner_scale_validation.py``; the two issue-14
@@ -12,17 +12,18 @@ import pytest
 
 from shardlib.planner import PlanView, Workload, candidate, estimate
 from shardlib.planner.cost.coefficients import COEFFICIENTS
-from shardlib.planner.cost.terms.base import Context
+from shardlib.planner.cost.terms import TERMS
+from shardlib.planner.cost.terms.base import Step
 from shardlib.planner.cost.terms.model import layer_activation_bytes
-from shardlib.planner.cost.terms.pipeline import stage_inputs_saved
+from shardlib.planner.cost.terms.pipeline import layer_runs, stage_inputs_saved
 from shardlib.planner.cost.terms.remat import KEPT
 
 GPT_175B = dict(embed=12288, layers=8, heads=96, kv_heads=96, head_dim=128, mlp=32768)
 
 
-def _ctx(w: Workload, **plan) -> Context:
+def _step(w: Workload, **plan) -> Step:
     plan = candidate(**plan)
-    return Context(w, plan, "cpu", PlanView(plan), COEFFICIENTS)
+    return Step(w, plan, "cpu", PlanView(plan), TERMS, COEFFICIENTS)
 
 
 def test_selective_keeps_h_wide_buffers_that_tensor_parallelism_does_not_split():
@@ -30,7 +31,7 @@ def test_selective_keeps_h_wide_buffers_that_tensor_parallelism_does_not_split()
     least the layer input and the attention output projection's (2h) whole at any t."""
     w = Workload.from_preset("llama-70b", 8, 2048, "bf16", **GPT_175B, vocab=51200)
     tokens = 1 * 2048  # one sequence per micro-batch
-    saved = {t: layer_activation_bytes(_ctx(w, tensor=t, remat="selective"), 1) for t in (2, 4, 8)}
+    saved = {t: layer_activation_bytes(_step(w, tensor=t, remat="selective"), 1) for t in (2, 4, 8)}
     b = (saved[2] - saved[4]) / (1 / 2 - 1 / 4)
     a = saved[8] - b / 8
     assert saved[4] - b / 4 == pytest.approx(a)  # exactly a + b/t
@@ -47,10 +48,10 @@ def test_one_f_one_b_with_full_recompute_runs_seven_all_reduces_per_layer_and_tr
     plan = dict(data=2, stage=2, tensor=2, schedule="1f1b", microbatches=2)
     for remat, per_layer in (("none", 6), ("full", 7)):
         est = estimate(w, candidate(**plan, remat=remat), backend="cpu")
-        ctx = _ctx(w, **plan, remat=remat)
+        step = _step(w, **plan, remat=remat)
         (layers,) = [c for c in est.comms if c.strategy == "tensor" and c.what == "activations"]
-        assert layers.count == per_layer * ctx.layer_runs  # L/p blocks x (m + 2(p-1)) trips
-        assert stage_inputs_saved(ctx) == 2 * 2 - 1  # the ring: 2·v·p - 1, v = 1
+        assert layers.count == per_layer * layer_runs(step)  # L/p blocks x (m + 2(p-1)) trips
+        assert stage_inputs_saved(step) == 2 * 2 - 1  # the ring: 2·v·p - 1, v = 1
 
 
 @pytest.mark.slow

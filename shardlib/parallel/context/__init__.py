@@ -16,7 +16,7 @@ positions travel with the tokens (``positions_L``) into RoPE and the causal mask
 
 This module is the whole strategy: the rule, the section, the token order, and the attention
 form it installs into ``shardlib.core.ops`` (``ContextAttention``); the kernels that run on
-each device's slice of the sequence are ``ring.py`` and ``gathered.py`` beside it.
+each device's slice of the sequence are in ``kernels.py`` beside it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from shardlib.core.layout import active_layout, mesh_axes
 from shardlib.core.mesh import Axis
 from shardlib.core.rules import Rules, resolve_spec
 from shardlib.core.shard_map import shard_map
-from shardlib.core.target import Target
-from shardlib.parallel.context.gathered import all_gather_attention, ulysses_attention
-from shardlib.parallel.context.ring import ring_attention
+from shardlib.core.workload import Workload
+from shardlib.parallel.context.kernels import (
+    all_gather_attention,
+    ring_attention,
+    ulysses_attention,
+)
 
 KINDS = ("none", "ring", "all_to_all", "all_gather")
 
@@ -173,7 +176,7 @@ class ContextParallel:
         """Packed rows run only where attention is dense on whole sequences."""
         self.attention_form(mesh_axes).check_packed()
 
-    def check(self, mesh_axes: Mapping[str, int], rules: Rules, target: Target) -> None:
+    def check(self, mesh_axes: Mapping[str, int], rules: Rules, workload: Workload) -> None:
         """Kernel, token order and Ulysses head counts, before anything compiles."""
         form = self.attention_form(mesh_axes)
         if form.local.impl == "cudnn" and form.kind not in ("none", "all_to_all"):
@@ -189,20 +192,20 @@ class ContextParallel:
                 "the mesh has a context axis but attention=none. Fix: attention=ring, "
                 "all_to_all or all_gather, or drop the context axis."
             )
-        if target.experts and mesh_axes.get(Axis.CONTEXT, 1) > 1:
+        if workload.experts and mesh_axes.get(Axis.CONTEXT, 1) > 1:
             raise ShardingError(  # routing priorities follow token order within a sequence
                 "a context axis splits and reorders each sequence, while the MoE router ranks "
                 "a sequence's tokens in their natural order (capacity drops would change). "
                 "Fix: drop the context axis (use expert/data/fsdp/tensor axes) for MoE models."
             )
-        form.token_order(target.seq)  # raises when seq does not split into 2N zig-zag chunks
+        form.token_order(workload.seq)  # raises when seq does not split into 2N zig-zag chunks
         if form.kind == "all_to_all":
 
             def spec(name):
                 axes = rules.activations.get(name, ())
                 return P(None, None, axes or None)
 
-            heads, kv_heads = target.dims.get("heads", 1), target.dims.get("kv_heads", 1)
+            heads, kv_heads = workload.dims.get("heads", 1), workload.dims.get("kv_heads", 1)
             axes = dict(mesh_axes)
             check_ulysses(heads, kv_heads, spec("heads"), spec("kv_heads"), axes, Axis.CONTEXT)
 
@@ -231,7 +234,7 @@ def attend(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, form: ContextAttention, 
     if rules.activations.get("seq") != (form.axis,):
         raise ShardingError(
             f"attention={form.kind} needs the activation rule seq -> ({form.axis!r},), got "
-            f"{rules.activations.get('seq')}. Fix: compose strategies.context_parallel()."
+            f"{rules.activations.get('seq')}. Fix: compose parallel.context_parallel()."
         )
     n = axes[form.axis]
     q_names, kv_names = (

@@ -22,19 +22,18 @@ because device s then needs layers that are not contiguous in the stacked order,
 weights are regrouped once per step (an all-to-all over ``stage``, measured by explain).
 
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
-iteration, so activation memory grows with m. ``pipeline_1f1b.py`` has the schedule whose
+iteration, so activation memory grows with m. ``pipeline/one_f_one_b.py`` has the schedule whose
 memory does not ((interleaved) 1F1B, bubble (p-1)/(m·v) too). Every schedule runs once per
-data replica under ``vmap`` (``pipeline_replicas.py``): gradients accumulate per replica in
+data replica under ``vmap`` (``pipeline/replicas.py``): gradients accumulate per replica in
 the loop and are reduced over ``data`` once per step. Any m >= p that divides the
 per-replica batch works (m >= p only for circular). Layers that do not divide into p·v
-stages are padded with identity slots (``pipeline_partition.py``). The ``[p, v, k, ...]``
-views and micro-batch cuts both schedules share are in ``pipeline_stages.py``.
+stages are padded with identity slots (``partition.py``). The ``[p, v, k, ...]``
+views and micro-batch cuts both schedules share are in ``views.py``.
 
 Blocks that return statistics (an MoE router's losses) have them carried with their
-micro-batch (``pipeline_stats.py``; such models run without data replicas, see
-``layers``). A ``context`` axis splits the seq dim of the state and buffer like every
-activation's, and ring / Ulysses / all-gather attention run their ``shard_map`` inside the
-stage ``vmap``.
+micro-batch (``stats.py``; such models run without data replicas, see ``layers``). A
+sequence split splits the seq dim of the state and buffer like every activation's, and
+attention kernels written with ``shard_map`` run inside the stage ``vmap``.
 """
 
 from __future__ import annotations
@@ -118,13 +117,13 @@ class PipelineSpec:
     """gpipe | circular | 1f1b (see the module docstrings)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
-    (``pipeline_replicas.py``)."""
+    (``pipeline/replicas.py``)."""
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
 
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
-        v·m+v·p+p-2 over its three phases (``pipeline_schedule.Schedule``)."""
+        v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
         return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
 
@@ -212,7 +211,7 @@ class PipelineParallel:
     bubble falls to (p-1)/(m·v). 1f1b with v > 1 needs micro-batches a multiple of p."""
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, first to last; () = L/(p·v) each, or, when that does
-    not divide, ``pipeline_partition.balanced_stages`` (set by ``for_layers``). Uneven
+    not divide, ``pipeline.partition.balanced_stages`` (set by ``for_layers``). Uneven
     stages run identity slots up to the largest count and keep the stacked weights
     replicated over ``stage`` (a stage's slots are sliced from them: no regrouping, but
     p x the block memory)."""
@@ -275,17 +274,17 @@ class PipelineParallel:
             stage_layers=self.stage_layers,
         )
 
-    def check(self, mesh_axes, rules: Rules, target) -> None:
+    def check(self, mesh_axes, rules: Rules, workload) -> None:
         """Schedule, divisibility and what a pipeline cannot carry, before compiling."""
         spec = self.spec(mesh_axes)
         if spec is None:
             return
-        if target.block_stats:  # an MoE router's losses: GPipe/circular carry them
+        if workload.block_stats:  # an MoE router's losses: GPipe/circular carry them
             check_block_stats(spec.schedule, spec.gather_weights)
-        spec.check(target.layers, target.micro_batch)
-        b = target.micro_batch // spec.microbatches
-        what = f"pipeline micro-batch ({target.micro_batch} sequences / {spec.microbatches})"
-        resolve_spec(what, (b, target.seq), ("batch", "seq"), rules, mesh_axes, "activations")
+        spec.check(workload.blocks, workload.micro_batch)
+        b = workload.micro_batch // spec.microbatches
+        what = f"pipeline micro-batch ({workload.micro_batch} sequences / {spec.microbatches})"
+        resolve_spec(what, (b, workload.seq), ("batch", "seq"), rules, mesh_axes, "activations")
 
 
 def pipeline_layers(spec: PipelineSpec, stage_layers):

@@ -25,7 +25,7 @@ differentiating the loop. Device s holds v virtual stages (chunks) r·p + s, r =
   every vp steady iterations in which device p-1 finishes round v-1 (a nested scan with a
   static flag: its FLOPs are those of m micro-batches, not v·m + ... iterations);
 * parameter gradients accumulate in fp32 in the loop carry; the carry holds one data
-  replica's gradients (``pipeline_replicas``), so the data-parallel reduction runs once,
+  replica's gradients (``pipeline.replicas``), so the data-parallel reduction runs once,
   after the loop. With fp16 the loss cotangent is seeded with loss_scale/m and the
   returned loss and gradients are scaled, as ``jax.value_and_grad`` of the scaled loss
   would be: the trainer unscales them and skips a non-finite step (``train/precision.py``).
@@ -64,14 +64,20 @@ ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carr
 STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work (in profiles and op names)
 
 
-def one_f_one_b_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss):
+def one_f_one_b_value_and_grad(
+    spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss, split_tokens=None
+):
     """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
     grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
 
-    ``embed(rest, tokens_bl) -> x_bld`` runs before the blocks, ``head_loss(rest, x_bld,
-    targets_bl) -> scalar mean loss`` after them; ``stage_layers(block_fn, w_k, x)`` applies
-    one chunk's k stacked blocks. ``rest`` are all parameters but the stacked blocks.
+    ``split_tokens(tokens_BL1) -> (inputs_BL, targets_BL)`` puts a batch in the order the
+    model sees it (default: the natural order); ``embed(rest, inputs_bl) -> x_bld`` runs
+    before the blocks, ``head_loss(rest, x_bld, targets_bl) -> scalar mean loss`` after
+    them; ``stage_layers(block_fn, w_k, x)`` applies one chunk's k stacked blocks. ``rest``
+    are all parameters but the stacked blocks. The trainer passes its loss's own parts
+    (``parallel.gradients``), traced under ``plan.ops()``.
     """
+    split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
     sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
     p, m, v = sched.p, sched.m, sched.v
 
@@ -154,8 +160,10 @@ def one_f_one_b_value_and_grad(spec: PipelineSpec, *, block_fn, stage_layers, em
 
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
 
-        micro_MBL1 = constrain(split_microbatches(tokens_BL1, m), (None, "batch", None))
-        inputs_MBL, targets_MBL = micro_MBL1[:, :, :-1], micro_MBL1[:, :, 1:]
+        inputs_MBL, targets_MBL = (
+            constrain(split_microbatches(t_BL, m), (None, "batch", None))
+            for t_BL in split_tokens(tokens_BL1)
+        )
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
         zeros_PBLD = jnp.zeros((p, *x_aval.shape), x_aval.dtype)
         ring = jnp.zeros((p, sched.ring_slots, *x_aval.shape), x_aval.dtype)

@@ -46,7 +46,7 @@ def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "
             "pipeline_schedule=1f1b computes its own per-stage vjp, which does not yet "
-            "carry block statistics between stages (pipeline_stats.py). Fix: "
+            "carry block statistics between stages (pipeline/stats.py). Fix: "
             "pipeline_schedule=gpipe or circular (they carry them), or drop the stage axis."
         )
 

@@ -1,4 +1,4 @@
-"""Who runs what when in the (interleaved) 1F1B schedule of ``pipeline_1f1b.py``.
+"""Who runs what when in the (interleaved) 1F1B schedule of ``pipeline/one_f_one_b.py``.
 
 p devices, v chunks (virtual stages r·p + s) per device, m micro-batches, vp = v·p. Work
 items are numbered Megatron-style in groups of p micro-batches: item u of a device is

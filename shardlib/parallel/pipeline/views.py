@@ -1,6 +1,6 @@
 """Views of the stacked ``[layers, ...]`` parameters and the batch that pipeline schedules use.
 
-Both schedules (``pipeline.py``: GPipe and circular; ``pipeline_1f1b.py``: (interleaved)
+Both schedules (``pipeline.py``: GPipe and circular; ``pipeline/one_f_one_b.py``: (interleaved)
 1F1B) regroup the same stack as ``[p, v, k, ...]`` (virtual stage r·p + s on device s),
 copy it per data replica, and cut the batch into micro-batches the same way; keeping these
 views in one place keeps the two schedules' layouts identical, which their parity tests and
@@ -68,7 +68,7 @@ def variable_names(blocks_state) -> list:
 
 
 def to_replicas(reps, blocks_state):
-    """Every stacked leaf as [R, L, ...]: one copy per replica (``pipeline_replicas``)."""
+    """Every stacked leaf as [R, L, ...]: one copy per replica (``pipeline.replicas``)."""
     axes = mesh_axes(reps.mesh)
     leaves, treedef = jax.tree.flatten(blocks_state)
     out = []

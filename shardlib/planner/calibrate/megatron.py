@@ -43,9 +43,8 @@ from dataclasses import dataclass
 from shardlib.core.mesh import Axis
 from shardlib.planner.cost import total as cost
 from shardlib.planner.cost.terms import pipeline, remat, tensor
-from shardlib.planner.cost.terms.base import Comm, Context, Contribution
+from shardlib.planner.cost.terms.base import Comm, Contribution, Step
 from shardlib.planner.cost.throughput import BlockTraffic
-from shardlib.planner.inputs.cluster import Cluster
 
 GPT_TRAFFIC = BlockTraffic(embed=11, rotary=0, mlp=3, scores=4.5)
 """The GPT block with dropout, per token of one block's forward, in widths of the compute
@@ -69,10 +68,10 @@ class Megatron:
 
 def megatron_program(version: Megatron) -> cost.Program:
     """The program of ``version`` as a ``cost.Program``."""
-    return cost.Program(lambda ctx, cluster: _terms(ctx, cluster, version), GPT_TRAFFIC)
+    return cost.Program(lambda step: _terms(step, version), GPT_TRAFFIC)
 
 
-def _terms(ctx: Context, cluster: Cluster | None, version: Megatron) -> list[Contribution]:
+def _terms(step: Step, version: Megatron) -> list[Contribution]:
     """shardlib's terms with the tensor, pipeline, data and recompute parts replaced by
     Megatron-LM's (the model's FLOPs, state and activations are the same model's)."""
     replaced = {"tensor", "pipeline", "dp"}
@@ -80,38 +79,38 @@ def _terms(ctx: Context, cluster: Cluster | None, version: Megatron) -> list[Con
         dataclasses.replace(part, comms=())
         if part.comms and {c.strategy for c in part.comms} <= replaced
         else part
-        for part in cost.contributions(ctx, cluster)
+        for part in cost.contributions(step)
     ]
-    ours = (_tensor(ctx, version), _pipeline(ctx, version), _data(ctx, version))
-    return [*parts, *ours, Contribution(flops=_extra_flops(ctx))]
+    ours = (_tensor(step, version), _pipeline(step, version), _data(step, version))
+    return [*parts, *ours, Contribution(flops=_extra_flops(step))]
 
 
-def _bsh(ctx: Context) -> float:
-    return ctx.micro_batch * ctx.local_seq * ctx.w.embed * ctx.w.compute_bytes
+def _bsh(step: Step) -> float:
+    return step.micro_batch * step.local_seq * step.workload.embed * step.workload.compute_bytes
 
 
-def _tensor(ctx: Context, version: Megatron) -> Contribution:
-    p = ctx.p
-    if p.tensor <= 1:
+def _tensor(step: Step, version: Megatron) -> Contribution:
+    view = step.view
+    if view["tensor"] <= 1:
         return Contribution()
-    per_layer = 4 + (2 if p.remat == "full" else 0)
-    count = per_layer * ctx.layers_per_device * p.microbatches
-    axes, t, bsh = (str(Axis.TENSOR),), p.tensor, _bsh(ctx)
+    per_layer = 4 + (2 if view.remat == "full" else 0)
+    count = per_layer * step.layers_per_device * view.microbatches
+    axes, t, bsh = (str(Axis.TENSOR),), view["tensor"], _bsh(step)
     kinds = ("all-gather", "reduce-scatter") if version.sequence_parallel else ("all-reduce",)
     comms = [Comm("tensor", "activations", kind, axes, t, bsh, count, False) for kind in kinds]
     # the vocab-parallel embedding and cross-entropy: as shardlib's (``terms.tensor``)
-    comms += [c for c in tensor.tensor(ctx).comms if c.what != "activations"]
+    comms += [c for c in tensor.tensor(step).comms if c.what != "activations"]
     return Contribution(comms=tuple(comms))
 
 
-def _pipeline(ctx: Context, version: Megatron) -> Contribution:
-    p = ctx.p
-    if p.stage <= 1:
+def _pipeline(step: Step, version: Megatron) -> Contribution:
+    view = step.view
+    if view["stage"] <= 1:
         return Contribution()
-    handovers = 2 * (p.microbatches + p.stage - 1)
-    bsh, stage, tens = _bsh(ctx), (str(Axis.STAGE),), (str(Axis.TENSOR),)
-    split = p.tensor if version.scatter_gather else 1
-    comms = [Comm("pipeline", "activations", "collective-permute", stage, p.stage,
+    handovers = 2 * (view.microbatches + view["stage"] - 1)
+    bsh, stage, tens = _bsh(step), (str(Axis.STAGE),), (str(Axis.TENSOR),)
+    split = view["tensor"] if version.scatter_gather else 1
+    comms = [Comm("pipeline", "activations", "collective-permute", stage, view["stage"],
                   bsh / split, handovers, False)]  # fmt: skip
     if split > 1:
         comms.append(Comm("pipeline", "activations", "all-gather", tens, split, bsh, handovers,
@@ -119,24 +118,26 @@ def _pipeline(ctx: Context, version: Megatron) -> Contribution:
     return Contribution(comms=tuple(comms))
 
 
-def _data(ctx: Context, version: Megatron) -> Contribution:
-    p = ctx.p
-    if p.data <= 1:
+def _data(step: Step, version: Megatron) -> Contribution:
+    view = step.view
+    if view["data"] <= 1:
         return Contribution()
-    grads = ctx.held_elements * version.grad_bytes
+    grads = step.held_elements * version.grad_bytes
     axes = (str(Axis.DATA),)
-    return Contribution(comms=(Comm("dp", "grads", "all-reduce", axes, p.data, grads, 1, False),))
+    return Contribution(
+        comms=(Comm("dp", "grads", "all-reduce", axes, view["data"], grads, 1, False),)
+    )
 
 
-def _extra_flops(ctx: Context) -> float:
+def _extra_flops(step: Step) -> float:
     """FLOPs Megatron runs beyond shardlib's terms for the same layout: the rest of the
     attention core under selective recompute (shardlib recomputes q·kᵀ only), and the
     recompute inside the 1F1B bubble (shardlib's gpipe bubble counts fwd and bwd)."""
-    w, p = ctx.w, ctx.p
-    tokens = w.tokens / (p.batch_ways * p.context)
-    layer = w.layer_matmul_flops_per_token / p.tensor
-    attn = w.attention_flops_per_token(w.seq) / p.tensor
-    extra = tokens * ctx.layers_per_device * attn / 2 if p.remat == "selective" else 0.0
-    recompute = remat.recompute_flops(ctx, tokens, layer, attn) + extra
-    frac = pipeline.bubble_fraction(p.schedule, p.stage, p.microbatches, p.virtual)
+    w, view = step.workload, step.view
+    tokens = step.tokens
+    layer = w.layer_matmul_flops_per_token / view["tensor"]
+    attn = w.attention_flops_per_token(w.seq) / view["tensor"]
+    extra = tokens * step.layers_per_device * attn / 2 if view.remat == "selective" else 0.0
+    recompute = remat.recompute_flops(step, tokens, layer, attn) + extra
+    frac = pipeline.bubble_fraction(view.schedule, view["stage"], view.microbatches, view.virtual)
     return extra + recompute * frac

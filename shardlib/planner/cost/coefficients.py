@@ -33,13 +33,13 @@ COEFFICIENTS: dict[str, float] = {
     "pipe_circular_weights": 0.102,  # circular: weight-sized buffers of the regrouping's way
     # back, per regrouped copy (itself counted by definition: terms.pipeline)
 }
-# Refitted on all 99 probes (``calibration.PROBES``) after issue 16's memory changes (RMSNorm
+# Refitted on all 99 probes (``calibrate.fit.PROBES``) after issue 16's memory changes (RMSNorm
 # keeps only its input, q/k/v and gate/up cut by split, full remat's input split over tensor:
 # terms.remat.saved_input_split), fixed_bytes kept (runtime scratch: those changes do not touch
 # it; freed, the fit moves 47 KB into it and llama-tiny's validation plan in test_planner.py
 # goes to 1.109): memory within 8.1% (max), collective bytes exact. The remat
 # coefficients (selective_*, full_layer_live, remat_scores) were then refitted alone (``--free
-# remat``) on the remat probes and the published-width probes (``calibration.REMAT_RECORDS``,
+# remat``) on the remat probes and the published-width probes (``calibrate.fit.REMAT_RECORDS``,
 # tensor 1-8, h up to 12288; 34 probes, regenerated): worst 7.8% among them, 8.1% over all 99.
 # remat=full keeps exactly its input per layer (terms.remat.KEPT, split over tensor where the
 # trainer splits it); the fit finds nothing else of the layer live (full_layer_live 0).
@@ -51,7 +51,7 @@ COEFFICIENTS: dict[str, float] = {
 # fp32 logits-sized buffers live where the fit books 0.8 plus 11.7 h-wide ones; refitted
 # with them the worst probe is 12.5% and 9 held-out plans miss).
 # The pipeline coefficients (pipe_*) were refitted alone (``--free pipeline``, 102 probes)
-# after two fixes to the circular schedule (``strategies.pipeline._round_policy``): it kept
+# after two fixes to the circular schedule (``parallel.pipeline.gpipe._round_policy``): it kept
 # per-trip copies of a round's weights, and its checkpoint sat outside the block's remat
 # policy, which JAX then ignores (remat=full kept everything). The 70B-width circular probe
 # went from 22.6 to 14.3 GB. Circular now needs little beyond GPipe's terms and its

@@ -5,7 +5,7 @@ the tie. Here the rate depends on the plan:
 
 * **Compute.** One block's forward on one micro-batch, on one device, is a list of matmuls
   (q/k/v, scores, values, output projection, MLP in and out) plus the output head, each
-  with its (M, K, N) after the tensor, context and batch splits. Each runs at the roofline
+  with its (M, K, N) after the tensor, sequence and batch splits. Each runs at the roofline
   rate ``min(peak x matmul_efficiency, intensity x HBM bandwidth)``: a matmul whose
   FLOPs per byte moved (bf16 operands and result) fall below the GPU's ops:byte ratio is
   memory-bound; and its output tiles run in waves over the streaming multiprocessors, the
@@ -23,20 +23,21 @@ the tie. Here the rate depends on the plan:
 * **Communication** per collective on its link (``Cluster.link``: NVLink inside a host,
   InfiniBand across) at ``LINK_EFFICIENCY`` of the preset's bandwidth, plus per-step
   latency.
-* **Overlap.** Tensor-parallel and expert all-reduces and the pipeline's hand-overs are on
-  the critical path. Data-parallel gradient reductions run during the backward pass
-  (without stages: a micro-batch's reduction behind its own backward) and are exposed only
-  beyond it; with stages they run after the pipeline's flush, exposed (as Megatron-LM's).
-  Ring-attention passes hide behind the attention blocks only (Liu et al. 2023: a pass
-  is free while a block's compute outlasts its transfer). FSDP gathers and reductions hide
-  behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not fitted: no
-  calibration run uses FSDP).
+* **Overlap.** Each term says whether its collectives sit on the critical path of a plan
+  (``Term.exposed``: tensor-parallel and expert all-reduces, the pipeline's hand-overs; a
+  pipeline's data-parallel reduction, after its flush, as Megatron-LM's) and, if not,
+  what compute they hide behind (``Term.window``): gradient reductions behind the backward
+  pass (without stages: a micro-batch's reduction behind its own backward), exposed only
+  beyond it; ring-attention passes behind the attention blocks only (Liu et al. 2023: a
+  pass is free while a block's compute outlasts its transfer); the rest (FSDP gathers and
+  reductions) behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not
+  fitted: no calibration run uses FSDP).
 * **The optimizer update** (``update_seconds``): a pass over the held state at HBM
   bandwidth, after the reduction, exposed.
 
 Which program runs is ``cost.Program``'s: the elementwise traffic (``BlockTraffic``) and
 the terms. The planner costs shardlib's; the calibration costs the published runs' own
-(``planner.megatron``) on this same model.
+(``planner.calibrate.megatron``) on this same model.
 """
 
 from __future__ import annotations
@@ -45,15 +46,20 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardlib.core.workload import Workload
-from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Comm, Context
+from shardlib.planner.cost.terms import TERMS
+from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Comm, Step
 from shardlib.planner.inputs.cluster import Cluster
+
+if TYPE_CHECKING:
+    from shardlib.planner.candidate import PlanView
 
 LINK_EFFICIENCY = 0.5
 """Achieved fraction of a link's preset bandwidth for large collectives. Fitted with
 ``matmul_efficiency`` on the published Megatron-LM runs, each costed with its own program's
-traffic (``benchmarks/planner_calibration.py --fit``, ``planner.megatron``). Weakly
+traffic (``benchmarks/planner_calibration.py --fit``, ``planner.calibrate.megatron``). Weakly
 identified: any value from 0.4 to 1.0 (with its best ``matmul_efficiency``) keeps the worst
 calibration row within 1.063-1.080 (docs/throughput_calibration.md)."""
 OVERLAP = 0.8
@@ -70,8 +76,11 @@ FUSED_ATTENTION = 0.92
 the planner's attention FLOPs (which include the half the causal mask skips). Measured:
 cuDNN's kernel on an H200 reached 0.61-1.23 of it over Llama 1B's and 7B's heads at seq
 2048-8192, median 0.92 (``benchmarks/gpu_attention.py``, docs/gpu.md)."""
-EXPOSED = frozenset({"tensor", "expert", "pipeline"})
-"""Strategies whose collectives sit on the critical path (``Comm.strategy``)."""
+EXPOSED = {term.name: term.exposed for term in TERMS if term.exposed is not None}
+"""Per strategy (``Comm.strategy``): whether its collectives sit on the critical path of a
+plan whatever the compute (``Term.exposed``)."""
+WINDOW = {term.name: term.window for term in TERMS}
+"""Per strategy: the compute its overlappable collectives hide behind (``Term.window``)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ class BlockTraffic:
     The matmuls' own operand and result bytes are the roofline's (``Matmul.bytes``); these
     are the passes between them. Different programs of the same model differ here: a GPT
     block with dropout streams its attention probabilities twice more than shardlib's Llama
-    block (``planner.megatron``)."""
+    block (``planner.calibrate.megatron``)."""
 
     embed: float = 10
     """Over the embedding width. Llama (models/llama/model.py): two RMSNorms (read, write), two
@@ -149,7 +158,8 @@ class Shape:
 
     workload: Workload
     tensor: int
-    context: int
+    seq_ways: int
+    """Ways the axes that split the sequence split it (each device's queries: s/seq_ways)."""
     micro_batch: int
     """Sequences of one micro-batch on one device."""
     layers: int
@@ -160,29 +170,29 @@ class Shape:
     """Attention in one fused kernel (``attention_impl=cudnn``): no score matrix in HBM."""
 
     @classmethod
-    def of(cls, ctx: Context, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
-        p = ctx.p
+    def of(cls, step: Step, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
+        view = step.view
         return cls(
-            ctx.w, p.tensor, p.context, ctx.micro_batch, ctx.layers_per_device, traffic,
-            p.fused_attention,
+            step.workload, view["tensor"], view.ways("seq"), step.micro_batch,
+            step.layers_per_device, traffic, view.fused_attention,
         )  # fmt: skip
 
     @property
     def tokens(self) -> int:
         """Rows of the projections: the micro-batch's local tokens."""
-        return self.micro_batch * self.workload.seq // self.context
+        return self.micro_batch * self.workload.seq // self.seq_ways
 
 
 def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     """One block's forward matmuls on one micro-batch, on one device (after every split)."""
     w, t, b = shape.workload, shape.tensor, shape.micro_batch
-    s_q = w.seq // shape.context  # local queries
+    s_q = w.seq // shape.seq_ways  # local queries
     d, heads = w.head_dim, w.heads / t
     qkv = (w.heads + 2 * w.kv_heads) * d / t
     mlp = (w.mlp or w.expert_mlp) / t
-    # attention: per sequence and local head, [s/c, d] x [d, s]; ring attention runs c
-    # blocks of s/c keys each (the same FLOPs, narrower products)
-    keys, passes = (s_q, shape.context) if shape.context > 1 else (w.seq, 1)
+    # attention: per sequence and local head, [s/c, d] x [d, s]; split over c devices it
+    # runs in c blocks of s/c keys each (ring attention: the same FLOPs, narrower products)
+    keys, passes = (s_q, shape.seq_ways) if shape.seq_ways > 1 else (w.seq, 1)
     # a fused kernel reads q and k (scores), v, and writes the output (values): (s + s)·d
     # elements each, never the [s, s] scores
     moved = (s_q + keys) * d if shape.fused else None
@@ -237,12 +247,12 @@ class Rate:
         return self.flops_per_s / self.peak
 
 
-def compute_rate(ctx: Context, cluster: Cluster, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Rate:
+def compute_rate(step: Step, cluster: Cluster, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Rate:
     """The rate one device computes this plan's forward (and backward) at."""
-    return shape_rate(Shape.of(ctx, traffic), cluster)
+    return shape_rate(Shape.of(step, traffic), cluster)
 
 
-def update_seconds(ctx: Context, cluster: Cluster) -> float:
+def update_seconds(step: Step, cluster: Cluster) -> float:
     """The optimizer update: an elementwise pass over the state a device holds, after the
     gradients are reduced and before the next forward (nothing to overlap it with).
 
@@ -250,10 +260,10 @@ def update_seconds(ctx: Context, cluster: Cluster) -> float:
     up), reads the fp32 gradients and writes the compute-dtype copy the next forward reads:
     about 30 bytes per parameter held, at HBM bandwidth (the same streaming bound as the
     elementwise work). Optimizer state offloaded to the host is updated there (``host_s``)."""
-    p = ctx.p
-    held = ctx.held_elements
-    optimizer = 0.0 if p.offload else held * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
-    passes = held * (3 * MASTER_BYTES + ctx.w.compute_bytes) + 2 * optimizer
+    view = step.view
+    held = step.held_elements
+    optimizer = 0.0 if view.offload else held * ADAM_BYTES / (view["data"] if view.zero >= 1 else 1)
+    passes = held * (3 * MASTER_BYTES + step.workload.compute_bytes) + 2 * optimizer
     return passes / cluster.hbm_bw
 
 
@@ -288,31 +298,42 @@ def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
     return cluster.link(axes, names)
 
 
-def is_exposed(comm: Comm, staged: bool) -> bool:
-    """On the critical path whatever the compute: tensor, expert and pipeline collectives,
-    and a pipeline's data-parallel reduction (after the flush)."""
-    return comm.strategy in EXPOSED or (staged and comm.strategy == "dp") or not comm.overlap
+def exposed_strategies(view: PlanView) -> frozenset[str]:
+    """The strategies whose collectives sit on the critical path of this plan whatever the
+    compute (``Term.exposed``)."""
+    return frozenset(name for name, exposed in EXPOSED.items() if exposed(view))
+
+
+def is_exposed(comm: Comm, exposed: frozenset[str]) -> bool:
+    """On the critical path whatever the compute: a collective of the ``exposed``
+    strategies (``exposed_strategies`` of the plan), or one that cannot overlap."""
+    return comm.strategy in exposed or not comm.overlap
 
 
 def exposed_seconds(
-    comms: Iterable[Comm], cluster: Cluster, axes: tuple, windows: dict[str, float], staged: bool
+    comms: Iterable[Comm],
+    cluster: Cluster,
+    axes: tuple,
+    windows: dict[str, float],
+    view: PlanView,
 ) -> tuple[float, float]:
     """(exposed seconds, all collective seconds) of a step.
 
-    ``windows``: the compute seconds each overlappable strategy hides behind (``dp``: the
-    backward pass; ``context``: the attention blocks that ring passes run beside, Liu et
-    al. 2023; ``default``: ``OVERLAP`` of all compute). What spills over its window is
-    exposed; they also share the links and the step, so together they expose at least
-    what exceeds the longest window.
+    ``windows``: the compute seconds each kind of overlappable collective hides behind
+    (``overlap_windows``; a term's ``window``, ``default`` where the dict has none of its
+    kind). What spills over its window is exposed; they also share the links and the
+    step, so together they expose at least what exceeds the longest window.
     """
     critical = 0.0
     hidden: dict[str, float] = {}
+    exposed = exposed_strategies(view)
     for comm in comms:
         seconds = collective_seconds(comm, cluster, axes)
-        if is_exposed(comm, staged):
+        if is_exposed(comm, exposed):
             critical += seconds
         else:
-            key = comm.strategy if comm.strategy in windows else "default"
+            key = WINDOW.get(comm.strategy, "default")
+            key = key if key in windows else "default"
             hidden[key] = hidden.get(key, 0.0) + seconds
     spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
     spill = max(spill, sum(hidden.values()) - max(windows.values(), default=0.0))
@@ -320,11 +341,13 @@ def exposed_seconds(
 
 
 def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
-    """The compute seconds each overlappable strategy's collectives hide behind."""
+    """The compute seconds each kind of overlappable collective hides behind (``Term.window``):
+    ``backward`` the backward pass, ``attention`` the attention blocks, ``default``
+    ``OVERLAP`` of all compute."""
     total = sum(rate.seconds.values())
     attention = (rate.seconds["scores"] + rate.seconds["values"]) / total
     return {
-        "dp": BACKWARD_SHARE * compute_s,
-        "context": attention * compute_s,
+        "backward": BACKWARD_SHARE * compute_s,
+        "attention": attention * compute_s,
         "default": OVERLAP * compute_s,
     }

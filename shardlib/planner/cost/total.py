@@ -1,10 +1,11 @@
 """The cost model: per-device memory and step time of a plan, as a sum of strategy terms.
 
-``estimate(workload, plan, cluster)`` asks each term in ``terms/`` for its share and adds
-them up. Time is compute (the terms' FLOPs at the rate this plan's matmul shapes reach on
-the cluster) plus the collectives that cannot hide behind compute plus the pipeline bubble
-plus host transfers plus the optimizer update; ``planner.throughput`` is that model (rate,
-links, overlap), calibrated on published runs (docs/throughput_calibration.md).
+``estimate(workload, plan, cluster)`` asks each registered term (``terms.TERMS``) for its
+share and adds them up; it names no strategy. Time is compute (the terms' FLOPs at the
+rate this plan's matmul shapes reach on the cluster) plus the collectives that cannot hide
+behind compute plus the bubble plus host transfers plus the optimizer update;
+``cost.throughput`` is that model (rate, links, overlap), calibrated on published runs
+(docs/throughput_calibration.md).
 """
 
 from __future__ import annotations
@@ -17,21 +18,10 @@ import shardlib.planner.cost.throughput as throughput
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import ParallelPlan
-from shardlib.planner.candidate import REMAT, PlanView
+from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost.coefficients import COEFFICIENTS
-from shardlib.planner.cost.terms import (
-    SEARCH_AXES,
-    context,
-    dp,
-    expert,
-    fsdp,
-    model,
-    offload,
-    pipeline,
-    state,
-    tensor,
-)
-from shardlib.planner.cost.terms.base import Comm, Context, Contribution
+from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
+from shardlib.planner.cost.terms.base import Comm, Contribution, Step
 from shardlib.planner.inputs.cluster import Cluster
 
 MEMORY_HEADROOM = 0.92
@@ -61,7 +51,7 @@ class Estimate:
     fits: bool
     notes: tuple[str, ...] = field(default=())
     compute_efficiency: float = 0.0
-    """Fraction of peak FLOP/s this plan's matmul shapes reach (``planner.throughput``)."""
+    """Fraction of peak FLOP/s this plan's matmul shapes reach (``planner.cost.throughput``)."""
     compute_parts: dict[str, float] = field(default_factory=dict)
     """``compute_s`` shared out by part (each matmul of the blocks, ``head``,
     ``elementwise``) in the proportions of one micro-batch's forward."""
@@ -94,51 +84,41 @@ class Estimate:
         return dict(out)
 
 
-def check(workload: Workload, plan: ParallelPlan, cluster: Cluster | None) -> None:
+def check(
+    workload: Workload, plan: ParallelPlan, cluster: Cluster | None, view: PlanView | None = None
+) -> None:
     """Shape constraints before costing; ShardingError names what does not divide, or
-    the setting the cost model does not describe."""
-    w, p = workload, PlanView(plan)
-    if -1 in p.sizes.values():
+    the setting the cost model does not describe (``view``: the plan's, when made)."""
+    w, view = workload, PlanView(plan) if view is None else view
+    if -1 in view.sizes.values():
         raise ShardingError(
-            f"plan {p.mesh_text()}: an axis is -1. Fix: plan.with_devices(n) before estimating."
+            f"plan {view.mesh_text()}: an axis is -1. Fix: plan.with_devices(n) before estimating."
         )
-    unmodelled = _unmodelled(p)
+    unmodelled = unmodelled_setting(view)
     if unmodelled:
         raise ShardingError(
-            f"plan {p.mesh_text()}: the cost model does not describe {unmodelled}. Fix: "
+            f"plan {view.mesh_text()}: the cost model does not describe {unmodelled}. Fix: "
             "drop it to estimate the rest, or compile the plan (planner.validate)."
         )
-    if cluster is not None and p.size != cluster.num_devices:
-        raise ShardingError(f"plan {p.mesh_text()} uses {p.size} of {cluster.num_devices} devices")
-    if w.global_batch % (p.batch_ways * p.microbatches):
+    if cluster is not None and view.size != cluster.num_devices:
         raise ShardingError(
-            f"plan {p.mesh_text()}: batch {w.global_batch} does not split into "
-            f"{p.microbatches} micro-batches over {p.batch_ways} replicas"
+            f"plan {view.mesh_text()} uses {view.size} of {cluster.num_devices} devices"
+        )
+    batch_ways = view.ways("batch")
+    if w.global_batch % (batch_ways * view.microbatches):
+        raise ShardingError(
+            f"plan {view.mesh_text()}: batch {w.global_batch} does not split into "
+            f"{view.microbatches} micro-batches over {batch_ways} replicas"
         )
     for axis in SEARCH_AXES:  # each strategy's own shape checks (its term's declaration)
-        if axis.check is not None and p.sizes.get(str(axis.axis), 1) > 1:
-            axis.check(w, p)
+        if axis.check is not None and view[str(axis.axis)] > 1:
+            axis.check(w, view)
 
 
-_DEFAULT = ParallelPlan()
-
-
-def _unmodelled(p: PlanView) -> str:
-    """The first setting of ``p`` outside what the terms cost ("" when there is none)."""
-    plan, default = p.plan, _DEFAULT
-    settings = {
-        "gradient accumulation with pipeline stages": p.stage > 1 and p.accumulation > 1,
-        "ZeRO-3 over data (use an fsdp axis)": p.zero > 2,
-        f"remat={p.remat}": p.remat not in REMAT,
-        "offload.params": plan.offload.params,
-        "tensor.sequence_parallel or 2D/3D tensor axes": plan.tensor != default.tensor
-        or any(a in p.sizes for a in ("tensor2", "tensor3")),
-        "context attention other than ring": plan.context.attention != default.context.attention
-        or plan.context.load_balance != default.context.load_balance,
-        "attention_impl=cudnn across a context axis": p.fused_attention and p.context > 1,
-        f"expert.dispatch={plan.expert.dispatch}": plan.expert != default.expert,
-    }
-    return next((what for what, present in settings.items() if present), "")
+def unmodelled_setting(view: PlanView) -> str:
+    """The first setting of the plan outside what the terms cost ("" when there is none):
+    each term says it of its own section (``Term.unmodelled``)."""
+    return next((what for term in TERMS if (what := term.unmodelled(view))), "")
 
 
 def collective_seconds(comm: Comm, cluster: Cluster, plan: ParallelPlan) -> float:
@@ -146,22 +126,9 @@ def collective_seconds(comm: Comm, cluster: Cluster, plan: ParallelPlan) -> floa
     return throughput.collective_seconds(comm, cluster, plan.mesh.axes)
 
 
-def contributions(ctx: Context, cluster: Cluster | None) -> list[Contribution]:
-    """Every term's share, in one visible place (the order does not matter: they add)."""
-    held = state.state(ctx)
-    host_bw = cluster.host_link_bw if cluster else 25e9
-    return [
-        held,
-        model.flops(ctx),
-        model.activations(ctx, pipeline.layer_sets_saved(ctx), pipeline.head_batch(ctx)),
-        dp.gradient_reduction(ctx),
-        fsdp.fsdp(ctx),
-        tensor.tensor(ctx),
-        context.context(ctx),
-        expert.expert(ctx),
-        pipeline.pipeline(ctx),
-        offload.offload(ctx, held.memory["optimizer"], host_bw),
-    ]
+def contributions(step: Step) -> list[Contribution]:
+    """Every term's share (``terms.TERMS``; the order does not matter: they add)."""
+    return [term.cost(step) for term in TERMS]
 
 
 @dataclass(frozen=True)
@@ -169,10 +136,10 @@ class Program:
     """What runs for a plan: the terms that say what it computes, holds and moves, and the
     HBM traffic of its elementwise kernels. The planner costs shardlib's own program
     (``SHARDLIB``); the calibration costs the published runs' programs on the same hardware
-    model (``planner.megatron``), so that differences of program are not fitted as
+    model (``planner.calibrate.megatron``), so that differences of program are not fitted as
     differences of hardware."""
 
-    terms: Callable[[Context, Cluster | None], list[Contribution]]
+    terms: Callable[[Step], list[Contribution]]
     traffic: throughput.BlockTraffic = throughput.LLAMA_TRAFFIC
 
 
@@ -189,35 +156,35 @@ def estimate(
     program: Program = SHARDLIB,
 ) -> Estimate:
     """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time)."""
-    check(workload, plan, cluster)
+    view = PlanView(plan)
+    check(workload, plan, cluster, view)
     calib = COEFFICIENTS if calib is None else calib
-    ctx = Context(workload, plan, backend, PlanView(plan), calib)
-    parts = program.terms(ctx, cluster)
+    step = Step(workload, plan, backend, view, TERMS, calib, cluster)
+    parts = program.terms(step)
     memory: dict[str, float] = defaultdict(float)
     comms: list[Comm] = []
-    flops = host_s = 0.0
+    flops = idle_flops = host_s = 0.0
     notes: list[str] = []
     for part in parts:
         for k, v in part.memory.items():
             memory[k] += v
         comms.extend(part.comms)
         flops += part.flops
+        idle_flops += part.idle_flops
         host_s += part.seconds
         notes.extend(part.notes)
-    memory["runtime"] = ctx.calib["fixed_bytes"]
+    memory["runtime"] = step.calib["fixed_bytes"]
     if cluster is None:
         return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
-    rate = throughput.compute_rate(ctx, cluster, program.traffic)
-    # the SPMD pipeline computes its bubble (every stage, every iteration): those FLOPs are
-    # in ``flops`` (as in the compiled program) and are reported as bubble time, not compute
-    bubble_s = pipeline.extra_flops(ctx)[0] / rate.flops_per_s
+    rate = throughput.compute_rate(step, cluster, program.traffic)
+    # a schedule that computes its bubble (the SPMD pipeline: every stage, every iteration)
+    # has those FLOPs in ``flops`` (as in the compiled program): reported as bubble time
+    bubble_s = idle_flops / rate.flops_per_s
     compute_s = flops / rate.flops_per_s - bubble_s
     total_s = sum(rate.seconds.values())
     windows = throughput.overlap_windows(rate, compute_s)
-    exposed_s, comm_s = throughput.exposed_seconds(
-        comms, cluster, plan.mesh.axes, windows, staged=ctx.p.stage > 1
-    )
-    update_s = throughput.update_seconds(ctx, cluster)
+    exposed_s, comm_s = throughput.exposed_seconds(comms, cluster, plan.mesh.axes, windows, view)
+    update_s = throughput.update_seconds(step, cluster)
     step_s = compute_s + exposed_s + bubble_s + host_s + update_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
     total = sum(v for k, v in memory.items() if not k.startswith("host"))

@@ -48,11 +48,11 @@ class Cluster:
     """Bytes/s between a device and its host memory (PCIe), for offload."""
     matmul_efficiency: float = 0.75
     """Fraction of peak a large, compute-bound bf16 matmul reaches: the ceiling of the
-    throughput model's roofline (``planner.throughput``). The A100 presets carry the value
+    throughput model's roofline (``planner.cost.throughput``). The A100 presets carry the value
     fitted on published runs (docs/throughput_calibration.md)."""
     sms: int = 0
     """Streaming multiprocessors (or matrix units) that a matmul's output tiles are spread
-    over (A100: 108, H100 SXM: 132): small matmuls leave some idle (``planner.throughput``).
+    over (A100: 108, H100 SXM: 132): small matmuls leave some idle (``planner.cost.throughput``).
     Unset (0): no wave tail."""
     hbm_bw: float = math.inf
     """Bytes/s between a device and its own memory (HBM): the roofline's slope, and the

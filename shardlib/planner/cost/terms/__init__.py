@@ -4,15 +4,47 @@
 saved activations), ``dp`` (with ZeRO-1/2), ``fsdp``, ``tensor``, ``context``, ``expert``,
 ``pipeline``, ``remat``, ``offload``: each describes what the trainer's compiled program
 does, and ``benchmarks/planner_validation.py`` checks them against compiled executables.
-``planner.cost`` adds them up.
 
-The terms that own a mesh axis declare it (``SEARCH_AXIS``, a ``base.SearchAxis``);
-``SEARCH_AXES`` lists them. Adding a strategy to the planner is one term module with its
-declaration, and one entry here and in ``cost.contributions``.
+Each module declares one ``base.Term``: its cost, the mesh axis and search values it owns,
+and its hooks. ``TERMS`` lists them; ``cost.total`` adds their costs up and ``search``
+sizes their axes, and neither names a strategy. Adding a strategy to the planner is one
+term module and one entry in each tuple below.
 """
 
-from shardlib.planner.cost.terms import context, dp, expert, fsdp, pipeline, tensor
-from shardlib.planner.cost.terms.base import SearchAxis
+from collections.abc import Callable
+
+from shardlib.planner.cost.terms import (
+    context,
+    dp,
+    expert,
+    fsdp,
+    model,
+    offload,
+    pipeline,
+    remat,
+    state,
+    tensor,
+)
+from shardlib.planner.cost.terms.base import SearchAxis, Terms
+
+TERMS = Terms(
+    (
+        state.TERM,
+        model.TERM,
+        dp.TERM,
+        fsdp.TERM,
+        tensor.TERM,
+        context.TERM,
+        expert.TERM,
+        pipeline.TERM,
+        remat.TERM,
+        offload.TERM,
+    )
+)
+"""Every term, in the order their shares are listed (they add, so the order changes no
+total: it orders an estimate's parts and collectives). ``PlanView`` reads their settings in
+this order, so a term may read the settings of those before it (the pipeline's micro-batch
+count reads data's accumulation); the first term that cannot cost a plan names it."""
 
 SEARCH_AXES: tuple[SearchAxis, ...] = (
     tensor.SEARCH_AXIS,
@@ -23,6 +55,12 @@ SEARCH_AXES: tuple[SearchAxis, ...] = (
     dp.SEARCH_AXIS,
 )
 """Every mesh axis the search sizes, in the order it picks their sizes: each axis's
-constraint may read the sizes of those before it (stage reads context), and the last one
-takes the devices that are left (data, as ``-1`` does in a mesh preset). This order decides
-only which of equally fast plans is listed first; the mesh order is ``placement``'s."""
+constraint may read the sizes of those before it, and the last one takes the devices that
+are left (data, as ``-1`` does in a mesh preset). This order decides only which of equally
+fast plans is listed first; the mesh order is ``placement``'s."""
+
+
+def hooks(name: str) -> tuple[Callable, ...]:
+    """The registered terms' hooks called ``name`` (``Term`` fields) that are set, in
+    ``TERMS`` order."""
+    return TERMS.hooks(name)

@@ -1,14 +1,18 @@
-"""What every strategy term returns, and the layout of each parameter under a plan.
+"""What a planner term is, what it returns, and what it reads about the step it costs.
 
-A term is one small function per strategy, ``term(ctx) -> Contribution``: the bytes it adds
-to each device's memory, the collectives it runs (kind, mesh axes, the unsharded buffer M
-of REFERENCE.md, executions per step), and the FLOPs or seconds it adds. ``cost.estimate``
-sums them; nothing else knows a strategy's formula.
+A strategy is one place (its ``ParallelPlan`` section, ``shardlib/parallel/``) plus one
+planner term here. A term module declares one ``Term``: its cost (``Contribution``: the
+bytes it adds to each device's memory, the collectives it runs, the FLOPs or seconds it
+adds), the mesh axis it owns (``SearchAxis``) and its search values (``Knob``), and the
+hooks through which the rest of the planner asks it what only it knows: the settings it
+reads from its section, the activation parts it replaces, the axes its replicas reduce
+gradients over, what it cannot cost. ``cost.total`` and ``search`` iterate over the
+registered terms (``planner.cost.terms.TERMS``) and name none of them.
 
-A term that owns a mesh axis also declares it for the search (``SearchAxis``): where the
-axis sits in the mesh, which sizes it admits, whether the batch splits over it. The
-declarations are collected in ``planner.terms.SEARCH_AXES``; the search and ``candidate``
-read nothing else about axes.
+``Step`` is what every term reads: the workload, the plan, the plan's axis sizes and
+settings (``candidate.PlanView``), and layout facts that belong to no one strategy (how
+each parameter is split, the local batch and sequence). A fact of one strategy, such as a
+pipeline's loop trips, is a function in that term's module.
 """
 
 from __future__ import annotations
@@ -18,15 +22,13 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardlib.analysis.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.core.rules import resolve_spec
 from shardlib.core.workload import ParamInfo, Workload
-from shardlib.parallel.fsdp import vocab_parallel_pays
-from shardlib.parallel.pipeline.gpipe import PipelineSpec
 from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
 
 if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
@@ -38,45 +40,12 @@ MASTER_BYTES = 4  # fp32 master weights and fp32 gradients (shardlib trains this
 ADAM_BYTES = 8  # Adam m and v, fp32
 
 
-Admits = Callable[["Workload", "Cluster", "Space", Mapping[str, int], int], bool]
-"""``admits(workload, cluster, space, chosen, size)``: may the axis take ``size`` (> 1),
-given the sizes ``chosen`` for the axes before it in ``SEARCH_AXES``?"""
-
-
-def admits_any(workload, cluster, space, chosen, size) -> bool:
-    """No constraint of its own (the batch split is checked for every batch axis at once)."""
-    return True
-
-
-@dataclass(frozen=True)
-class SearchAxis:
-    """A mesh axis a strategy owns, as the search sizes it (one per term that owns an axis)."""
-
-    axis: Axis
-    """The mesh axis."""
-    placement: int
-    """Where it sits in the mesh, outermost smallest. The last axes vary fastest over device
-    ids and so stay inside a host (the fastest link): the axis whose collectives sit on the
-    critical path of every layer goes innermost, once-per-step traffic outermost."""
-    admits: Admits
-    """Which sizes > 1 the axis may take (1, the axis absent, always may): the checks the
-    search makes before costing, so that a size the trainer refuses is never enumerated."""
-    splits_batch: bool
-    """Whether each index along the axis gets its own rows of the batch (data, FSDP and
-    expert replicas): the global batch must divide by the product of these sizes."""
-    rule: str = ""
-    """The admission constraint in words, for the error when a fixed size is refused."""
-    check: Callable[[Workload, PlanView], None] | None = None
-    """``check(workload, view)``: the shape constraints of a given plan with this axis > 1,
-    raising ShardingError (``cost.check`` runs it before costing)."""
-
-
 @dataclass(frozen=True)
 class Comm:
     """One collective of the step as a strategy predicts it."""
 
     strategy: str
-    """Which term emitted it (``fsdp``, ``tensor``, ...)."""
+    """Which term emitted it (``Term.name``: ``fsdp``, ``tensor``, ...)."""
     what: str
     """What is moved, for the explanation (``weights``, ``grads``, ``activations``)."""
     kind: str
@@ -109,74 +78,64 @@ class Contribution:
     comms: tuple[Comm, ...] = ()
     flops: float = 0.0
     """FLOPs per device per step."""
+    idle_flops: float = 0.0
+    """Of ``flops``, those a schedule computes and discards (a pipeline's bubble): reported
+    as bubble time, not compute."""
     seconds: float = 0.0
     """Time not covered by FLOPs or collectives (e.g. host transfers), per step."""
     notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
-class Context:
-    """Everything a term may read: the workload, the plan, and derived layout facts."""
+class Step:
+    """One training step of ``workload`` under ``plan``: everything a term may read."""
 
     workload: Workload
     plan: ParallelPlan
     backend: str
     """``gpu`` (reduce-scatter for sharded gradients, as the GPU/TPU pipelines do) or
     ``cpu`` (the CPU backend's all-reduce + slice: what compiled validation measures)."""
-    p: PlanView = field(repr=False, compare=False)
-    """The plan's axis sizes and knobs (``candidate.PlanView(plan)``, made by the caller:
-    ``candidate`` reads the axes the terms declare, so the terms do not import it)."""
+    view: PlanView = field(repr=False, compare=False)
+    """The plan's axis sizes and settings (``candidate.PlanView(plan)``, made by the caller:
+    ``candidate`` reads the terms' declarations, so the terms do not import it)."""
+    terms: Terms = field(repr=False, compare=False)
+    """The registered terms (``terms.TERMS``), whose hooks a term asks (``hooks``)."""
     calib: dict = field(default_factory=dict)
-    """Fitted coefficients (``planner.calibration.COEFFICIENTS``)."""
+    """Fitted coefficients (``cost.coefficients.COEFFICIENTS``)."""
+    cluster: Cluster | None = field(default=None, repr=False, compare=False)
+    """The hardware, when time is predicted (None: memory and bytes only)."""
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """What terms derived once for this step (``per_step``)."""
 
-    @property
-    def w(self) -> Workload:
-        return self.workload
+    def hooks(self, name: str) -> tuple[Callable, ...]:
+        """The terms' hooks called ``name`` (``Term`` fields) that are set, in order."""
+        return self.terms.hooks(name)
 
     @cached_property
     def splits(self) -> dict[str, dict[str, int]]:
         """Per parameter: mesh axis -> ways it splits that parameter."""
-        return param_splits(self.w, self.p.axes)
+        return param_splits(self.workload, self.view.axes)
 
     def shard(self, param: ParamInfo, *, without: tuple[str, ...] = ()) -> int:
         """Ways ``param`` is split on one device, ignoring the axes in ``without``."""
         return _shard(self.splits[param.name], without)
 
     @cached_property
-    def table(self) -> tuple[tuple[ParamInfo, int, int], ...]:
-        """(param, ways split, ways split by axes other than fsdp) per parameter."""
-        return param_table(self.w, self.p.axes)
-
-    @cached_property
-    def vocab_tables(self) -> tuple[str, ...]:
-        """The vocab-sized tables FSDP splits on vocab, its lookup and logits vocab-parallel
-        (``ParallelPlan.for_target``, ``strategies.fsdp.vocab_parallel_pays``): ``terms.fsdp``
-        costs their activation collectives instead of table gathers, and ``terms.tensor`` /
-        ``terms.dp`` leave out what those replace. Never under a pipeline (the trainer's
-        choice: the head runs outside the stage loop)."""
-        p, w = self.p, self.w
-        tokens = w.global_batch * w.seq // max(p.batch_ways // p.fsdp, 1)
-        if p.fsdp <= 1 or p.stage > 1:
-            return ()
-        if not vocab_parallel_pays(tokens, w.vocab, p.fsdp, p.tensor):
-            return ()
-        return ("embedding", "lm_head")
+    def table(self) -> tuple[tuple[ParamInfo, int], ...]:
+        """(param, ways split) per parameter."""
+        return param_table(self.workload, self.view.axes)
 
     @cached_property
     def layer_elements(self) -> float:
         """One layer's parameter elements on one device (every axis's split)."""
-        return sum(param.numel / ways for param, ways, _ in self.table if param.per_layer)
-
-    @cached_property
-    def layer_elements_gathered(self) -> float:
-        """... as FSDP gathers them (every split but the fsdp axis's)."""
-        return sum(param.numel / ways for param, _, ways in self.table if param.per_layer)
+        return sum(param.numel / ways for param, ways in self.table if param.per_layer)
 
     @cached_property
     def held_elements(self) -> float:
         """Parameter elements on one device: its layers, and the embedding, final norm and
-        head (the trainer runs those outside the pipeline: every stage holds them)."""
-        outer = sum(param.numel / ways for param, ways, _ in self.table if not param.per_layer)
+        head (the trainer runs those outside the layer stack's split: every device holds
+        them)."""
+        outer = sum(param.numel / ways for param, ways in self.table if not param.per_layer)
         return self.layer_elements * self.layers_per_device + outer
 
     @property
@@ -186,66 +145,178 @@ class Context:
         return "all-reduce" if self.backend == "cpu" else "reduce-scatter"
 
     @cached_property
-    def trips(self) -> int:
-        """Pipeline loop iterations (``iterations``); 1 without stages."""
-        p = self.p
-        return iterations(p.schedule, p.stage, p.microbatches, p.virtual)
-
-    @cached_property
-    def executed(self) -> int:
-        """Chunk forwards (and backwards) a stage executes per step: the trips, except for
-        1f1b, whose warm-up trips run only forwards and cool-down only backwards
-        (``PipelineSpec.executed``: v·m+p-1); 1 without stages."""
-        p = self.p
-        if p.stage == 1:
-            return 1
-        v = p.virtual if p.schedule in VIRTUAL_SCHEDULES else 1
-        return PipelineSpec(p.stage, p.microbatches, v, p.schedule).executed()
-
-    def param_copies(self, param: ParamInfo) -> int:
-        """How many copies of a per-layer parameter one device's program holds (its layers)."""
-        return self.layers_per_device if param.per_layer else 1
-
-    @cached_property
     def layers_per_device(self) -> int:
-        """Blocks each device holds: all of them, or L/p with p pipeline stages.
-
-        The trainer splits the stacked ``layers`` dim evenly over ``stage`` (interleaved: v
-        groups of L/(p·v)); embedding and head stay outside the pipeline on every stage.
-        """
-        w, p = self.w, self.p
-        return w.layers if p.stage == 1 else math.ceil(w.layers / p.stage)
-
-    @cached_property
-    def layer_runs(self) -> float:
-        """Block executions on one micro-batch per device and step (forward, say).
-
-        L·m without stages; with them the pipeline loop's executed chunks times the
-        L/(p·v) blocks of one (``executed``): the bubble's trips compute too.
-        """
-        p = self.p
-        if p.stage == 1:
-            return self.layers_per_device * p.microbatches
-        v = p.virtual if p.schedule in VIRTUAL_SCHEDULES else 1
-        return self.layers_per_device / v * self.executed
+        """Blocks each device holds: all of them, or L/n where axes split the stacked
+        ``layers`` dim n ways (``SearchAxis.splits``); embedding and head stay on every
+        device."""
+        return math.ceil(self.workload.layers / self.view.ways("layers"))
 
     @property
     def micro_batch(self) -> int:
         """Sequences of one micro-batch on one device."""
-        return self.w.global_batch // (self.p.microbatches * self.p.batch_ways)
+        view = self.view
+        return self.workload.global_batch // (view.microbatches * view.ways("batch"))
 
     @property
     def local_seq(self) -> int:
-        return self.w.seq // self.p.context
+        """Tokens of one sequence on one device (the axes that split ``seq``)."""
+        return self.workload.seq // self.view.ways("seq")
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of the step on one device (every batch and sequence split)."""
+        return self.workload.tokens / (self.view.ways("batch") * self.view.ways("seq"))
+
+
+def per_step(fn: Callable[[Step], Any]) -> Callable[[Step], Any]:
+    """A term's derived fact of a step, computed once per step (the search reads it many
+    times per plan and costs thousands of plans)."""
+
+    @functools.wraps(fn)
+    def once(step: Step) -> Any:
+        try:
+            return step.memo[fn]
+        except KeyError:
+            value = step.memo[fn] = fn(step)
+            return value
+
+    return once
+
+
+Admits = Callable[["Workload", "Cluster", Mapping[str, int], int], bool]
+"""``admits(workload, cluster, chosen, size)``: may the axis take ``size`` (> 1), given the
+sizes ``chosen`` for the axes before it in ``SEARCH_AXES``?"""
+
+
+def admits_any(workload, cluster, chosen, size) -> bool:
+    """No constraint of its own (the batch split is checked for every batch axis at once)."""
+    return True
+
+
+def unbounded(cluster) -> int | None:
+    """No largest size of its own."""
+    return None
+
+
+@dataclass(frozen=True)
+class SearchAxis:
+    """A mesh axis a strategy owns, as the search sizes it (one per term that owns an axis)."""
+
+    axis: Axis
+    """The mesh axis."""
+    placement: int
+    """Where it sits in the mesh, outermost smallest. The last axes vary fastest over device
+    ids and so stay inside a host (the fastest link): the axis whose collectives sit on the
+    critical path of every layer goes innermost, once-per-step traffic outermost."""
+    admits: Admits
+    """Which sizes > 1 the axis may take (1, the axis absent, always may): the checks the
+    search makes before costing, so that a size the trainer refuses is never enumerated."""
+    splits: tuple[str, ...] = ()
+    """Which dims of the step each index along the axis gets its own part of: ``batch``
+    (rows: data, FSDP and expert replicas; the global batch must divide by the product of
+    these sizes), ``seq`` (tokens of a sequence), ``layers`` (the stacked blocks)."""
+    largest: Callable[[Cluster], int | None] = unbounded
+    """The largest size the search tries unless ``Space.limits`` says otherwise."""
+    rule: str = ""
+    """The admission constraint in words, for the error when a fixed size is refused."""
+    check: Callable[[Workload, PlanView], None] | None = None
+    """``check(workload, view)``: the shape constraints of a given plan with this axis > 1,
+    raising ShardingError (``cost.check`` runs it before costing)."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A setting of a term's section the search tries values of (``candidate``'s keyword
+    and the ``PlanView`` setting of the same name)."""
+
+    name: str
+    values: tuple
+    """The values tried unless the ``Space`` says otherwise; for a trade, lightest first."""
+    trades: bool = False
+    """Heavier values only ever trade step time for memory (remat, offload): once a value
+    fits, the search skips the heavier ones."""
+
+
+def _nothing(step: Step) -> Contribution:
+    return Contribution()
+
+
+def _costs_all(view: PlanView) -> str:
+    return ""
+
+
+def _own_only(settings: Mapping[str, Any]) -> tuple[dict[str, tuple], tuple[str, ...]]:
+    return {k: (v,) for k, v in settings.items()}, ()
+
+
+@dataclass(frozen=True)
+class Term:
+    """One strategy's planner term: its share of the step and the hooks through which the
+    search and the other terms ask about it. Every hook but ``cost`` is optional."""
+
+    name: str
+    """The strategy's name (``Comm.strategy`` of its collectives)."""
+    cost: Callable[[Step], Contribution] = _nothing
+    """Its share of the step."""
+    axis: SearchAxis | None = None
+    """The mesh axis it owns, if any."""
+    knobs: tuple[Knob, ...] = ()
+    """The settings of its section the search tries."""
+    settings: Callable[[PlanView], Mapping[str, Any]] | None = None
+    """The settings it reads from its section, by name (``PlanView``'s attributes)."""
+    unmodelled: Callable[[PlanView], str] = _costs_all
+    """A setting of its section the cost model does not describe ("" when none)."""
+    knobs_text: Callable[[PlanView], str] = _costs_all
+    """Its settings in a plan's one-line summary ("" at their defaults)."""
+    reductions: Callable[[Step, ParamInfo], tuple] | None = None
+    """How its replicas reduce a parameter's gradient, called when its axis is > 1 (see
+    ``terms.dp``): ``((axes, bytes | None), ...)``, None to join the parameter's one
+    reduction of its shard, bytes for a reduction of its own."""
+    replicates: bool = False
+    """Its axis holds whole replicas of every parameter (ZeRO shards over those)."""
+    saved: Callable[[Step, str, Mapping[str, float]], Mapping[str, Any]] | None = None
+    """``saved(step, policy, kept)``: the parts of one layer's saved activations per token it
+    replaces (``terms.model``: ``attention`` elements, ``mlp`` addends), given the elements
+    ``policy`` keeps by width (``terms.remat.saved_coefficients``)."""
+    scales_saved: Callable[[Step], float] | None = None
+    """How many sets of its layers' saved activations a device keeps (a pipeline's trips)."""
+    head_batch: Callable[[Step], int] | None = None
+    """Sequences the loss head runs on at once, where it decides (else one micro-batch)."""
+    working: Callable[[Step, int], float] | None = None
+    """``working(step, micro_batch)``: activation bytes live once, for one layer's backward."""
+    recomputes_scores: Callable[[Step], bool] | None = None
+    """Whether its backward recomputes q·kᵀ whatever the remat policy."""
+    exposed: Callable[[PlanView], bool] | None = None
+    """Whether its collectives sit on the critical path of this plan whatever the compute."""
+    window: str = "default"
+    """What compute its overlappable collectives hide behind (``throughput.overlap_windows``)."""
+    choices: Callable[[Workload, Mapping[str, int], Space], list[dict]] | None = None
+    """The values of its knobs the search tries on one mesh (``candidate`` keywords)."""
+    allows: Callable[[Workload, Mapping[str, int], Mapping[str, Any]], bool] | None = None
+    """Whether one point (mesh sizes and every knob) is one its strategy runs."""
+    fix: Callable[[Mapping[str, Any]], tuple[dict[str, tuple], tuple[str, ...]]] = _own_only
+    """``--fix`` of its knobs: (the menus they become, axes every plan then needs)."""
+    bounds: Callable[[Mapping[str, int], Space, int], list[dict]] | None = None
+    """``bounds(mesh, space, m)``: knob values whose plans bound every plan on the mesh from
+    below in critical-path collectives (``search.lower_bound``); [] when the plan of default
+    knobs does."""
+
+
+class Terms(tuple):
+    """Terms in order, and for each hook (a ``Term`` field) the ones that set it, found once
+    (the cost model asks them thousands of times per search)."""
+
+    def hooks(self, name: str) -> tuple[Callable, ...]:
+        found = self.__dict__.setdefault("_hooks", {})
+        if name not in found:
+            found[name] = tuple(h for term in self if (h := getattr(term, name)) is not None)
+        return found[name]
 
 
 @functools.lru_cache(maxsize=4096)
 def param_table(w: Workload, axes: tuple[tuple[str, int], ...]) -> tuple:
     splits = param_splits(w, axes)
-    return tuple(
-        (param, _shard(splits[param.name], ()), _shard(splits[param.name], (str(Axis.FSDP),)))
-        for param in w.params
-    )
+    return tuple((param, _shard(splits[param.name], ())) for param in w.params)
 
 
 def _shard(split: dict[str, int], without: tuple[str, ...]) -> int:
@@ -257,10 +328,11 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
     """How the real rules (``shardlib.parallel.plan.ParallelPlan.rules``) split each parameter.
 
     The mesh ``axes`` go through the rules of a plan on them, so the planner and the trainer
-    agree by construction, whatever axes the terms declare (the stage axis splits the
-    stacked ``layers`` dim, which ``ParamInfo`` leaves out: ``Context.layers_per_device``
-    counts it; context splits activations only). Cached per mesh: the search's candidates
-    on one mesh share it. Raises ShardingError when a dim does not divide.
+    agree by construction, whatever axes the terms declare (an axis that splits the stacked
+    ``layers`` dim splits what ``ParamInfo`` leaves out: ``Step.layers_per_device`` counts
+    it; an axis that splits the sequence splits activations only). Cached per mesh: the
+    search's candidates on one mesh share it. Raises ShardingError when a dim does not
+    divide.
     """
     sizes = {str(a): s for a, s in axes if s > 1}
     rules = rules_for_mesh(sizes or {"data": 1})
@@ -279,15 +351,3 @@ def param_splits(w: Workload, axes: tuple[tuple[str, int], ...]) -> dict[str, di
             split.update((a, sizes[a]) for a in entry)
         out[param.name] = split
     return out
-
-
-VIRTUAL_SCHEDULES = ("circular", "1f1b")  # schedules with v virtual stages per device
-
-
-def iterations(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
-    """Loop trips: the trainer's own count (``PipelineSpec.iterations``: m+p-1 GPipe,
-    v·m+p-1 circular, v·m+v·p+p-2 (interleaved) 1F1B); 1 without stages."""
-    if stages == 1:
-        return 1
-    v = virtual if schedule in VIRTUAL_SCHEDULES else 1
-    return PipelineSpec(stages, microbatches, v, schedule).iterations()

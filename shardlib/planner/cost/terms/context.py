@@ -1,6 +1,6 @@
-"""Context parallelism (ring attention): the sequence split, K/V blocks passed round a ring.
+"""Step parallelism (ring attention): the sequence split, K/V blocks passed round a ring.
 
-The trainer's default ``attention=ring`` (``shardlib/parallel/context/ring.py``) runs, per
+The trainer's default ``attention=ring`` (``shardlib/parallel/context/kernels.py``) runs, per
 layer and micro-batch, inside ``shard_map`` over the context axis (c devices):
 
 * forward: c-1 hops, each a ``ppermute`` of this device's current K and V blocks
@@ -12,15 +12,47 @@ layer and micro-batch, inside ``shard_map`` over the context axis (c devices):
 So (3c-2) block-sized permutes per layer where Liu et al. 2023's count is 3(c-1): the
 compiled programs show exactly these (llama-small, c = 2, 4, 8). Each is one
 collective-permute (a device sends its block once). They overlap with the block
-computations. Gradients are also reduced over the context axis (``terms.dp``); the
-activations of ring attention are in ``terms.model``.
+computations (``window``: the attention's).
+
+The hooks say what else ring attention changes. Activations (``saved``, ``working``): no
+score matrix is kept (a fused kernel, ``attention_impl=cudnn``, keeps none either), and its
+backward recomputes q·kᵀ whatever the remat policy (``recomputes_scores``). Gradients
+(``reductions``): the context devices hold the same weights and see other tokens, so
+every gradient is reduced over the context axis too. What the compiled programs do
+(8 devices, llama-small):
+* without FSDP, two all-reduces of the whole gradient, one over ``context`` and one over
+  the other replicas (the partitioner reduces the batch and the sequence contraction
+  separately and XLA does not fold them): 2(c-1)/c·M + 2(d-1)/d·M, more than one
+  reduction over both;
+* with FSDP, one all-reduce over ``data,context`` of the FSDP shard, after the FSDP
+  reduction, except one of the two vocab-sized matrices (the output projection, or the
+  embedding when there is a data axis too): its context all-reduce runs on the whole
+  matrix, before the FSDP slice. Either way that matrix costs the separate form,
+  2(c-1)/c·M_full + 2(d-1)/d·M_shard on top of the FSDP reduction. Not when FSDP runs
+  the head vocab-parallel (``fsdp.vocab_tables``): its context all-reduce then runs on
+  the FSDP shard, as every other matrix's.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import Comm, Context, Contribution, SearchAxis
+from shardlib.core.workload import ParamInfo
+from shardlib.parallel.plan import ParallelPlan
+from shardlib.planner.cost.terms.base import (
+    MASTER_BYTES,
+    Comm,
+    Contribution,
+    SearchAxis,
+    Step,
+    Term,
+)
+from shardlib.planner.cost.terms.fsdp import vocab_tables
+from shardlib.planner.cost.terms.pipeline import layer_runs
+
+CONTEXT = str(Axis.CONTEXT)
 
 POSITION_BYTES = 4  # int32 token positions travel with the K/V blocks (zig-zag order)
 GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dtype
@@ -32,17 +64,17 @@ GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dt
 # blocks at a time. So per token, in units of the q/k/v width (heads + 2 kv_heads)·d/t, the
 # calibration fits ``ring_saved_qkv`` (saved per layer, replacing the dense ``layer_scores``)
 # and ``ring_working_qkv`` (live once: one layer's ring forward/backward working set), on
-# the context probes of ``planner.calibration.PROBES``.
+# the context probes of ``calibrate.fit.PROBES``.
 
 
-def _admits(workload, cluster, space, chosen, size) -> bool:
+def _admits(workload, cluster, chosen, size) -> bool:
     # zig-zag ring attention takes two chunks per device; the MoE model takes no ring
     # token positions
-    return space.context and workload.seq % (2 * size) == 0 and not workload.experts
+    return workload.seq % (2 * size) == 0 and not workload.experts
 
 
 def _check(workload, view) -> None:
-    w, c = workload, view.context
+    w, c = workload, view[CONTEXT]
     if w.seq % (2 * c):
         raise ShardingError(
             f"plan {view.mesh_text()}: seq {w.seq} does not split into 2 chunks on each of "
@@ -59,22 +91,22 @@ SEARCH_AXIS = SearchAxis(
     Axis.CONTEXT,
     placement=40,  # per-layer K/V hops that overlap the block's compute: inside, after tensor
     admits=_admits,
-    splits_batch=False,
+    splits=("seq",),
     rule="splits the sequence in 2 chunks per device, dense models only",
     check=_check,
 )
 
 
-def context(ctx: Context) -> Contribution:
-    p, w = ctx.p, ctx.w
-    if p.context <= 1:
+def context(step: Step) -> Contribution:
+    view, w = step.view, step.workload
+    if view[CONTEXT] <= 1:
         return Contribution()
-    c = p.context
-    elems = ctx.micro_batch * ctx.local_seq * w.kv_heads / p.tensor * w.head_dim
-    kv = 2 * elems * w.compute_bytes + ctx.local_seq * POSITION_BYTES  # K, V, positions
+    c = view[CONTEXT]
+    elems = step.micro_batch * step.local_seq * w.kv_heads / view["tensor"] * w.head_dim
+    kv = 2 * elems * w.compute_bytes + step.local_seq * POSITION_BYTES  # K, V, positions
     dkv = 2 * elems * GRAD_BYTES
-    runs = ctx.layer_runs  # per layer and micro-batch; a pipeline's bubble trips too
-    axes = (str(Axis.CONTEXT),)
+    runs = layer_runs(step)  # per layer and micro-batch; a pipeline's bubble trips too
+    axes = (CONTEXT,)
     return Contribution(
         comms=(
             # c-1 hops in forward and c-1 again in backward
@@ -95,10 +127,69 @@ def context(ctx: Context) -> Contribution:
     )
 
 
-def ring_working_bytes(ctx: Context, micro_batch: int) -> float:
+def ring_working_bytes(step: Step, micro_batch: int) -> float:
     """One layer's ring-attention working set (blocks in flight), live once."""
-    p, w = ctx.p, ctx.w
-    if p.context <= 1:
+    view, w = step.view, step.workload
+    if view[CONTEXT] <= 1:
         return 0.0
-    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim / p.tensor
-    return ctx.calib["ring_working_qkv"] * micro_batch * ctx.local_seq * qkv * w.compute_bytes
+    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim / view["tensor"]
+    return step.calib["ring_working_qkv"] * micro_batch * step.local_seq * qkv * w.compute_bytes
+
+
+def _saved(step: Step, policy: str, kept) -> dict[str, Any]:
+    """Ring attention keeps no score matrix, its own count of q/k/v-wide elements instead
+    (fitted, ``ring_saved_qkv``; none under remat); a fused kernel keeps none at all."""
+    view, w = step.view, step.workload
+    if view[CONTEXT] > 1:
+        qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
+        ring = step.calib["ring_saved_qkv"] * qkv / view["tensor"] if policy == "none" else 0.0
+        return {"attention": ring}
+    if view.fused_attention:  # its output and row statistics: counted with the q/k/v width
+        return {"attention": 0.0}
+    return {}
+
+
+_SEPARATE_WITH_FSDP = "lm_head"
+"""The matrix whose context all-reduce runs unsliced under FSDP (equal in size to the
+embedding, which XLA picks instead when there is a data axis: the same bytes)."""
+
+
+def _reductions(step: Step, param: ParamInfo) -> tuple:
+    """Over ``context``: with the other replicas on the parameter's shard, or alone on the
+    whole matrix first (the separate form of the module docstring)."""
+    separate = param.name == _SEPARATE_WITH_FSDP and param.name not in vocab_tables(step)
+    if step.view["fsdp"] == 1 or separate:
+        ways = step.shard(param, without=("fsdp",))  # the whole matrix, as FSDP gathers it
+        return (((CONTEXT,), param.numel / ways * MASTER_BYTES),)
+    return (((CONTEXT,), None),)
+
+
+_DEFAULT = ParallelPlan().context
+
+
+def _unmodelled(view) -> str:
+    section = view.plan.context
+    if section.attention != _DEFAULT.attention or section.load_balance != _DEFAULT.load_balance:
+        return "context attention other than ring"
+    if view.fused_attention and view[CONTEXT] > 1:
+        return "attention_impl=cudnn across a context axis"
+    return ""
+
+
+TERM = Term(
+    "context",
+    cost=context,
+    axis=SEARCH_AXIS,
+    settings=lambda view: {
+        # one fused kernel (cuDNN's flash attention): the score matrix never reaches HBM,
+        # is never saved for the backward pass, and its products run at the kernel's rate
+        "fused_attention": view.plan.context.attention_impl == "cudnn",
+    },
+    unmodelled=_unmodelled,
+    reductions=_reductions,
+    replicates=True,
+    saved=_saved,
+    working=ring_working_bytes,
+    recomputes_scores=lambda step: step.view[CONTEXT] > 1,
+    window="attention",  # a pass is free while a block's compute outlasts its transfer
+)

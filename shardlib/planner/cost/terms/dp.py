@@ -2,27 +2,20 @@
 
 One reduction of the gradients per micro-batch (shardlib's accumulation loop reduces inside
 the loop, as the compiled program shows; a pipeline's ``data`` replicas reduce once per
-step, after its loop) over every axis that replicates a parameter: the
-``data`` axis, and the context axis (its devices hold the same weights and see other
-tokens). With ZeRO-1/2 the all-reduce becomes a reduce-scatter of the gradients plus an
-all-gather of the updated parameters: the same wire bytes (REFERENCE.md: 2Ψ for stages 0-2).
-Two things the compiled programs add (jax 0.10.2, checked by ``planner.validate``):
+step, after its loop: ``pipeline.gradient_reductions``) over every axis whose devices hold
+replicas of a parameter. Which axes those are, and how each reduces a parameter, is each
+term's own ``reductions`` hook: the ``data`` axis here; any other axis whose devices hold
+the same weights and see other rows or tokens says so in its own term. This term adds up
+what they say, one collective per set of axes that reduce together.
+
+With ZeRO-1/2 the all-reduce becomes a reduce-scatter of the gradients plus an all-gather of
+the updated parameters over the axes that hold whole replicas (``Term.replicates``): the
+same wire bytes (REFERENCE.md: 2Ψ for stages 0-2). Two things the compiled programs add
+(jax 0.10.2, checked by ``planner.validate``):
 - the CPU backend compiles each reduce-scatter as an all-reduce + slice (``backend="cpu"``);
 - ZeRO-1 with micro-batches: the replicated accumulator is filled by a reduce-scatter and
   an all-gather of each micro-batch's gradients (XLA moves the optimizer's sharded layout
   into the loop), so the gradients cross the wire once more per micro-batch.
-
-Data and context together: what the compiled programs do (8 devices, llama-small) is
-* without FSDP, two all-reduces of the whole gradient, one over ``context`` and one over
-  ``data`` (the partitioner reduces the batch and the sequence contraction separately and
-  XLA does not fold them): 2(c-1)/c·M + 2(d-1)/d·M, more than one reduction over both;
-* with FSDP, one all-reduce over ``data,context`` of the FSDP shard, after the FSDP
-  reduction (``terms.fsdp``), except one of the two vocab-sized matrices (the output
-  projection, or the embedding when there is a data axis too): its context all-reduce runs
-  on the whole matrix, before the FSDP slice. Either way that matrix costs the separate
-  form, 2(c-1)/c·M_full + 2(d-1)/d·M_shard on top of the FSDP reduction. Not when FSDP
-  runs the head vocab-parallel (``Context.vocab_tables``): its context all-reduce then
-  runs on the FSDP shard, as every other matrix's.
 """
 
 from __future__ import annotations
@@ -31,70 +24,54 @@ import math
 from collections import defaultdict
 
 from shardlib.core.mesh import Axis
+from shardlib.core.workload import ParamInfo
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
     Comm,
-    Context,
     Contribution,
+    Knob,
     SearchAxis,
+    Step,
+    Term,
     admits_any,
 )
 from shardlib.planner.cost.terms.pipeline import gradient_reductions
+
+DATA = str(Axis.DATA)
 
 SEARCH_AXIS = SearchAxis(
     Axis.DATA,
     placement=0,  # outermost: one gradient reduction per step, which tolerates a slow link
     admits=admits_any,
-    splits_batch=True,
+    splits=("batch",),
     rule="any size that splits the batch",
 )
 
-_SEPARATE_WITH_FSDP = "lm_head"
-"""The matrix whose context all-reduce runs unsliced under FSDP (equal in size to the
-embedding, which XLA picks instead when there is a data axis: the same bytes)."""
 
-
-def replica_axes(ctx: Context) -> tuple[tuple[str, int], ...]:
-    """Axes that replicate every parameter: data and context."""
-    p = ctx.p
-    return tuple((str(a), s) for a, s in ((Axis.DATA, p.data), (Axis.CONTEXT, p.context)) if s > 1)
-
-
-def gradient_reduction(ctx: Context) -> Contribution:
-    p = ctx.p
-    expert = str(Axis.EXPERT)
-    if not replica_axes(ctx) and p.expert <= 1:
+def gradient_reduction(step: Step) -> Contribution:
+    view = step.view
+    terms = [t for t in step.terms if t.reductions and view[str(t.axis.axis)] > 1]
+    if not terms:
         return Contribution()
-    m = p.microbatches if p.stage == 1 else 1
-    layer_count, outer_count = gradient_reductions(ctx)  # with stages: the schedule's loop
-    once = gradient_reductions(ctx, per_replica=True)  # data replicas: after the loop
-    data, context = str(Axis.DATA), str(Axis.CONTEXT)
-    sizes = {data: p.data, context: p.context, expert: p.expert}
-    kind = ctx.scatter_kind if p.zero else "all-reduce"
+    m = view.accumulation
+    kind = step.scatter_kind if view.zero else "all-reduce"
 
     # bytes per (axes of one all-reduce, inside the layer loop or not)
     buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
-    for param, ways, no_fsdp in ctx.table:
+    for param, ways in step.table:
         shard = param.numel / ways * MASTER_BYTES
-        # the expert axis folds into the batch: it replicates what it does not split
-        merged = [a for a in (data, context) if sizes[a] > 1]
-        if p.expert > 1 and expert not in ctx.splits[param.name]:
-            merged.append(expert)
-        separate = param.name == _SEPARATE_WITH_FSDP and param.name not in ctx.vocab_tables
-        if p.context > 1 and (p.fsdp == 1 or separate):
-            # the separate form: a context all-reduce of the whole matrix, then the rest
-            buffers[((context,), param.per_layer)] += param.numel / no_fsdp * MASTER_BYTES
-            merged.remove(context)
+        merged: list[str] = []  # the axes that reduce the parameter's shard together
+        for term in terms:
+            for axes, nbytes in term.reductions(step, param):
+                if nbytes is None:
+                    merged += axes
+                else:  # a reduction of its own, before the shared one
+                    buffers[(axes, param.per_layer)] += nbytes
         if merged:
             buffers[(tuple(merged), param.per_layer)] += shard
 
-    # an MoE's router statistics are not linear in the batch: its pipeline runs no data
-    # replicas (``pipeline_layers``), so data-axis reductions stay in the loop too
-    axes_once = (data,) if not ctx.w.experts else None
-
     def count(axes: tuple[str, ...], per_layer: bool) -> float:
-        once_here = axes == axes_once and p.zero < 3
-        layer, outer = once if once_here else (layer_count, outer_count)
+        layer, outer = gradient_reductions(step, axes)
         return layer if per_layer else outer
 
     comms = [
@@ -103,18 +80,55 @@ def gradient_reduction(ctx: Context) -> Contribution:
             "grads",
             kind,
             axes,
-            math.prod(sizes[a] for a in axes),
+            math.prod(view[a] for a in axes),
             size,
             count(axes, per_layer),
             True,
         )
         for (axes, per_layer), size in buffers.items()
     ]
-    names = tuple(a for a, _ in replica_axes(ctx))
-    if p.zero and names:  # the updated parameters come back
-        total = ctx.held_elements * MASTER_BYTES
-        group = p.data * p.context
+    names = tuple(str(t.axis.axis) for t in terms if t.replicates)
+    if view.zero and names:  # the updated parameters come back
+        total = step.held_elements * MASTER_BYTES
+        group = math.prod(view[a] for a in names)
         comms.append(Comm("dp", "params", "all-gather", names, group, total, 1, True))
-        if p.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch
+        if view.zero == 1 and m > 1:  # the replicated accumulator, re-gathered per micro-batch
             comms.append(Comm("dp", "grads", "all-gather", names, group, total, m, True))
     return Contribution(comms=tuple(comms))
+
+
+def _reductions(step: Step, param: ParamInfo) -> tuple:
+    return (((DATA,), None),)
+
+
+def _choices(workload, mesh, space) -> list[dict]:
+    """ZeRO shards over ``data``. With any axis but tensor beside it XLA merges and places
+    the reductions in ways the cost model does not follow (compiled: HSDP + ZeRO-2 memory
+    1.08x; ZeRO-2 with 1F1B stages memory 0.82x, bytes 0.79x): those combinations are not
+    searched (nor beside an axis added later, until measured)."""
+    zeros = space.menu("zero")
+    plain = all(s == 1 for a, s in mesh.items() if a not in (DATA, str(Axis.TENSOR)))
+    if not (mesh[DATA] > 1 and plain):
+        zeros = tuple(z for z in zeros if z == 0)
+    return [{"zero": z} for z in zeros]
+
+
+TERM = Term(
+    "dp",
+    cost=gradient_reduction,
+    axis=SEARCH_AXIS,
+    knobs=(Knob("zero", (0, 1, 2)),),
+    settings=lambda view: {
+        "zero": view.plan.data.zero,
+        # gradient-accumulation micro-batches (``data.microbatches``), stages or not
+        "accumulation": view.plan.data.microbatches,
+    },
+    unmodelled=lambda view: "ZeRO-3 over data (use an fsdp axis)" if view.zero > 2 else "",
+    knobs_text=lambda view: f"zero{view.zero}" if view.zero else "",
+    reductions=_reductions,
+    replicates=True,
+    # with stages the reduction runs after the pipeline's flush, exposed (as Megatron-LM's)
+    exposed=lambda view: view[str(Axis.STAGE)] > 1,
+    window="backward",  # a micro-batch's reduction hides behind its own backward pass
+    choices=_choices,
+)

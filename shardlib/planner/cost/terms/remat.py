@@ -3,7 +3,7 @@
 The policies are the trainer's (``shardlib/parallel/remat.py``). What each one keeps is,
 first, the buffers the policy keeps by definition (``KEPT``, elements per token per layer
 by width, in the compute dtype), and on top of them what XLA's fusion keeps besides,
-fitted to compiled programs (``planner.calibration``: the ``selective_*``/``full_*``
+fitted to compiled programs (``calibrate.fit``: the ``selective_*``/``full_*``
 coefficients are these extras, non-negative):
 
 - ``selective`` (Korthikanti et al. 2022; ``dots_with_no_batch_dims_saveable``): the outputs
@@ -17,7 +17,9 @@ coefficients are these extras, non-negative):
 - ``full``: the layer input only (REFERENCE.md's "full recompute 2sbh" in fp16 bytes), and
   the whole layer forward again: about one extra forward pass (~33%). Outside a pipeline
   and context parallelism the trainer keeps that input split over ``tensor`` too
-  (``strategies.remat.partition_saved_inputs``): h/t per token (``saved_input_split``).
+  (``parallel.remat.partition_saved_inputs``): h/t per token (``saved_input_split``).
+A term whose backward recomputes q·kᵀ whatever the policy says so
+(``Term.recomputes_scores``).
 
 Either way one layer's recomputed intermediates are live while its backward runs
 (``working_bytes``): the attention probabilities (``remat_scores``) and, under ``full``,
@@ -26,7 +28,11 @@ the rest of the layer's residuals (``full_layer_live``: a fraction of the ``none
 
 from __future__ import annotations
 
-from shardlib.planner.cost.terms.base import Context
+from shardlib.planner.cost.terms.base import Knob, Step, Term
+
+REMAT = ("none", "selective", "full")
+"""Remat policies the cost model knows, lightest first: keep everything; drop attention
+scores; keep layer inputs (``Remat.policy``)."""
 
 KEPT: dict[str, dict[str, float]] = {
     "selective": {"h": 2.0, "qkv": 1.0, "mlp": 2.0},
@@ -46,24 +52,38 @@ def saved_coefficients(policy: str, calib: dict) -> dict[str, float]:
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
-def saved_input_split(ctx: Context) -> int:
+def saved_input_split(step: Step) -> int:
     """Ways ``full`` keeps a layer's input split beyond the residual stream's own layout:
     the tensor degree where ``partition_saved_inputs`` applies (no pipeline stages, no
-    context split of the tokens; the planner searches no sequence parallelism), else 1."""
-    p = ctx.p
-    return p.tensor if p.remat == "full" and p.stage == 1 and p.context == 1 else 1
+    axis splitting the tokens of a sequence; the planner searches no sequence
+    parallelism), else 1."""
+    view = step.view
+    whole = view.ways("layers") == 1 and view.ways("seq") == 1
+    return view["tensor"] if view.remat == "full" and whole else 1
 
 
-def recompute_flops(ctx: Context, tokens: float, layer_flops: float, attn_flops: float) -> float:
+def recompute_flops(step: Step, tokens: float, layer_flops: float, attn_flops: float) -> float:
     """FLOPs the backward pass spends recomputing forward work, per device per step.
 
-    Ring attention (a context axis) recomputes each block's probabilities in its backward
-    whatever the policy (``kernels/ring_attention.py``): q·kᵀ again, as selective does.
+    A term may recompute the attention's probabilities in its backward whatever the policy
+    (``Term.recomputes_scores``: ring attention's blocks): q·kᵀ again, as selective does.
     """
-    policy, layers = ctx.p.remat, ctx.layers_per_device
+    policy, layers = step.view.remat, step.layers_per_device
     extra = 0.0
-    if policy == "selective" or ctx.p.context > 1:  # q·kᵀ: half the attention FLOPs
+    scores = policy == "selective" or any(
+        recomputes(step) for recomputes in step.hooks("recomputes_scores")
+    )
+    if scores:  # q·kᵀ: half the attention FLOPs
         extra += tokens * layers * attn_flops / 2
     if policy == "full":
         extra += tokens * layers * (layer_flops + attn_flops)
     return extra
+
+
+TERM = Term(
+    "remat",
+    knobs=(Knob("remat", REMAT, trades=True),),
+    settings=lambda view: {"remat": view.plan.remat.policy},
+    unmodelled=lambda view: f"remat={view.remat}" if view.remat not in REMAT else "",
+    knobs_text=lambda view: f"remat={view.remat}" if view.remat != "none" else "",
+)

@@ -14,29 +14,45 @@ without micro-batches ZeRO-2 uses what ZeRO-1 does (compiled: equal to the byte)
 
 from __future__ import annotations
 
-from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Context, Contribution
+from shardlib.planner.cost.terms.base import (
+    ADAM_BYTES,
+    MASTER_BYTES,
+    Contribution,
+    Step,
+    Term,
+    per_step,
+)
+from shardlib.planner.cost.terms.fsdp import layer_elements_gathered
 
 
-def state(ctx: Context) -> Contribution:
-    p = ctx.p
-    n = ctx.held_elements
+@per_step
+def optimizer_bytes(step: Step) -> float:
+    """Adam's m and v on one device (ZeRO-1 and up shard them over ``data``)."""
+    view = step.view
+    return step.held_elements * ADAM_BYTES / (view["data"] if view.zero >= 1 else 1)
+
+
+def state(step: Step) -> Contribution:
+    view = step.view
+    n = step.held_elements
     params = n * MASTER_BYTES
-    opt = n * ADAM_BYTES / (p.data if p.zero >= 1 else 1)
+    opt = optimizer_bytes(step)
     # the step's computed gradients are whole before they are reduced, at every ZeRO stage
     # (XLA schedules the reduction after the backward pass); ZeRO-2 shards the accumulator
     grads = n * MASTER_BYTES
     # accumulation carries a sum of gradients; so does the 1F1B pipeline loop (all of them,
     # embedding and head too), GPipe/circular differentiate their loop and do not
-    accumulates = p.microbatches > 1 if p.stage == 1 else p.schedule == "1f1b"
-    accumulator = grads / (p.data if p.zero >= 2 else 1) if accumulates else 0.0
+    accumulates = view.microbatches > 1 if view["stage"] == 1 else view.schedule == "1f1b"
+    accumulator = grads / (view["data"] if view.zero >= 2 else 1) if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
-    in_flight = ctx.layer_elements_gathered
-    live = ctx.calib["grad_layers_live"]
-    if p.stage > 1 and p.schedule == "1f1b":  # a stage's vjp returns all its L/p layers' at once
-        live += ctx.layers_per_device - 1
+    in_flight = layer_elements_gathered(step)
+    live = step.calib["grad_layers_live"]
+    if view["stage"] > 1 and view.schedule == "1f1b":
+        live += step.layers_per_device - 1  # a stage's vjp returns all its L/p layers' at once
     in_flight *= live * MASTER_BYTES
     # the optimizer update's temporaries, as sharded as the optimizer state (ZeRO-1 shrinks them)
-    update = ctx.calib["update_live"] * n * MASTER_BYTES / (p.data if p.zero >= 1 else 1)
+    shards = view["data"] if view.zero >= 1 else 1
+    update = step.calib["update_live"] * n * MASTER_BYTES / shards
     return Contribution(
         memory={
             "params": params,
@@ -44,3 +60,6 @@ def state(ctx: Context) -> Contribution:
             "grads": grads + accumulator + in_flight + update,
         }
     )
+
+
+TERM = Term("state", cost=state)

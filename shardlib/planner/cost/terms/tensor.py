@@ -10,7 +10,7 @@ sum and target pick over the split vocab (three of b·s fp32 values) and the hea
 gradient (b·s·h). Under full remat the saved layer input is kept split over tensor and
 all-gathered once per layer before its recompute (``terms.remat.saved_input_split``). These
 sit on the critical path: nothing overlaps them. Under FSDP's
-vocab-parallel head (``Context.vocab_tables``) the vocab splits over fsdp x tensor and
+vocab-parallel head (``fsdp.vocab_tables``) the vocab splits over fsdp x tensor and
 those run over both axes (``terms.fsdp``).
 """
 
@@ -19,7 +19,10 @@ from __future__ import annotations
 import math
 
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import Comm, Context, Contribution, SearchAxis
+from shardlib.parallel.plan import ParallelPlan
+from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
+from shardlib.planner.cost.terms.fsdp import vocab_tables
+from shardlib.planner.cost.terms.pipeline import executed, layer_runs
 from shardlib.planner.cost.terms.remat import saved_input_split
 
 FORWARD_PER_LAYER = 2
@@ -28,50 +31,67 @@ RECOMPUTED_PER_LAYER = 1
 """Under full remat: the attention output's all-reduce, recomputed before the backward."""
 
 
-def _admits(workload, cluster, space, chosen, size) -> bool:
-    max_tensor = space.max_tensor or cluster.devices_per_host
-    return size <= max_tensor and math.gcd(*workload.tensor_sizes) % size == 0
+def _admits(workload, cluster, chosen, size) -> bool:
+    return math.gcd(*workload.tensor_sizes) % size == 0
 
 
 SEARCH_AXIS = SearchAxis(
     Axis.TENSOR,
     placement=50,  # innermost: its all-reduces are on the critical path of every layer
     admits=_admits,
-    splits_batch=False,
+    largest=lambda cluster: cluster.devices_per_host,  # never across hosts unless asked
     rule="divides the heads, kv-heads, MLP and vocab widths and stays inside one host",
 )
 
+_DEFAULT = ParallelPlan().tensor
 
-def tensor(ctx: Context) -> Contribution:
-    p, w = ctx.p, ctx.w
-    if p.tensor <= 1:
+
+def _unmodelled(view) -> str:
+    extra_axes = any(a in view for a in ("tensor2", "tensor3"))
+    if view.plan.tensor != _DEFAULT or extra_axes:
+        return "tensor.sequence_parallel or 2D/3D tensor axes"
+    return ""
+
+
+def tensor(step: Step) -> Contribution:
+    view, w = step.view, step.workload
+    if view["tensor"] <= 1:
         return Contribution()
-    axes, t = (str(Axis.TENSOR),), p.tensor
-    tokens = ctx.micro_batch * ctx.local_seq
+    axes, t = (str(Axis.TENSOR),), view["tensor"]
+    tokens = step.micro_batch * step.local_seq
     bsh = tokens * w.embed * w.compute_bytes
-    m = p.microbatches
-    if p.stage > 1 and p.schedule == "1f1b":  # embedding and head run inside the loop
-        m = ctx.executed
+    m = view.microbatches
+    if view["stage"] > 1 and view.schedule == "1f1b":  # embedding and head run inside the loop
+        m = executed(step)
     # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
     # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
     # all-reduce is not needed for the backward pass). Both at once compose: the 1F1B
     # stage's recomputed forward, then each layer's own recompute inside its backward
     # (compiled, 39B/146B-class layouts: 7 all-reduces per layer and loop trip; issue 15)
     forward = FORWARD_PER_LAYER
-    if p.stage > 1 and p.schedule == "1f1b":
+    if view["stage"] > 1 and view.schedule == "1f1b":
         forward += FORWARD_PER_LAYER
-    if p.remat == "full":
+    if view.remat == "full":
         forward += RECOMPUTED_PER_LAYER
-    per_layer = (forward + BACKWARD_PER_LAYER) * ctx.layer_runs  # with stages: loop trips
-    if w.experts:  # an MoE block's MLP all-reduces are the expert buffers' (terms.expert)
-        per_layer -= (forward // 2 + 1) * ctx.layer_runs / w.moe_every
+    per_layer = (forward + BACKWARD_PER_LAYER) * layer_runs(step)  # with stages: loop trips
+    if w.experts:  # an MoE block's MLP is its experts': the expert term's all-reduces
+        per_layer -= (forward // 2 + 1) * layer_runs(step) / w.moe_every
     comms = [Comm("tensor", "activations", "all-reduce", axes, t, bsh, per_layer, False)]
-    if saved_input_split(ctx) > 1:  # each layer's split input, gathered before its recompute
-        gathers = ctx.layer_runs
+    if saved_input_split(step) > 1:  # each layer's split input, gathered before its recompute
+        gathers = layer_runs(step)
         comms.append(Comm("tensor", "saved inputs", "all-gather", axes, t, bsh, gathers, False))
-    if not ctx.vocab_tables:  # else FSDP's vocab-parallel head runs them over fsdp x tensor
+    if not vocab_tables(step):  # else FSDP's vocab-parallel head runs them over fsdp x tensor
         comms += [
             Comm("tensor", "embedding", "all-reduce", axes, t, bsh, 2 * m, False),
             Comm("tensor", "softmax", "all-reduce", axes, t, tokens * 4, 3 * m, False),
         ]
     return Contribution(comms=tuple(comms))
+
+
+TERM = Term(
+    "tensor",
+    cost=tensor,
+    axis=SEARCH_AXIS,
+    unmodelled=_unmodelled,
+    exposed=lambda view: True,  # nothing overlaps its all-reduces
+)

@@ -1,7 +1,10 @@
-"""Ring attention: K/V blocks travel around the context axis while queries stay put.
+"""The kernels context parallelism runs on each device's slice of the sequence.
 
-Runs inside ``shard_map`` on one device's slice of the sequence (Liu et al. 2023, "Ring
-Attention with Blockwise Transformers"). Device i starts with its own K/V block; after
+All three run inside ``shard_map`` (``parallel.context.attend`` sets it up) and take token
+positions alongside q and k, so the causal mask stays right in any token order.
+
+Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): K/V blocks
+travel around the context axis while queries stay put. Device i starts with its own K/V block; after
 folding it into the online softmax of its queries it passes the block to device i+1 with
 ``ppermute`` and receives the one of device i-1, N-1 times. Only one foreign K/V block is
 resident at a time, so attention memory per device falls by N.
@@ -13,8 +16,18 @@ probabilities from the saved log-sum-exp; the gradients of a K/V block travel *w
 block, collecting each device's contribution, and after N hops they are home.
 
 Causal masking uses token positions, so blocks that lie wholly in a query block's future
-are skipped (``lax.cond``), and the zig-zag token order (strategies/context.py) gives every
+are skipped (``lax.cond``), and the zig-zag token order (``zigzag_order``) gives every
 device the same amount of unmasked work.
+
+Ulysses and all-gather call a local attention function ``inner(q, k, v, q_pos, k_pos)``
+(dense or chunked) on what they gather.
+
+- Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns [s/N tokens, all
+  heads] into [all tokens, h/N heads] for q, k and v; attention is then local per head and
+  a fourth all-to-all turns the output back. Per device and layer 4·s·h/N elements move
+  (forward), independent of N when s grows with N. Heads and K/V heads must divide by N.
+- all-gather: every device gathers the whole K and V and attends with its own queries.
+  Simple and head-count agnostic, but K/V memory is the full sequence's.
 """
 
 from __future__ import annotations
@@ -99,3 +112,28 @@ def ring_attention(
     q = to_groups(q_BLHK, g)
     out = _ring(q, k_BLGK, v_BLGK, q_pos_L, k_pos_L, axis_name, axis_size, causal, chunk, chunk)
     return from_groups(out)
+
+
+# --- Ulysses and all-gather: collectives around a local kernel ------------------------------
+
+
+def ulysses_attention(q_BLHK, k_BLGK, v_BLGK, q_pos_L, k_pos_L, *, axis_name, inner):
+    """Swap sequence for heads, attend over the full sequence on h/N heads, swap back."""
+
+    def to_heads(x):  # [B, L/N, H, K] -> [B, L, H/N, K]
+        return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+    q, k, v = to_heads(q_BLHK), to_heads(k_BLGK), to_heads(v_BLGK)
+    q_pos = jax.lax.all_gather(q_pos_L, axis_name, tiled=True)
+    k_pos = jax.lax.all_gather(k_pos_L, axis_name, tiled=True)
+    out = inner(q, k, v, q_pos, k_pos)
+    return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def all_gather_attention(q_BLHK, k_BLGK, v_BLGK, q_pos_L, k_pos_L, *, axis_name, inner):
+    """Local queries against the gathered keys and values of the whole sequence."""
+
+    def gather(x, axis):
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+    return inner(q_BLHK, gather(k_BLGK, 1), gather(v_BLGK, 1), q_pos_L, gather(k_pos_L, 0))

@@ -1,4 +1,4 @@
-"""What a new user hit on a first model of their own (issue 17), one test per point.
+"""Bad input a new user hits on a first model of their own, one test per point.
 
 Each bad input must be a one-line ``ShardingError`` naming the value and a fix (on the
 command line: exit code 2, no traceback), raised before any training step.
@@ -78,7 +78,7 @@ def test_an_activation_error_names_the_line_that_constrained_it():
     with pytest.raises(ShardingError) as err:
         jax.jit(forward).lower(jax.ShapeDtypeStruct((3, 4), jnp.float32))
     text = _one_line(err.value)
-    assert "activation [batch, embed] at test_new_user.py:" in text, text
+    assert "activation [batch, embed] at test_bad_input.py:" in text, text
     assert "in test_an_activation_error_names_the_line_that_constrained_it.<locals>.forward" in text
     assert "tensor 'activation'" not in text
 

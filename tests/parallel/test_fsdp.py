@@ -1,9 +1,16 @@
-"""FSDP splits every parameter large enough to matter, whatever its dims (issue 16).
+"""FSDP (ZeRO-3): which dim of each parameter it splits, and vocab-parallel parity.
 
-A ViT-style model has biases and other tensors without an ``embed`` dim; FSDP used to split
-only ``embed`` and left them replicated (1.063x of P*4/N per device). Now each parameter is
-split on its first dim in ``SHARED_ORDER`` that divides; a tensor none of whose dims divides
-stays replicated if it has under ``SHARED_MIN_ELEMENTS`` elements and is refused otherwise.
+Fallback: a ViT-style model has biases and other tensors without an ``embed`` dim; each
+parameter is split on its first dim in ``SHARED_ORDER`` that divides; a tensor none of whose
+dims divides stays replicated if it has under ``SHARED_MIN_ELEMENTS`` elements and is
+refused otherwise (splitting only ``embed`` left them replicated: 1.063x of P*4/N per device).
+
+Vocab parallelism: the embedding table and output projection split on vocab where that moves
+fewer bytes (``parallel.fsdp.vocab_parallel_pays``); the lookup is then the explicit
+reduce-scatter form of ``shardlib.core.lookup`` and the head's input is gathered over
+``fsdp`` only. On data 2 x fsdp 2 x tensor 2 every part of it runs: the token gather and the
+reduce-scatter over fsdp, the sum over tensor, and the gradient's sum over data; it must
+train exactly like one device.
 """
 
 import math
@@ -15,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib import ParallelPlan, ShardingError, mesh_spec, resolve_spec
 from shardlib.core.rules import SHARED_MIN_ELEMENTS
+from shardlib.tools.parity import FP32_TOLERANCE, check_parity
+from shardlib.train.config import train_config
+from shardlib.train.setup import make_setup
 
 # A ViT-like parameter set: shape and logical names of every tensor (no model needed).
 VIT = {
@@ -79,3 +89,20 @@ def test_the_resolved_spec_places_the_tensor_as_stated():
         jax.numpy.zeros(shape), NamedSharding(mesh, resolve_spec("b", shape, names, rules, axes))
     )
     assert {s.data.shape for s in x.addressable_shards} == {(6, 512)}
+
+
+# --- vocab-parallel embedding and head ----------------------------------------------------
+
+
+# vocab 2048 against 2 x 4 sequences x 16 tokens per FSDP group: vocab-parallel pays
+CFG = train_config(steps=2, batch=8, seq=16, **{"model.vocab": 2048, "model.layers": 1})
+
+
+def test_vocab_parallel_head_matches_one_device():
+    mesh = mesh_spec(data=2, fsdp=2, tensor=2).build()
+    specs = make_setup(CFG, mesh).param_specs
+    assert specs["embedding"] == P(("fsdp", "tensor"))  # [vocab, embed]: rows split 4 ways
+    assert specs["lm_head"] == P(None, ("fsdp", "tensor"))  # [embed, vocab]
+    result = check_parity(CFG, mesh)
+    assert result.max_rel_loss_err <= FP32_TOLERANCE, result
+    assert result.max_rel_grad_err <= FP32_TOLERANCE, result

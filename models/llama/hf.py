@@ -1,0 +1,139 @@
+"""The Llama family in Hugging Face's form: tensor names, layouts and ``config.json``.
+
+``ADAPTER`` (a ``shardlib.core.model.HFAdapter``) is registered with every Llama preset
+(``models.registry``), so ``shardlib.interop`` imports and exports Llamas without naming
+one of their parameters. shardlib stacks the blocks (one tensor with a
+leading ``layers`` dim) where Hugging Face names each layer; its ``nn.Linear`` weights are
+[out, in] where shardlib's are [in, out], heads split out (the layouts of ``HFTensor``).
+Hugging Face (and shardlib) rotate feature i with i + head_dim/2; Meta's original
+checkpoints rotate neighbours, which import undoes for the ``rotary`` q/k weights.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from shardlib.core.capabilities import HFAdapter
+
+_LAYER = "model.layers.{i}."
+TENSORS = {
+    "embedding": ("model.embed_tokens.weight", "same"),
+    "final_norm/scale": ("model.norm.weight", "same"),
+    "lm_head": ("lm_head.weight", "transpose"),
+    "blocks/attn_norm/scale": (_LAYER + "input_layernorm.weight", "same"),
+    "blocks/mlp_norm/scale": (_LAYER + "post_attention_layernorm.weight", "same"),
+    "blocks/attn/wq": (_LAYER + "self_attn.q_proj.weight", "in_heads"),
+    "blocks/attn/wk": (_LAYER + "self_attn.k_proj.weight", "in_heads"),
+    "blocks/attn/wv": (_LAYER + "self_attn.v_proj.weight", "in_heads"),
+    "blocks/attn/wo": (_LAYER + "self_attn.o_proj.weight", "out_heads"),
+    "blocks/mlp/w_gate": (_LAYER + "mlp.gate_proj.weight", "transpose"),
+    "blocks/mlp/w_up": (_LAYER + "mlp.up_proj.weight", "transpose"),
+    "blocks/mlp/w_down": (_LAYER + "mlp.down_proj.weight", "transpose"),
+}
+LORA_WEIGHTS = {"q": "attn/wq", "k": "attn/wk", "v": "attn/wv", "o": "attn/wo"}
+LORA_WEIGHTS |= {"gate": "mlp/w_gate", "up": "mlp/w_up", "down": "mlp/w_down"}
+"""LoRA target -> the block weight its factors adapt (``models.llama.lora``)."""
+
+
+def llama_settings(hf: dict) -> dict:
+    """Hugging Face ``config.json`` -> ``LlamaConfig`` fields (``model.NAME`` values)."""
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type={hf.get('model_type')!r}; only llama is supported.")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{flag}=true; shardlib's Llama has no biases.")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r}; shardlib's MLP is SwiGLU.")
+    heads = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        scaling = (*(float(rope[k]) for k in keys), int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ValueError(f"rope_type={kind!r}; supported: default, llama3.")
+    return {
+        "vocab": hf["vocab_size"],
+        "embed": hf["hidden_size"],
+        "layers": hf["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "mlp": hf["intermediate_size"],
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_scaling": scaling,
+        "max_positions": hf.get("max_position_embeddings", 8192),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def llama_config_json(model: dict) -> dict:
+    """``LlamaConfig`` fields -> a ``config.json`` that ``transformers`` loads (4.x and 5.x:
+    both rope spellings)."""
+    scaling = model.get("rope_scaling")
+    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    if scaling:
+        factor, low, high, original = scaling
+        rope = {
+            "rope_type": "llama3", "rope_theta": model["rope_theta"], "factor": factor,
+            "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model["vocab"],
+        "hidden_size": model["embed"],
+        "intermediate_size": model["mlp"],
+        "num_hidden_layers": model["layers"],
+        "num_attention_heads": model["heads"],
+        "num_key_value_heads": model["kv_heads"],
+        "head_dim": model["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": model["max_positions"],
+        "rms_norm_eps": model["norm_eps"],
+        "rope_theta": model["rope_theta"],
+        "rope_scaling": rope if scaling else None,
+        "rope_parameters": rope,
+        "tie_word_embeddings": bool(model["tie_embeddings"]),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def merge_lora(flat: dict, model: dict) -> dict:
+    """Base weights with (alpha / rank) * A @ B added; adapters dropped. Numpy or jax."""
+    rank = model.get("lora_rank", 0)
+    out = {k: v for k, v in flat.items() if "/lora_" not in k}
+    if not rank:
+        return out
+    scale = model["lora_alpha"] / rank
+    for target, weight in LORA_WEIGHTS.items():
+        module = weight.rpartition("/")[0]
+        a = flat.get(f"blocks/{module}/lora_{target}_a")
+        if a is None:
+            continue
+        b = flat[f"blocks/{module}/lora_{target}_b"]
+        w = out[f"blocks/{weight}"]
+        xp = np if isinstance(w, np.ndarray) else jnp
+        layers = w.shape[0]
+        a_LIR, b_LRO = a.reshape(layers, -1, rank), b.reshape(layers, rank, -1)
+        delta = xp.matmul(a_LIR, b_LRO).reshape(w.shape)  # [layers, *in, *out]
+        out[f"blocks/{weight}"] = (w + scale * delta).astype(w.dtype)
+    return out
+
+
+ADAPTER = HFAdapter(
+    hf_type="llama",
+    preset="llama-tiny",  # every field config.json sets, it sets for any Llama preset
+    tensors=TENSORS,
+    rotary=("blocks/attn/wq", "blocks/attn/wk"),
+    checked=("rope_theta", "norm_eps", "rope_scaling", "tie_embeddings"),
+    settings=llama_settings,
+    config_json=llama_config_json,
+    merged=merge_lora,
+)

@@ -1,0 +1,252 @@
+"""One gradient path: ``ParallelPlan.value_and_grad`` for every layout.
+
+The trainer hands over its loss and gets ``(params, batch) -> (loss, grads)``, the mean over
+``data.microbatches`` sequential micro-batches (``accumulate``). Which gradient that is, is
+the plan's business alone, decided here and nowhere else:
+
+* plain: ``jax.value_and_grad`` of the loss. XLA's propagation reduces the gradients over
+  the batch axes (every strategy's rules, GPipe and circular pipelines included,
+  whose schedule is the loss's layer loop: ``layer_loop``);
+* ``data.onebit_momentum`` (1-bit Adam): the same, but each device's own gradient. The train
+  step runs in ``shard_map`` over ``data`` (``train/onebit.py``) and the optimizer's
+  compressed momentum exchange is the only reduction over that axis, so nothing here pins a
+  layout;
+* ``data``'s ZeRO++ parts: ZeRO-3's gradient with quantized or hierarchical collectives
+  (``zeropp``);
+* ``pipeline.schedule = 1f1b``: the (interleaved) 1F1B schedule writes forward and backward
+  into one loop (``pipeline.one_f_one_b``), so it cannot differentiate the loss whole. It
+  runs the loss's own parts (``StagedLoss``: its token order, embedding, blocks, head and
+  loss) under ``plan.ops()``, as the loss itself does, so the attention kernel the plan
+  installs (a sequence split's kernel, say) and the loss are the trainer's under every schedule.
+
+fp16: the loss is multiplied by ``loss_scale`` and the loss and gradients come back scaled
+(the trainer unscales them and skips a non-finite step), whichever path computed them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.layout import constrain
+from shardlib.core.mesh import Axis
+from shardlib.core.ops import scan_blocks
+from shardlib.parallel import zeropp
+from shardlib.parallel.layer_loop import cast_params
+from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
+from shardlib.parallel.remat import remat_block
+
+if TYPE_CHECKING:
+    from shardlib.parallel.plan import ParallelPlan
+
+TOKEN_NAMES = ("batch", None)  # a micro-batch of tokens [b, seq + 1]: seq never split
+
+
+class StagedLoss(Protocol):
+    """The trainer's loss, whole and in the parts a pipeline schedules apart
+    (``train.step.DecoderLoss``). Parameters handed to the parts are already in the
+    compute dtype; the whole loss casts its fp32 masters itself."""
+
+    def __call__(self, params, batch): ...  # -> loss, or (loss, metrics) with has_aux
+
+    def split(self, batch):
+        """(inputs [b, seq], targets [b, seq], positions [seq] or None, weights or None)
+        in the order the model sees the tokens (the plan's ``split_tokens``)."""
+
+    def embed(self, params, inputs_BL): ...  # -> x [b, seq, embed]
+
+    def block(self, block_graph, positions_L):
+        """``block_fn(layer_state, x)``: one block at these token positions."""
+
+    def head(self, params, x_BLD, targets_BL, weights_BL):
+        """(loss, metrics) of the last block's output: the trainer's loss and mask."""
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the gradient path reads besides the plan and the loss: the model's graph and
+    the layouts the plan's rules gave its parameters and batch (``TrainSetup.step_layout``)."""
+
+    graphdef: Any
+    """The model's ``nnx.GraphDef`` (the 1F1B schedule splits the stacked blocks off it)."""
+    dtype: Any
+    """Compute dtype; parameters arrive as fp32 master weights."""
+    workload: Any
+    """The model and step the plan was checked against (the remat policy reads it)."""
+    mesh: Mesh
+    param_specs: dict
+    """``PartitionSpec`` per parameter (ZeRO++ gathers along them)."""
+    param_shardings: dict
+    """``NamedSharding`` per parameter (1F1B pins the non-block gradients to them)."""
+    grad_shardings: dict | None
+    """Layout of the gradient accumulation buffer (ZeRO-2/3: sharded); None: not pinned."""
+    batch_spec: P
+    """The batch's ``PartitionSpec`` (``[batch, seq + 1]``)."""
+
+
+def value_and_grad(
+    plan: ParallelPlan,
+    loss_fn,
+    layout: StepLayout,
+    *,
+    has_aux: bool = False,
+    loss_scale=None,
+):
+    """``(params, batch) -> (loss, grads)`` of ``loss_fn`` on this plan (the module
+    docstring's cases), averaged over ``plan.data.microbatches``. With ``has_aux`` the loss
+    returns ``(loss, metrics)`` and so does the result (the 1F1B schedule reports none)."""
+    fn = _with_aux(loss_fn, has_aux, loss_scale)
+    spec = plan.pipeline_spec()
+    shardings = layout.grad_shardings
+    if plan.data.onebit_momentum:  # inside the step's shard_map: this device's gradient
+        grad_fn, shardings = jax.value_and_grad(fn, has_aux=True), None
+    elif plan.data.zeropp:
+        grad_fn = zeropp.value_and_grad(plan, fn, layout)
+    elif spec is not None and spec.schedule == "1f1b":
+        grad_fn = _one_f_one_b(plan, loss_fn, layout, loss_scale)
+    else:
+        grad_fn = jax.value_and_grad(fn, has_aux=True)
+    grad_fn = accumulate(grad_fn, fn, plan.data.microbatches, shardings)
+    if has_aux:
+        return grad_fn
+
+    def loss_only(params, batch):
+        (loss, _), grads = grad_fn(params, batch)
+        return loss, grads
+
+    return loss_only
+
+
+def _with_aux(loss_fn, has_aux: bool, loss_scale) -> Callable:
+    """``loss_fn`` as ``(params, batch) -> (loss * loss_scale, metrics)``."""
+
+    def fn(params, batch):
+        out = loss_fn(params, batch)
+        loss, metrics = out if has_aux else (out, {})
+        return (loss if loss_scale is None else loss * loss_scale), metrics
+
+    return fn
+
+
+def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None):
+    """``grad_fn`` averaged over ``microbatches`` sequential slices of the batch.
+
+    Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
+    device's contiguous block of rows inside each micro-batch, so no data moves. Each
+    micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
+    packed batch's dict is cut alike, field by field; its weights are normalised over the
+    whole batch first, ``train.step.normalise_weights``, so the masked mean stays global).
+    ``loss_fn`` gives the shapes of the summed ``(loss, metrics)``; the sum of gradients is
+    pinned to ``grad_shardings`` (ZeRO-2/3: reduce-scattered per micro-batch) where given.
+    """
+    if microbatches == 1:
+        return grad_fn
+
+    def cut(x_BL):  # [B, L] -> [m, B/m, L]
+        b, l1 = x_BL.shape
+        return x_BL.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
+
+    def accumulated(params, batch):
+        micro = jax.tree.map(cut, batch)  # a packed batch's every array alike
+
+        def body(carry, batch_mb):
+            loss_sum, grad_sum = carry
+            batch_mb = jax.tree.map(lambda x: constrain(x, TOKEN_NAMES), batch_mb)
+            loss, grads = grad_fn(params, batch_mb)
+            loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            if grad_shardings is not None:
+                grad_sum = jax.lax.with_sharding_constraint(grad_sum, grad_shardings)
+            return (loss_sum, grad_sum), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        first = jax.tree.map(lambda x: x[0], micro)
+        loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first))
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro)
+        return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
+
+    return accumulated
+
+
+def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_scale):
+    """The 1F1B schedule's ``(params, tokens) -> ((loss, {}), grads)`` from the loss's parts.
+
+    The stacked blocks stay fp32 master weights (each stage casts its own per trip, so the
+    per-micro-batch gradients accumulate in fp32); every other parameter is cast once. The
+    blocks see the token positions of the loss's token order (``split_tokens``).
+    """
+    parts = ("split", "embed", "block", "head")
+    if not all(hasattr(loss, name) for name in parts):
+        raise ShardingError(
+            "pipeline_schedule=1f1b runs the loss in parts (token order, embedding, blocks, "
+            f"head and loss), but this loss is a plain function ({loss!r}). Fix: the "
+            "trainer's loss (train.step.make_loss_fn), or pipeline_schedule=gpipe."
+        )
+    spec = plan.pipeline_spec()
+    remat = plan.remat.spec(layout.workload)
+    rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
+
+    def value_and_grad(params, tokens_BL1):
+        if isinstance(tokens_BL1, dict):
+            raise ShardingError(
+                "pipeline_schedule=1f1b with a packed batch (a prepared dataset): each "
+                "micro-batch's document positions would have to travel with it through the "
+                "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
+                "without a stage axis."
+            )
+        cast = cast_params(params, layout.dtype, keep_blocks=True)  # blocks: cast per stage
+        block_graph, blocks_state = nnx.split(nnx.merge(layout.graphdef, cast).blocks)
+        rest = {k: v for k, v in cast.items() if k != "blocks"}
+
+        def whole(r):
+            return {**r, "blocks": cast["blocks"]}
+
+        positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
+        run = one_f_one_b_value_and_grad(
+            spec,
+            block_fn=remat_block(loss.block(block_graph, positions_L), remat),
+            stage_layers=scan_blocks,
+            embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL),
+            head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
+            split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
+        )
+        with plan.ops():  # the attention kernel (and exchange) the plan picks, as in the loss
+            value, g_rest, g_blocks = run(
+                rest, blocks_state, tokens_BL1, rest_shardings, loss_scale
+            )
+        grads = {**g_rest, "blocks": nnx.to_pure_dict(g_blocks)}
+        return (value, {}), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    return value_and_grad
+
+
+def check(plan: ParallelPlan) -> None:
+    """The gradient path's refusals that span sections: 1-bit momentum runs on a plain
+    data-parallel mesh with replicated state (DeepSpeed: 1-bit Adam does not combine with
+    ZeRO), since its step maps the ``data`` axis alone and keeps one error buffer per device."""
+    if not plan.data.onebit_momentum:
+        return
+    others = {a: s for a, s in plan.mesh_axes.items() if a != Axis.DATA and s > 1}
+    problems = [f"mesh axes {others} besides {Axis.DATA!r}"] if others else []
+    if plan.data.zero:
+        problems.append(f"zero={plan.data.zero}")
+    if plan.data.zeropp:
+        problems.append("ZeRO++ (quantized_weights / hpz / quantized_gradients)")
+    if plan.offload.optimizer or plan.offload.params:
+        problems.append("offload")
+    if problems:
+        raise ShardingError(
+            "1-bit Adam (optimizer=onebit_adam, i.e. parallel.data.onebit_momentum) exchanges "
+            f"the momentum over the {Axis.DATA!r} axis of a plain data-parallel mesh with "
+            f"replicated state, but this plan has {', '.join(problems)}. Fix: a mesh data=N "
+            "with zero=0 and no offload (as in DeepSpeed, 1-bit Adam does not combine with "
+            "ZeRO), or optimizer=adamw without onebit_momentum."
+        )
