@@ -1,9 +1,12 @@
-"""Context parallelism's attention kernels against dense attention: chunked, ring, Ulysses,
-all-gather.
+"""Context parallelism: its attention kernels, its parity as a layout, its checks and bytes.
 
-Cheap kernel-level equivalence on small random q/k/v: each kernel's output and its
-gradients (through the hand-written backward passes) must match plain softmax attention to
-1e-5, with and without the causal mask, on context axes of 2, 4 and 8 fake CPU devices.
+Kernels: cheap equivalence on small random q/k/v: each kernel's output and its gradients
+(through the hand-written backward passes) must match plain softmax attention to 1e-5, with
+and without the causal mask, on context axes of 2, 4 and 8 fake CPU devices.
+
+Layouts: each trains like one device (fp32, 5 steps, llama-tiny with one layer), sharing one
+reference trace and initial state. Ulysses moves 4·s·h/N elements per device per layer in
+forward (compile only). Under a pipeline: ``test_pipeline_composition.py``.
 """
 
 import jax
@@ -11,14 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from models.llama.rotary import rotary
-from shardlib import Rules, ShardingError, base_rules, compose
+from shardlib import Rules, ShardingError, base_rules, compose, mesh_spec, rules_for_mesh
+from shardlib.analysis import explain
 from shardlib.core.attention import LocalAttention, chunked_attention, dense_attention
 from shardlib.core.layout import use_layout
 from shardlib.core.ops import attention, use_ops
 from shardlib.parallel import context_parallel
 from shardlib.parallel.context import ContextAttention, zigzag_order
+from shardlib.tools.parity import FP32_TOLERANCE, compare, trace
+from shardlib.train.config import override, train_config
+from shardlib.train.loop import run
+from shardlib.train.setup import make_setup
+from shardlib.train.step import make_loss_fn
 
 B, L, H, G, K = 2, 32, 16, 8, 8  # llama-tiny's heads; L divides 2 x 8 zig-zag chunks
 TOL = 1e-5
@@ -177,3 +187,112 @@ def test_chunked_memory_is_linear_inside_a_layer_scan():
 
     small, large = temp(512), temp(2048)
     assert large / small < 4, (small, large)  # 4 = linear growth; dense attention gives ~16
+
+
+# --- as a layout: parity with one device -------------------------------------------------------
+
+CFG = train_config(steps=5, batch=8, seq=32, **{"model.layers": 1})
+
+
+def _mesh(**axes):
+    n = 1
+    for size in axes.values():
+        n *= size
+    return mesh_spec(**axes).build(jax.devices()[:n])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(trace, initial host state) on one device with dense attention."""
+    setup = make_setup(CFG, _mesh(data=1))
+    state = jax.device_get(setup.init_state())
+    return trace(setup, state), state
+
+
+CASES = {
+    "ring-cp8": ({"context": 8}, {"attention": "ring"}),
+    "all_to_all-cp8": ({"context": 8}, {"attention": "all_to_all"}),
+    "all_gather-cp4": ({"context": 4}, {"attention": "all_gather"}),
+    "chunked": ({"data": 1}, {"attention_impl": "chunked", "attention_chunk": 8}),
+    "dp2-cp2-tp2+sp-ring-chunked": (
+        {"data": 2, "context": 2, "tensor": 2},
+        {"sequence_parallel": True, "attention_impl": "chunked", "attention_chunk": 4},
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_fp32(name, reference):
+    axes, overrides = CASES[name]
+    ref, state = reference
+    setup = make_setup(override(CFG, overrides), _mesh(**axes))
+    result = compare(setup, ref, state)
+    assert result.max_rel_loss_err <= FP32_TOLERANCE, result
+    assert result.ok(), result
+
+
+# Each kernel at a second context size compares the 5 losses and gradient norms only (one
+# compile each); the kernels' gradients at every size (2, 4, 8) are checked above, and ring
+# at 2 inside the dp2-cp2-tp2 case.
+LOSS_ONLY = [("ring", 4), ("all_to_all", 2), ("all_gather", 8)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, n", LOSS_ONLY)
+def test_context_parity_losses(kind, n, reference):
+    ref, state = reference
+    setup = make_setup(override(CFG, {"attention": kind}), _mesh(context=n))
+    records = run(setup, state=jax.device_put(state, setup.state_shardings), show=False).records
+    losses = np.array([r["loss"] for r in records])
+    norms = np.array([r["grad_norm"] for r in records])
+    np.testing.assert_allclose(losses, ref.losses, rtol=FP32_TOLERANCE, atol=0)
+    np.testing.assert_allclose(norms, ref.grad_norms, rtol=FP32_TOLERANCE, atol=0)
+
+
+def test_resolved_specs():
+    cp = rules_for_mesh({"context": 2, "tensor": 2}, sequence_parallel=True)
+    assert cp.spec(("batch", "res_seq", "res_embed")) == P(None, ("context", "tensor"))
+    assert cp.spec(("batch", "seq", "heads")) == P(None, "context", "tensor")
+
+
+@pytest.mark.parametrize(
+    "axes, overrides, words",
+    [
+        ({"context": 8}, {"attention": "all_to_all", "model.kv_heads": 4}, ["kv_heads", "ring"]),
+        ({"context": 4}, {"seq": 36}, ["2 x context = 8", "load_balance=false"]),
+        ({"context": 2}, {"attention": "mesh"}, ["attention='mesh'", "ring"]),
+        ({"context": 2}, {"attention_impl": "cudnn"}, ["cuDNN", "all_to_all"]),
+    ],
+)
+def test_bad_configs_raise_before_compiling(axes, overrides, words):
+    with pytest.raises(ShardingError) as err:
+        make_setup(override(CFG, overrides), _mesh(**axes))
+    for word in words:
+        assert word in str(err.value), err.value
+
+
+COMM_CFG = train_config(batch=8, seq=32, **{"model.layers": 2})
+
+
+@pytest.mark.slow
+def test_ulysses_all_to_all_bytes_per_layer():
+    """Forward: q, k, v and the output each cross once, s·h/N elements per device each."""
+    n, mha = 4, {"model.kv_heads": 16}  # MHA, as in the Ulysses paper's formula
+    cfg = override(COMM_CFG, {"attention": "all_to_all", **mha})
+    setup = make_setup(cfg, _mesh(context=n))
+    loss_fn = make_loss_fn(setup)
+
+    def loss(params, tokens):
+        with use_layout(setup.mesh, setup.rules):
+            return loss_fn(params, tokens)
+
+    report = explain(
+        loss, setup.abstract_state()["params"], setup.abstract_batch(), mesh=setup.mesh
+    )
+    per_layer = sum(
+        op.buffer_bytes for op in report.collectives if op.kind == "all-to-all" and op.count == 2
+    )
+    h = 16 * 8
+    formula = 4 * cfg.data.batch * cfg.data.seq * h // n * jnp.dtype(jnp.float32).itemsize
+    assert abs(per_layer / formula - 1) < 0.05, (per_layer, formula)

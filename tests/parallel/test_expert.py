@@ -295,7 +295,7 @@ def test_bad_moe_settings_are_reported_by_the_cli(capsys):
 
 
 def test_moe_with_a_stage_axis_is_refused_only_by_the_1f1b_schedule():
-    """GPipe/circular carry the router statistics (tests/parallel/test_pipeline_moe_context.py); the
+    """GPipe/circular carry the router statistics (tests/parallel/test_pipeline_composition.py); the
     1F1B schedule's own vjp does not yet, and says so before compiling."""
     from shardlib import ShardingError, mesh_spec
     from shardlib.train.config import parse_overrides

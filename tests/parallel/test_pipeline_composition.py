@@ -1,5 +1,5 @@
-"""MoE models and context parallelism under a pipeline (issue 14, build item 4), and the
-1F1B schedule running the plan's attention kernels (the one gradient path).
+"""Pipelines composed with the other strategies: MoE models and context parallelism under a
+pipeline, and the 1F1B schedule running the plan's attention kernels (the one gradient path).
 
 One step's loss, the model's metrics and every gradient leaf against one device (fp32,
 1e-5 relative), one compile per layout (``lower().compile()``; like every test, without
