@@ -27,7 +27,10 @@ from models.llama.model import Attention, Block, Llama, LlamaConfig, RMSNorm, _p
 from models.moe.routing import Routing, route
 from shardlib.core.capabilities import ExpertRouting
 from shardlib.core.layout import constrain
-from shardlib.core.ops import DISPATCH_NAMES, EXPERT_NAMES, exchange
+from shardlib.core.ops import exchange
+
+DISPATCH_NAMES = ("batch", None, None, "embed")  # [groups, experts, capacity, embed]
+EXPERT_NAMES = ("batch_no_expert", "expert", None, "embed")  # the same, at the experts
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,9 @@ class MoeLayer(nnx.Module):
         dispatch_GSEC = constrain(r.dispatch.astype(x_BLD.dtype), ("batch", None, None, None))
         combine_GSEC = constrain(r.combine.astype(x_BLD.dtype), ("batch", None, None, None))
         x_GECD = constrain(jnp.einsum("gsec,gsd->gecd", dispatch_GSEC, x_GSD), DISPATCH_NAMES)
-        x_GECD = exchange(x_GECD, "dispatch")  # all-to-all over the expert axis
-        y_GECD = exchange(self.experts(x_GECD), "combine")  # and back
+        x_GECD = exchange(x_GECD, DISPATCH_NAMES, EXPERT_NAMES, "dispatch")  # all-to-all
+        y_GECD = self.experts(x_GECD)
+        y_GECD = exchange(y_GECD, EXPERT_NAMES, DISPATCH_NAMES, "combine")  # and back
         y_GSD = jnp.einsum("gsec,gecd->gsd", combine_GSEC, y_GECD)
         return y_GSD.reshape(b, l, d), r.stats
 

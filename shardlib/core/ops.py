@@ -27,8 +27,6 @@ from shardlib.core.layout import active_layout, constrain
 from shardlib.core.lookup import lookup
 
 __all__ = [
-    "DISPATCH_NAMES",
-    "EXPERT_NAMES",
     "OpsSettings",
     "Packed",
     "active_ops",
@@ -40,13 +38,10 @@ __all__ = [
     "use_ops",
 ]
 
-DISPATCH_NAMES = ("batch", None, None, "embed")  # [groups, experts, capacity, embed]
-EXPERT_NAMES = ("batch_no_expert", "expert", None, "embed")  # the same, after the exchange
-
 AttentionForm = Callable[..., Any]
 """``form(q_BLHK, k_BLGK, v_BLGK, positions_L, *, causal) -> out_BLHK``."""
 ExchangeForm = Callable[[jax.Array, tuple, tuple, str], jax.Array]
-"""``form(x_GECD, src_names, dst_names, direction) -> x_GECD`` laid out by ``dst_names``."""
+"""``form(x, src_names, dst_names, direction) -> x`` laid out by ``dst_names``."""
 
 
 @dataclass(frozen=True)
@@ -96,23 +91,23 @@ def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):
     return active_ops().attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal=causal)
 
 
-def exchange(x_GECD: jax.Array, direction: Literal["dispatch", "combine"]) -> jax.Array:
-    """Move the expert axis between the groups dim and the expert dim of an MoE buffer.
+def exchange(
+    x: jax.Array, src: tuple, dst: tuple, direction: Literal["dispatch", "combine"]
+) -> jax.Array:
+    """Move ``x`` from the layout of logical names ``src`` to that of ``dst``, where one mesh
+    axis changes dims: an MoE buffer [groups, experts, capacity, embed] going to its experts
+    (``dispatch``: the axis leaves the groups dim for the experts dim) and back (``combine``).
 
-    ``dispatch``: [groups, experts, capacity, embed] laid out by ``DISPATCH_NAMES`` ->
-    ``EXPERT_NAMES``; ``combine``: the reverse. By default this only re-constrains the layout
-    and XLA's propagation emits the all-to-all (GShard); expert parallelism may install an
-    explicit form (``parallel.expert``). Both move the same bytes.
+    By default this only re-constrains the layout and XLA's propagation emits the all-to-all
+    (GShard); a strategy may install an explicit form (``use_ops(exchange=...)``). Both move
+    the same bytes. The model names both layouts; nothing here knows them.
     """
     if direction not in ("dispatch", "combine"):
         raise ValueError(f"exchange direction {direction!r}: use 'dispatch' or 'combine'.")
-    src, dst = (DISPATCH_NAMES, EXPERT_NAMES)
-    if direction == "combine":
-        src, dst = dst, src
     form = active_ops().exchange
     if form is None or active_layout() is None:
-        return constrain(x_GECD, dst)  # a no-op outside use_layout
-    return form(x_GECD, src, dst, direction)
+        return constrain(x, dst)  # a no-op outside use_layout
+    return form(x, src, dst, direction)
 
 
 BlockFn = Callable[[Any, Any], Any]

@@ -29,11 +29,10 @@ import jax
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, constrain, mesh_axes
 from shardlib.core.mesh import Axis
-from shardlib.core.ops import DISPATCH_NAMES, EXPERT_NAMES
 from shardlib.core.rules import Rules
 from shardlib.core.shard_map import shard_map
 
-__all__ = ["DISPATCH_NAMES", "EXPERT_NAMES", "ExpertParallel", "expert_axis", "expert_parallel"]
+__all__ = ["ExpertParallel", "expert_axis", "expert_parallel", "explicit_exchange"]
 
 
 def expert_parallel(*, axis: str = Axis.EXPERT) -> Rules:
