@@ -61,7 +61,7 @@ def _per_layer(ops, layers: int) -> list:
 def sequence_parallel_rows(rows: list) -> None:
     cfg = train_config(batch=8, seq=256, **{"model.layers": 2})
     mesh, t = _mesh(tensor=4), 4
-    m = cfg.data.batch * cfg.data.seq * 64 * 4  # b·s·h fp32 bytes (llama-tiny, embed 64)
+    m = cfg.dataset.batch * cfg.dataset.seq * 64 * 4  # b·s·h fp32 bytes (llama-tiny, embed 64)
     formula = 8 * (t - 1) / t * m  # 4 all-reduces (2 fwd + 2 bwd) of M, or 4 AG + 4 RS
     for sp in (False, True):
         setup = make_setup(override(cfg, {"sequence_parallel": sp}), mesh)
@@ -127,7 +127,9 @@ def ulysses_rows(rows: list, sizes) -> None:
                 for op in _per_layer(report.collectives, 2)
                 if op.kind == "all-to-all"
             )
-            formula = 4 * cfg.data.batch * cfg.data.seq * 128 / n * 4  # 4·b·s·h/N fp32, h = 16 x 8
+            formula = (
+                4 * cfg.dataset.batch * cfg.dataset.seq * 128 / n * 4
+            )  # 4·b·s·h/N fp32, h = 16 x 8
             note = "MHA (paper's setting)" if kv == 16 else "GQA: k, v are half of q: (2+2·8/16)/4"
             rows.append(
                 (
@@ -206,7 +208,7 @@ def tensor_mode_rows(rows: list) -> None:
     cfg = train_config(
         batch=16, seq=256, model="llama-small", **{"model.layers": 2, "model.kv_heads": 8}
     )
-    m = cfg.data.batch * cfg.data.seq * 256 * 4  # b·s·h bytes
+    m = cfg.dataset.batch * cfg.dataset.seq * 256 * 4  # b·s·h bytes
     one = explain(*_explain_args(make_setup(cfg, _mesh(data=1))))
     plans = [
         ("1D", {"tensor": 4}),

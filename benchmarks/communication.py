@@ -50,7 +50,7 @@ def report(devices: int, **axes):
 def main() -> None:
     model = models.config(CFG.model)
     psi = model.param_count()
-    batch, seq = CFG.data.batch, CFG.data.seq
+    batch, seq = CFG.dataset.batch, CFG.dataset.seq
     table = Table(title=f"{CFG.model}: Ψ = {psi:,} fp32 parameters, batch {batch} x {seq}")
     for col in ("plan", "quantity", "measured (CPU)", "GPU-equivalent", "formula", "ratio"):
         table.add_column(col, justify="right" if col not in ("plan", "quantity") else "left")

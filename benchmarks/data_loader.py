@@ -51,8 +51,8 @@ def tokenizer(path: Path, lines: list[str]) -> str:
 
 
 def measure(directory: str, seq: int, rows: int, batches: int) -> dict:
-    from shardlib.data.index import Prepared
-    from shardlib.data.loader import packed_rows
+    from shardlib.dataset.index import Prepared
+    from shardlib.dataset.loader import packed_rows
 
     data = Prepared(directory)
     pieces = data.pieces("train", seq)
@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--plot", default=None, help="write a bar chart of the fill ratios here")
     args = p.parse_args()
-    from shardlib.data.prepare import prepare
+    from shardlib.dataset.prepare import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -24,8 +24,8 @@ from flax import nnx
 
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec
-from shardlib.data.loader import PreparedData, packed_rows
-from shardlib.data.prepare import prepare
+from shardlib.dataset.loader import PreparedData, packed_rows
+from shardlib.dataset.prepare import prepare
 from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
 from shardlib.train.step import accumulate_grads, make_loss_fn, normalise_weights

@@ -54,8 +54,8 @@ def measure(cfg, axes: dict, devices) -> dict:
     model, layers = setup.model_cfg, setup.model_cfg.moe_layers
     a2a = [op for op in report.collectives if op.kind == "all-to-all"]
     n = axes.get("expert", 1)
-    seq = cfg.data.seq
-    b = cfg.data.batch / math.prod(axes.get(a, 1) for a in setup.rules.activations["batch"])
+    seq = cfg.dataset.seq
+    b = cfg.dataset.batch / math.prod(axes.get(a, 1) for a in setup.rules.activations["batch"])
     itemsize = 2 if cfg.precision.compute == "bf16" else 4
     cf = model.capacity(seq) * model.experts / (model.top_k * seq)  # effective factor
     formula = 4 * model.top_k * cf * b * seq * model.embed * (n - 1) / n * itemsize

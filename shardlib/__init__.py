@@ -23,7 +23,7 @@ from shardlib.core.mesh import (
     simulate_cpu_devices,
 )
 from shardlib.core.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
-from shardlib.data.tokens import embedded_corpus, global_batch
+from shardlib.dataset.tokens import embedded_corpus, global_batch
 from shardlib.parallel import *  # noqa: F403 - every strategy's rule function (parallel.__all__)
 from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
 from shardlib.parallel.state import (

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = (
     ("core",),
-    ("parallel", "data", "distributed"),
+    ("parallel", "dataset", "distributed"),
     ("analysis", "checkpoint"),
     ("interop",),
     ("train",),

@@ -23,8 +23,8 @@ RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
 NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
                   "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.resume", "checkpoint.init_from", "data.allow_changed",
-                  "data.eval_every", "data.eval_batches"}  # fmt: skip
+                  "checkpoint.resume", "checkpoint.init_from", "dataset.allow_changed",
+                  "dataset.eval_every", "dataset.eval_batches"}  # fmt: skip
 NOT_TRAJECTORY_SECTIONS = ("metrics.",)
 
 if TYPE_CHECKING:  # the trainer's side of checkpoints: it reads a TrainSetup, never builds one
@@ -32,7 +32,9 @@ if TYPE_CHECKING:  # the trainer's side of checkpoints: it reads a TrainSetup, n
 
 
 def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
-    now, saved = flatten_table(jsonable(setup.cfg)), flatten_table(saved)
+    now = flatten_table(jsonable(setup.cfg))
+    # recorded before a section was renamed: compare under today's names (data. -> dataset.)
+    saved = {setup.cfg.current_key(k): v for k, v in flatten_table(saved).items()}
     return [
         f"{k} {saved.get(k)!r} -> {v!r}"
         for k, v in now.items()
@@ -97,7 +99,7 @@ class RunCheckpoints:
     def _check_data(self, saved: dict) -> None:
         """Refuse to resume on other data than the checkpoint's, unless allowed."""
         was, now = saved.get("identity"), self.data
-        if not was or not now or self.setup.cfg.data.allow_changed:
+        if not was or not now or self.setup.cfg.dataset.allow_changed:
             return
         keys = ("bytes", "sample_sha256")
         if all(was.get(k) == now.get(k) for k in keys):
@@ -111,7 +113,7 @@ class RunCheckpoints:
             f"{was.get('bytes')} bytes, modified {_when(was.get('mtime'))}; now "
             f"{now.get('bytes')} bytes, modified {_when(now.get('mtime'))}; the {what} "
             "differs). Fix: restore that data, or resume on this data on purpose with "
-            "data.allow_changed=true."
+            "dataset.allow_changed=true."
         )
 
     def __enter__(self) -> RunCheckpoints:

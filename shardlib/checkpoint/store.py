@@ -134,7 +134,7 @@ def build_meta(setup, state: dict, step: int, data: dict | None = None) -> dict:
         "data": {
             "seed": setup.cfg.run.seed,
             "next_step": step,
-            "source": setup.cfg.data.path,
+            "source": setup.cfg.dataset.path,
             "identity": data,
         },
         "rng": {"seed": setup.cfg.run.seed, "impl": str(jax.config.jax_default_prng_impl)},

@@ -83,7 +83,7 @@ def replace_path(obj, path: list[str], value: Any, *, where: str = "config"):
 
 
 def flatten_table(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A TOML table (nested or dotted keys) as ``{"data.batch": 64, ...}``."""
+    """A TOML table (nested or dotted keys) as ``{"dataset.batch": 64, ...}``."""
     out = {}
     for key, value in table.items():
         if isinstance(value, Mapping):

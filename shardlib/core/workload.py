@@ -197,8 +197,8 @@ class Workload:
         """The workload a ``TrainConfig`` trains (its model overrides applied)."""
         return cls.from_preset(
             cfg.model,
-            cfg.data.batch,
-            cfg.data.seq,
+            cfg.dataset.batch,
+            cfg.dataset.seq,
             cfg.precision.compute,
             **dict(cfg.model_overrides),
         )

@@ -2,7 +2,7 @@
 
 Every key is accounted for, one of three ways:
 
-* mapped to a setting (``train_batch_size`` -> ``data.batch``, ``zero_optimization.stage``
+* mapped to a setting (``train_batch_size`` -> ``dataset.batch``, ``zero_optimization.stage``
   -> ``zero``, ``optimizer`` -> ``optimizer.*``, ...);
 * a *note*: a key that tunes how DeepSpeed's runtime does something XLA decides by itself
   (bucket sizes, overlap, contiguous buffers) or only logs; the note says so, and nothing
@@ -78,7 +78,7 @@ class DeepSpeedPlan:
     """What a ds_config means in shardlib: settings, mesh axes and notes."""
 
     settings: dict[str, Any]
-    """Full dotted shardlib settings (``data.batch``, ``parallel.data.zero``, ...)."""
+    """Full dotted shardlib settings (``dataset.batch``, ``parallel.data.zero``, ...)."""
     mesh: dict[str, int]
     """Mesh axes, outer first: ``data`` (and ``fsdp`` for hpZ's nodes x devices per node)."""
     notes: tuple[str, ...]
@@ -172,7 +172,7 @@ def _batch(r: _Reader, devices: int, dp: int) -> dict[str, Any]:
             f"{max(micro, 1) * max(accum, 1) * dp}, or give two of the three",
         )
         return {}
-    return {"data.batch": total, "parallel.data.microbatches": accum}
+    return {"dataset.batch": total, "parallel.data.microbatches": accum}
 
 
 def _precision(r: _Reader) -> dict[str, Any]:

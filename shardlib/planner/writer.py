@@ -35,8 +35,8 @@ def train_table(workload: Workload) -> dict[str, object]:
     """The [train] table: the ``TrainConfig`` settings of the workload, as dotted keys."""
     return {
         "model": workload.model,
-        "data.batch": workload.global_batch,
-        "data.seq": workload.seq,
+        "dataset.batch": workload.global_batch,
+        "dataset.seq": workload.seq,
         "precision.compute": workload.precision,
         **model_fields(workload),
     }

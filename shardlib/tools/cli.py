@@ -308,7 +308,7 @@ def cmd_export(args, console: Console) -> int:
 
 
 def cmd_data(args, console: Console) -> int:
-    from shardlib.data.prepare import prepare
+    from shardlib.dataset.prepare import prepare
 
     index = prepare(
         args.inputs,

@@ -168,14 +168,14 @@ class FileTokenizer:
 
 
 def data_tokenizer(checkpoint: str | Path) -> Path | None:
-    """The tokenizer.json a run's prepared data was tokenized with (``data=``, or the first
-    set of ``data.mix``), if it is still where ``shardlib data prepare`` read it and unchanged
+    """The tokenizer.json a run's prepared data was tokenized with (``dataset=``, or the first
+    set of ``dataset.mix``), if it is still where ``shardlib data prepare`` read it and unchanged
     (its SHA-256 is in the data's index); None for the embedded corpus or a token file."""
     import json
 
     from shardlib.checkpoint.store import read_meta
-    from shardlib.data.index import INDEX, file_sha256
-    from shardlib.data.loader import parse_mix
+    from shardlib.dataset.index import INDEX, file_sha256
+    from shardlib.dataset.loader import parse_mix
 
     _, meta = read_meta(Path(checkpoint).absolute())
     data = meta["config"].get("data", {})

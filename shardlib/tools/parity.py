@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec, reference_mesh
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.train import precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.loop import run
@@ -48,10 +48,10 @@ class ParityResult:
 def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
     """Gradients of the first batch at initialisation (or at ``params``), gathered to host."""
     tokens = global_batch(
-        load_tokens(setup.cfg.data.path),
+        load_tokens(setup.cfg.dataset.path),
         0,
-        setup.cfg.data.batch,
-        setup.cfg.data.seq,
+        setup.cfg.dataset.batch,
+        setup.cfg.dataset.seq,
         setup.cfg.run.seed,
         setup.batch_sharding,
     )

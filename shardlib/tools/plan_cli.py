@@ -144,8 +144,8 @@ def _workload(args, train: dict | None = None) -> Workload:
     }
     from_file = {
         "model": train.pop("model", None),
-        "global_batch": train.pop("data.batch", None),
-        "seq": train.pop("data.seq", None),
+        "global_batch": train.pop("dataset.batch", None),
+        "seq": train.pop("dataset.seq", None),
         "precision": train.pop("precision.compute", None),
     }
     values = {
@@ -160,7 +160,7 @@ def _workload(args, train: dict | None = None) -> Workload:
 
 
 def _flat(table: dict, prefix: str = "") -> dict:
-    """A TOML table as dotted keys (``[train] data = {batch = 8}`` -> ``data.batch``)."""
+    """A TOML table as dotted keys (``[train] data = {batch = 8}`` -> ``dataset.batch``)."""
     out = {}
     for k, v in table.items():
         if isinstance(v, dict):

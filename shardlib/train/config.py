@@ -1,6 +1,6 @@
 """The training configuration: one nested, frozen section per concern.
 
-``TrainConfig`` holds the model choice and the sections ``run``, ``metrics``, ``data``,
+``TrainConfig`` holds the model choice and the sections ``run``, ``metrics``, ``dataset``,
 ``optimizer``, ``precision``, ``checkpoint`` and ``parallel`` (the ``ParallelPlan``: mesh
 and strategies). Every field is set on the command line as
 ``section.field=VALUE`` (``optimizer.lr=1e-3``, ``parallel.pipeline.schedule=1f1b``).
@@ -11,7 +11,12 @@ table of aliases:
   ``parallel``): ``steps=50``, ``lr=1e-3``, ``zero=1``;
 * ``section_field`` for a field of a section: ``pipeline_schedule=1f1b``;
 * a section name alone sets the section's first field: ``optimizer=lamb``,
-  ``precision=bf16``, ``remat=full``, ``data=PATH``.
+  ``precision=bf16``, ``remat=full``, ``dataset=PATH``.
+
+Settings renamed since users first typed them keep their old spelling as an alias
+(``RENAMED``): ``data=PATH`` and ``data.batch=8`` still mean ``dataset.path`` and
+``dataset.batch`` ("data" is now data parallelism only: the ``data`` mesh axis and its
+``parallel.data`` section).
 
 An ambiguous short form is refused with the full names to choose from.
 """
@@ -71,8 +76,8 @@ class Metrics:
 
 
 @dataclass(frozen=True)
-class Data:
-    """What one step reads."""
+class Dataset:
+    """What one step reads: the dataset, and how much of it per step."""
 
     path: str | None = None
     """A prepared dataset directory (``shardlib data prepare``: packed, masked, held-out
@@ -97,13 +102,13 @@ class Data:
     def __post_init__(self) -> None:
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ShardingError(
-                f"config: data.eval_every={self.eval_every}, data.eval_batches="
+                f"config: dataset.eval_every={self.eval_every}, dataset.eval_batches="
                 f"{self.eval_batches}: every must be >= 0 and batches >= 1. Fix: eval_every=50."
             )
         if self.batch < 1 or self.seq < 2:
             raise ShardingError(
-                f"config: data.batch={self.batch}, data.seq={self.seq}: batch must be >= 1 and "
-                "seq >= 2. Fix: e.g. batch=32 seq=128."
+                f"config: dataset.batch={self.batch}, dataset.seq={self.seq}: batch must be >= 1 "
+                "and seq >= 2. Fix: e.g. batch=32 seq=128."
             )
 
 
@@ -218,13 +223,18 @@ class TrainConfig:
     """Model settings given as ``model.NAME=VALUE`` (pairs: hashable)."""
     run: Run = field(default_factory=Run)
     metrics: Metrics = field(default_factory=Metrics)
-    data: Data = field(default_factory=Data)
+    dataset: Dataset = field(default_factory=Dataset)
     optimizer: Optimizer = field(default_factory=Optimizer)
     precision: Precision = field(default_factory=Precision)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     lora: Lora = field(default_factory=Lora)
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     """The mesh and every parallelism strategy (``shardlib.parallel.plan``)."""
+
+    @staticmethod
+    def current_key(key: str) -> str:
+        """A dotted setting under today's section names (``RENAMED``)."""
+        return current_key(key)
 
 
 def _sections(obj, prefix: str = "") -> dict[str, Any]:
@@ -251,8 +261,19 @@ def _unique(candidates: list[str]) -> str | None:
     return pick[0] if len(pick) == 1 else None
 
 
+RENAMED = {"data": "dataset"}
+"""Old section names -> new ones, for settings typed (and checkpoints recorded) before."""
+
+
+def current_key(key: str) -> str:
+    """``key`` with a renamed section's old name replaced (``data.batch`` -> ``dataset.batch``)."""
+    head, dot, rest = key.partition(".")
+    return RENAMED[head] + dot + rest if head in RENAMED else key
+
+
 def canonical_key(key: str, cfg: TrainConfig) -> str:
     """The full dotted name a setting refers to (see the module docstring's short forms)."""
+    key = current_key(key)
     sections = _sections(cfg)
     leaves = {f"{s}.{n}": (s, n) for s, sec in sections.items() for n in _leaves(sec)}
     if key in leaves or key == "model":

@@ -3,7 +3,7 @@
 Each step's record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU
 and HFU (``train.metrics``), memory in use where the backend reports it, the loss scale and
 MoE statistics where they apply, and the running goodput (``train.goodput``); every
-``data.eval_every`` steps it also holds the held-out ``eval_loss`` and ``eval_perplexity``.
+``dataset.eval_every`` steps it also holds the held-out ``eval_loss`` and ``eval_perplexity``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from shardlib.checkpoint.resume import RunCheckpoints
 from shardlib.checkpoint.store import jsonable
 from shardlib.core.errors import ShardingError
-from shardlib.data.tokens import FlatData, check_vocab, load_tokens
+from shardlib.dataset.tokens import FlatData, check_vocab, load_tokens
 from shardlib.distributed.preempt import Preemption
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
@@ -66,11 +66,11 @@ def open_data(setup: TrainSetup):
     model's vocabulary, a prompt longer than a row) is an error before any state is built
     or any progress line is printed, not after a ``0/2 loss nan`` line.
     """
-    from shardlib.data.index import is_prepared
+    from shardlib.dataset.index import is_prepared
 
-    data, seed, vocab = setup.cfg.data, setup.cfg.run.seed, setup.workload.dims.get("vocab", 0)
+    data, seed, vocab = setup.cfg.dataset, setup.cfg.run.seed, setup.workload.dims.get("vocab", 0)
     if data.mix or is_prepared(data.path):
-        from shardlib.data.loader import PreparedData
+        from shardlib.dataset.loader import PreparedData
 
         if setup.plan.pipeline_spec() is not None:
             raise ShardingError(
@@ -94,14 +94,16 @@ def batches(setup: TrainSetup, start: int = 0, source=None) -> Iterator[tuple[in
 
 
 class Evaluation:
-    """Held-out loss every ``data.eval_every`` steps: the same batches each time, one
+    """Held-out loss every ``dataset.eval_every`` steps: the same batches each time, one
     compiled step, loss and perplexity (exp of the loss, per token that counts)."""
 
     def __init__(self, setup: TrainSetup, source) -> None:
         self.setup, self.source = setup, source
-        self.every = setup.cfg.data.eval_every
+        self.every = setup.cfg.dataset.eval_every
         if self.every:  # a flat file without held-out data fails here, before step 1
-            self._batches = source.eval_batches(setup.cfg.data.eval_batches, setup.batch_sharding)
+            self._batches = source.eval_batches(
+                setup.cfg.dataset.eval_batches, setup.batch_sharding
+            )
         self._step = None
 
     def due(self, step: int) -> bool:
@@ -191,7 +193,7 @@ def run(
         state = setup.init_state() if state is None else state
         start = int(jax.device_get(state["step"]))
         if start and ckpt is not None and ckpt.loader_state is not None:
-            if not cfg.data.allow_changed:  # changed data on purpose: its loader starts anew
+            if not cfg.dataset.allow_changed:  # changed data on purpose: its loader starts anew
                 source.restore(ckpt.saved_loader)  # the batches an uninterrupted run reads
         run_cfg = cfg.run
         profile = ProfileWindow(
@@ -205,7 +207,7 @@ def run(
         peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
         flops, _ = model_flops(setup)
         devices = setup.mesh.devices.size
-        tokens_per_step = cfg.data.batch * cfg.data.seq
+        tokens_per_step = cfg.dataset.batch * cfg.dataset.seq
         result = RunResult(peak_flops=peak, peak_source=peak_source)
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it

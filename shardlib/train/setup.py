@@ -24,7 +24,7 @@ from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
 from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_model
 from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
-from shardlib.data.tokens import BATCH_NAMES
+from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
@@ -178,12 +178,12 @@ class TrainSetup:
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct | dict:
         """The step's batch, abstractly: [batch, seq + 1] tokens, or for a prepared dataset
-        the packed dict (``shardlib.data.loader``) that the step then compiles for."""
-        b, s, sharding = self.cfg.data.batch, self.cfg.data.seq, self.batch_sharding
+        the packed dict (``shardlib.dataset.loader``) that the step then compiles for."""
+        b, s, sharding = self.cfg.dataset.batch, self.cfg.dataset.seq, self.batch_sharding
         tokens = jax.ShapeDtypeStruct((b, s + 1), jnp.int32, sharding=sharding)
-        from shardlib.data.index import is_prepared
+        from shardlib.dataset.index import is_prepared
 
-        if not (self.cfg.data.mix or is_prepared(self.cfg.data.path)):
+        if not (self.cfg.dataset.mix or is_prepared(self.cfg.dataset.path)):
             return tokens
         rows = {
             k: jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sharding)
@@ -252,8 +252,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     inv = inventory(model)
     workload = Workload.from_factory(
         model,
-        cfg.data.batch,
-        cfg.data.seq,
+        cfg.dataset.batch,
+        cfg.dataset.seq,
         cfg.precision.compute,
         overrides=cfg.model_overrides,
         inv=inv,

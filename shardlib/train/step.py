@@ -20,7 +20,7 @@ from flax import nnx
 
 from shardlib.core.layout import constrain, use_layout
 from shardlib.core.ops import Packed, run_blocks
-from shardlib.data.tokens import BATCH_NAMES
+from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
@@ -42,7 +42,7 @@ def split_batch(plan, batch):
     """(inputs [b, seq], targets [b, seq], positions, weights [b, seq] or None) of a batch.
 
     A batch is [b, seq + 1] token ids (the plain path: every target counts), or a prepared
-    dataset's packed dict (``shardlib.data.loader``): ``tokens`` [b, seq + 1], ``weights``,
+    dataset's packed dict (``shardlib.dataset.loader``): ``tokens`` [b, seq + 1], ``weights``,
     ``positions`` and ``segments`` [b, seq], the weights already normalised
     (``normalise_weights``).
     """

@@ -78,7 +78,7 @@ def test_tensor_parallel_has_four_bsh_allreduces_per_layer():
     cfg = SMALL
     report = report_for(cfg, devices=4, tensor=4)
     layers = models.config("llama-small").layers
-    per_layer = megatron_tp_layer(cfg.data.batch, cfg.data.seq, 256, t=4)
+    per_layer = megatron_tp_layer(cfg.dataset.batch, cfg.dataset.seq, 256, t=4)
     in_loop = [c for c in report.collectives if c.count == layers and c.axes == ("tensor",)]
     assert [c.kind for c in in_loop] == ["all-reduce"] * 4
     assert all(c.buffer_bytes == per_layer["buffer_bytes"] for c in in_loop)

@@ -140,7 +140,7 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
     assert "compiled" not in text
     print(f"other tokens: resume refused in {seconds:.1f} s: {error_lines(text)[0]}")
     resumed = tmp_path / "resumed.jsonl"
-    allowed = [*settings, "steps=100000", "data.allow_changed=true", f"metrics={resumed}"]
+    allowed = [*settings, "steps=100000", "dataset.allow_changed=true", f"metrics={resumed}"]
     proc = train_until(train_command(tmp_path, *allowed), resumed, 1, child_env(cache))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -149,7 +149,7 @@ def test_data_truncated_mid_run_then_changed_data_is_refused_on_resume(tmp_path,
 
 def test_a_token_file_rewritten_or_replaced_mid_run_is_named(tmp_path):
     from shardlib.core.errors import ShardingError
-    from shardlib.data.tokens import load_tokens
+    from shardlib.dataset.tokens import load_tokens
 
     path = token_file(tmp_path / "tokens.bin", seed=1, tokens=4096)
     tokens = load_tokens(str(path))

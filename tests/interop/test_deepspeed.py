@@ -95,7 +95,7 @@ def test_config_json_examples_map_to_settings():
     ds = from_deepspeed(CONFIG_JSON, devices=8)
     assert ds.mesh == {"data": 8}
     s = ds.settings
-    assert (s["data.batch"], s["parallel.data.microbatches"]) == (32, 1)
+    assert (s["dataset.batch"], s["parallel.data.microbatches"]) == (32, 1)
     assert s["parallel.data.zero"] == 2 and s["parallel.offload.optimizer"] is True
     assert s["precision.compute"] == "fp16" and s["precision.initial_scale_power"] == 16
     assert (s["precision.loss_scale_window"], s["precision.hysteresis"]) == (1000, 2)
@@ -118,7 +118,7 @@ def test_zeropp_tutorial_maps_to_quantized_hierarchical_zero3():
     s = ds.settings
     assert s["parallel.data.zero"] == 3 and s["parallel.data.hpz"] is True
     assert s["parallel.data.quantized_weights"] and s["parallel.data.quantized_gradients"]
-    assert (s["data.batch"], s["parallel.data.microbatches"]) == (64, 1)
+    assert (s["dataset.batch"], s["parallel.data.microbatches"]) == (64, 1)
     assert s["precision.compute"] == "fp16"
     assert s["optimizer.clip_norm"] == 0.0 and s["optimizer.schedule"] == "constant"
 
@@ -128,7 +128,7 @@ def test_onebit_adam_tutorial_maps_to_onebit_adam():
     s = ds.settings
     assert s["optimizer.name"] == "onebit_adam" and s["optimizer.freeze_step"] == 23000
     assert s["optimizer.bias_correction"] is False and s["optimizer.weight_decay"] == 0.01
-    assert (s["data.batch"], s["parallel.data.microbatches"]) == (4096, 4)  # 4096/(16*64)
+    assert (s["dataset.batch"], s["parallel.data.microbatches"]) == (4096, 4)  # 4096/(16*64)
     assert s["precision.compute"] == "fp16"
     assert any("comm_backend_name" in n for n in ds.notes)
     assert override(TrainConfig(), s).optimizer.name == "onebit_adam"

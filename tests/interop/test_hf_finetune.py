@@ -27,8 +27,8 @@ from hf_models import FIXTURE_VOCAB, assert_like_fixture, fixture, hf_logits, ma
 from tokenizer_data import WORDS, lines, word_level
 
 from shardlib.core.mesh import MeshSpec
-from shardlib.data.index import Prepared
-from shardlib.data.loader import packed_rows
+from shardlib.dataset.index import Prepared
+from shardlib.dataset.loader import packed_rows
 from shardlib.interop.hf_io import flatten
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.tools import cli

@@ -156,7 +156,7 @@ def test_zeropp_exact_parity_quantized_closeness_and_bytes():
     gathers inside nodes only. qwZ + qgZ (int4, summed
     over 8 devices after two quantized hops): within 35%;
     weights cross as int8 and gradients as packed int4, a quarter of fp32 bytes."""
-    from shardlib.data.tokens import global_batch, load_tokens
+    from shardlib.dataset.tokens import global_batch, load_tokens
     from shardlib.parallel import zeropp
     from shardlib.tools.parity import first_grads
     from shardlib.train.step import make_loss_fn

@@ -294,5 +294,5 @@ def test_ulysses_all_to_all_bytes_per_layer():
         op.buffer_bytes for op in report.collectives if op.kind == "all-to-all" and op.count == 2
     )
     h = 16 * 8
-    formula = 4 * cfg.data.batch * cfg.data.seq * h // n * jnp.dtype(jnp.float32).itemsize
+    formula = 4 * cfg.dataset.batch * cfg.dataset.seq * h // n * jnp.dtype(jnp.float32).itemsize
     assert abs(per_layer / formula - 1) < 0.05, (per_layer, formula)

@@ -16,7 +16,7 @@ from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.analysis import explain
 from shardlib.core.mesh import MESHES_DIR
 from shardlib.core.model import inventory, resolve_model
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.expert import expert_axis
 from shardlib.tools.cli import main
 from shardlib.tools.parity import (
@@ -198,7 +198,12 @@ def compiled_steps(moe_reference):
         with jax.set_mesh(setup.mesh):
             step = setup.train_step.lower(*args).compile()
         tokens = global_batch(
-            load_tokens(None), 0, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
+            load_tokens(None),
+            0,
+            cfg.dataset.batch,
+            cfg.dataset.seq,
+            cfg.run.seed,
+            setup.batch_sharding,
         )
         _, metrics = step(jax.device_put(first, setup.state_shardings), tokens)
         out[name] = (setup, report, jax.device_get(metrics))
@@ -220,9 +225,9 @@ def a2a_formula_bytes(setup) -> float:
     """REFERENCE.md: 4 all-to-alls per MoE layer, k*b*s*h*(N-1)/N elements each per device."""
     axes = dict(setup.mesh.shape)
     n = axes["expert"]
-    b = setup.cfg.data.batch // math.prod(axes[a] for a in setup.rules.activations["batch"])
+    b = setup.cfg.dataset.batch // math.prod(axes[a] for a in setup.rules.activations["batch"])
     k, h = setup.model_cfg.top_k, setup.model_cfg.embed
-    return 4 * k * b * setup.cfg.data.seq * h * (n - 1) / n * 4  # fp32
+    return 4 * k * b * setup.cfg.dataset.seq * h * (n - 1) / n * 4  # fp32
 
 
 @pytest.mark.slow

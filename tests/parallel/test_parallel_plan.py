@@ -94,7 +94,7 @@ def test_a_minus_one_axis_is_resolved_against_the_devices():
         ("optimizer", "optimizer.name"),  # a section alone: its first field
         ("precision", "precision.compute"),
         ("remat", "parallel.remat.policy"),
-        ("data", "data.path"),
+        ("data", "dataset.path"),
     ],
 )
 def test_short_forms_are_derived_from_the_sections(word, full):

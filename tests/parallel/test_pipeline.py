@@ -19,7 +19,7 @@ from shardlib import mesh_spec
 from shardlib.analysis import hlo, hlo_flops
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import single_device_mesh
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline import gpipe as pipeline
 from shardlib.tools.parity import FP32_TOLERANCE
 from shardlib.train.config import TrainConfig, override, train_config
@@ -100,10 +100,10 @@ class Compiled:
     def train(self):
         """Per-step (loss, grad_norm) over the config's steps, on the compiled executable."""
         cfg, setup = self.setup.cfg, self.setup
-        tokens, state, out = load_tokens(cfg.data.path), initial_state(setup), []
+        tokens, state, out = load_tokens(cfg.dataset.path), initial_state(setup), []
         for step in range(cfg.run.steps):
             batch = global_batch(
-                tokens, step, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
+                tokens, step, cfg.dataset.batch, cfg.dataset.seq, cfg.run.seed, setup.batch_sharding
             )
             state, metrics = self.exe(state, batch)
             out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
@@ -154,7 +154,12 @@ def test_1f1b_gradients_leaf_by_leaf():
         jitted = jax.jit(grad, in_shardings=(setup.param_shardings, setup.batch_sharding))
         exe = jitted.lower(setup.abstract_state()["params"], setup.abstract_batch()).compile()
         tokens = global_batch(
-            load_tokens(None), 0, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
+            load_tokens(None),
+            0,
+            cfg.dataset.batch,
+            cfg.dataset.seq,
+            cfg.run.seed,
+            setup.batch_sharding,
         )
         grads.append(jax.device_get(exe(initial_state(setup)["params"], tokens)))
     errs = jax.tree.map(lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b), *grads)

@@ -22,7 +22,7 @@ from shardlib.analysis import hlo
 from shardlib.analysis.collective import collective_op
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import reference_mesh
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.tools.parity import FP32_TOLERANCE, random_state
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
@@ -60,7 +60,7 @@ class Step:
                 (loss, metrics), grads = grad_fn(params, tokens_BL1)
             return loss, metrics, grads
 
-        d = cfg.data
+        d = cfg.dataset
         tokens = global_batch(
             load_tokens(d.path), 0, d.batch, d.seq, cfg.run.seed, setup.batch_sharding
         )
@@ -135,8 +135,8 @@ def test_stage_and_context_axes_match_one_device():
     assert ring and min(op.count for op in ring) >= M, ring  # every trip's layers
     shift = [op for op in ops if op.kind == "collective-permute" and op.axes == ("stage",)]
     embed = got.setup.model_cfg.embed
-    b = cfg.data.batch // (M * axes["data"])  # rows of a micro-batch on one device
-    local = b * (cfg.data.seq // axes["context"]) * embed * 4  # fp32 [b, s/c, h]
+    b = cfg.dataset.batch // (M * axes["data"])  # rows of a micro-batch on one device
+    local = b * (cfg.dataset.seq // axes["context"]) * embed * 4  # fp32 [b, s/c, h]
     assert shift and max(op.buffer_bytes for op in shift) == local, shift
 
 
@@ -185,7 +185,7 @@ def test_1f1b_refuses_packed_rows():
         _context_cfg("ring", pipeline_schedule="1f1b"), _mesh({"stage": 2, "data": 2})
     )
     grad_fn = grad_function(setup, make_loss_fn(setup))
-    b, s = setup.cfg.data.batch, setup.cfg.data.seq
+    b, s = setup.cfg.dataset.batch, setup.cfg.dataset.seq
     batch = {
         "tokens": jax.ShapeDtypeStruct((b, s + 1), jnp.int32),
         "weights": jax.ShapeDtypeStruct((b, s), jnp.float32),

@@ -14,7 +14,7 @@ from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.analysis import hlo, hlo_flops
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import single_device_mesh
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.remat import _saved_layouts, parse_remat
 from shardlib.train.config import TrainConfig, override, train_config
 from shardlib.train.setup import make_setup
@@ -54,7 +54,12 @@ def runs():
             for step in range(setup.cfg.run.steps):
                 cfg = setup.cfg
                 batch = global_batch(
-                    tokens, step, cfg.data.batch, cfg.data.seq, cfg.run.seed, setup.batch_sharding
+                    tokens,
+                    step,
+                    cfg.dataset.batch,
+                    cfg.dataset.seq,
+                    cfg.run.seed,
+                    setup.batch_sharding,
                 )
                 state, metrics = exe(state, batch)
                 out.append((float(metrics["loss"]), float(metrics["grad_norm"])))

@@ -101,7 +101,7 @@ def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
     mesh = _mesh(tensor=4)
     tp = _layer_collectives(make_setup(COMM_CFG, mesh))
     sp = _layer_collectives(make_setup(override(COMM_CFG, {"sequence_parallel": True}), mesh))
-    activation = COMM_CFG.data.batch * COMM_CFG.data.seq * 64 * 4  # b·s·h fp32 bytes
+    activation = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq * 64 * 4  # b·s·h fp32 bytes
     assert sorted(op.kind for op in tp) == ["all-reduce"] * 4  # 2 forward, 2 backward
     assert all(op.buffer_bytes == activation for op in tp)
     kinds = sorted(op.kind for op in sp if op.buffer_bytes == activation)

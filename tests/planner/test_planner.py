@@ -163,7 +163,7 @@ def test_written_plan_reads_back_as_the_same_parallel_plan(tmp_path, workload, m
         assert back.tables() == plan.tables()
         seen |= {f"{s}.{k}={v}" for s, t in back.tables().items() for k, v in t.items()}
         cfg = override(TrainConfig(), flatten_table(spec.train))
-        assert (cfg.model, cfg.data.batch, cfg.data.seq) == (model, batch, seq)
+        assert (cfg.model, cfg.dataset.batch, cfg.dataset.seq) == (model, batch, seq)
         assert cfg.precision.compute == w.precision
         assert dict(cfg.model_overrides) == overrides  # typed: ints stay ints
     if mesh_list[0] == {"data": 2, "stage": 4}:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardlib import mesh_spec
-from shardlib.data.tokens import global_batch, load_tokens
+from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.tools import parity
 from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
@@ -38,7 +38,7 @@ def fp16():
 
     def step(state, i):
         batch = global_batch(
-            tokens, i, CFG.data.batch, CFG.data.seq, CFG.run.seed, setup.batch_sharding
+            tokens, i, CFG.dataset.batch, CFG.dataset.seq, CFG.run.seed, setup.batch_sharding
         )
         state, metrics = setup.train_step(state, batch)
         return state, jax.device_get(metrics)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shardlib.core.mesh import MESHES_DIR
-from shardlib.data.tokens import batch_starts, embedded_corpus
+from shardlib.dataset.tokens import batch_starts, embedded_corpus
 from shardlib.tools.cli import main
 
 
@@ -112,3 +112,21 @@ def test_cli_parity_exits_zero_when_layouts_agree(capsys):
         == 0
     )
     assert "PARITY OK" in capsys.readouterr().err
+
+
+def test_the_dataset_section_keeps_its_old_name_data_as_an_alias():
+    """``data`` now means data parallelism only; ``data=PATH`` and ``data.batch=8`` (typed
+    before the section became ``dataset``) still set the dataset, and a checkpoint recorded
+    under the old names is compared under the new ones."""
+    from types import SimpleNamespace
+
+    from shardlib.checkpoint.resume import _changed_settings
+    from shardlib.train.config import parse_overrides
+
+    cfg = parse_overrides(["data=tokens.bin", "data.batch=8", "data_microbatches=2"])
+    assert (cfg.dataset.path, cfg.dataset.batch) == ("tokens.bin", 8)
+    assert cfg.parallel.data.microbatches == 2  # the data-parallel section, as before
+    assert parse_overrides(["dataset.seq=64"]).dataset.seq == 64
+    old_record = {"data": {"batch": 16, "seq": 128}}
+    changed = _changed_settings(old_record, SimpleNamespace(cfg=cfg))
+    assert changed == ["dataset.batch 16 -> 8"], changed

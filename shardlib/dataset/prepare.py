@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from shardlib.core.errors import ShardingError
-from shardlib.data.index import FORMAT, INDEX, file_sha256
+from shardlib.dataset.index import FORMAT, INDEX, file_sha256
 
 EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<|eos|>")
 SHARD_TOKENS = 1 << 28  # tokens per shard at most (512 MiB of uint16)

@@ -17,9 +17,9 @@ from tokenizer_data import lines, word_level
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec
-from shardlib.data.index import Prepared
-from shardlib.data.loader import PreparedData, documents, packed_rows
-from shardlib.data.prepare import prepare
+from shardlib.dataset.index import Prepared
+from shardlib.dataset.loader import PreparedData, documents, packed_rows
+from shardlib.dataset.prepare import prepare
 from shardlib.train.config import train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import make_setup
@@ -236,7 +236,7 @@ def test_packed_batch_parity_on_data_fsdp_tensor(corpus, one_device):
 
 
 def test_embedded_corpus_evaluation_is_held_out(one_device):
-    from shardlib.data.tokens import DEFAULT_CORPUS_BYTES, FlatData, embedded_corpus
+    from shardlib.dataset.tokens import DEFAULT_CORPUS_BYTES, FlatData, embedded_corpus
     from shardlib.train.step import build_eval_step
 
     setup, params = one_device
@@ -253,7 +253,7 @@ def test_embedded_corpus_evaluation_is_held_out(one_device):
 
 
 def test_each_process_reads_its_own_slice(corpus, monkeypatch):
-    from shardlib.data import loader
+    from shardlib.dataset import loader
 
     sets = [(Prepared(corpus["plain"]), 1.0)]
     whole = loader.documents(sets, "train", SEQ, 0)

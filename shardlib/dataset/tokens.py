@@ -1,6 +1,6 @@
 """Token data: an embedded default corpus, or a flat file of uint16 token ids (``FlatData``).
 
-Prepared datasets (packed, masked, with a held-out split) are ``shardlib.data``'s; this is
+Prepared datasets (packed, masked, with a held-out split) are ``shardlib.dataset``'s; this is
 the zero-setup path, and its batches stay exactly what they were before those existed.
 Evaluation on the embedded corpus reads the standard-library source after the training
 bytes (``embedded_held_out``), never trained on.
@@ -97,7 +97,7 @@ class TokenFile:
             raise ShardingError(
                 f"data={self.path!r} changed during the run: {change}. Fix: restore the file "
                 "and resume from the last checkpoint (to train on the new data on purpose, "
-                "resume with data.allow_changed=true)."
+                "resume with dataset.allow_changed=true)."
             )
 
     def identity(self) -> dict:
@@ -194,7 +194,7 @@ def embedded_held_out() -> np.ndarray:
 
 
 class FlatData:
-    """The plain path behind the same interface as ``shardlib.data.loader.PreparedData``:
+    """The plain path behind the same interface as ``shardlib.dataset.loader.PreparedData``:
     the embedded corpus or a flat uint16 file, random windows, every target counted."""
 
     def __init__(self, tokens, path: str | None, *, batch: int, seq: int, seed: int) -> None:

@@ -4,7 +4,7 @@ The pipeline, per process (grain does each stage; nothing here re-implements it)
 
 1. each dataset's documents (``Prepared.pieces``) as a ``grain.MapDataset``, shuffled with
    a seeded permutation that changes every epoch, repeated without end;
-2. several datasets mixed by weight (``data.mix``, ``MapDataset.mix``);
+2. several datasets mixed by weight (``dataset.mix``, ``MapDataset.mix``);
 3. this process's slice of the stream (``[process_index::process_count]``);
 4. first-fit packing into rows of ``seq + 1`` tokens (``FirstFitPackIterDataset``: segment
    ids and positions restarting per document), ``batch / processes`` rows per step.
@@ -25,11 +25,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from shardlib.core.errors import ShardingError
-from shardlib.data.index import Prepared, is_prepared
+from shardlib.dataset.index import Prepared, is_prepared
 
 
 def parse_mix(path: str | None, mix: str) -> list[tuple[str, float]]:
-    """``data.mix="A:0.7,B:0.3"`` (or ``data=A``) as [(directory, weight)], checked."""
+    """``dataset.mix="A:0.7,B:0.3"`` (or ``dataset=A``) as [(directory, weight)], checked."""
     if not mix:
         return [(path, 1.0)]
     pairs = []
@@ -41,8 +41,8 @@ def parse_mix(path: str | None, mix: str) -> list[tuple[str, float]]:
             w = float("nan")
         if not where or not w > 0:
             raise ShardingError(
-                f"data.mix: {part!r} is not DIR:WEIGHT with a weight > 0. Fix: e.g. "
-                "data.mix=chat:0.7,code:0.3 (directories written by `shardlib data prepare`)."
+                f"dataset.mix: {part!r} is not DIR:WEIGHT with a weight > 0. Fix: e.g. "
+                "dataset.mix=chat:0.7,code:0.3 (directories written by `shardlib data prepare`)."
             )
         pairs.append((where, w))
     return pairs
@@ -114,8 +114,8 @@ def packed_rows(sets, split: str, seq: int, rows: int, seed: int, *, shuffle: bo
 
 @dataclass
 class PreparedData:
-    """The training run's view of one or more prepared datasets (``data=DIR`` or
-    ``data.mix``): checks, global batches, evaluation batches and the loader's state."""
+    """The training run's view of one or more prepared datasets (``dataset=DIR`` or
+    ``dataset.mix``): checks, global batches, evaluation batches and the loader's state."""
 
     sets: list[tuple[Prepared, float]]
     seq: int
@@ -142,7 +142,7 @@ class PreparedData:
         processes = jax.process_count()
         if batch % processes:
             raise ShardingError(
-                f"data.batch={batch} rows do not split over {processes} processes. Fix: a "
+                f"dataset.batch={batch} rows do not split over {processes} processes. Fix: a "
                 f"multiple of {processes}."
             )
         out = cls(sets, seq, batch, seed)
@@ -200,12 +200,12 @@ class PreparedData:
             raise ShardingError(
                 "data: the checkpoint holds no loader state for this prepared dataset, so the "
                 "batches after it cannot be reproduced. Fix: resume with the data it was "
-                "trained on, or data.allow_changed=true to start the loader afresh."
+                "trained on, or dataset.allow_changed=true to start the loader afresh."
             )
         if len(states) != jax.process_count():
             raise ShardingError(
                 f"data: the checkpoint's loader ran on {len(states)} processes, this run on "
                 f"{jax.process_count()}: each process's slice differs. Fix: resume with "
-                f"{len(states)} processes (or data.allow_changed=true to restart the loader)."
+                f"{len(states)} processes (or dataset.allow_changed=true to restart the loader)."
             )
         self._iter.set_state(states[jax.process_index()])
