@@ -178,7 +178,8 @@ def data_tokenizer(checkpoint: str | Path) -> Path | None:
     from shardlib.dataset.loader import parse_mix
 
     _, meta = read_meta(Path(checkpoint).absolute())
-    data = meta["config"].get("data", {})
+    config = meta["config"]  # runs recorded before the section was renamed call it "data"
+    data = config.get("dataset") or config.get("data", {})
     where = parse_mix(data.get("path"), data.get("mix", ""))[0][0]
     index = Path(where or "") / INDEX
     if not where or not index.is_file():
