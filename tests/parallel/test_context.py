@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from layout_cases import assert_parity, assert_refused, first_devices_mesh, one_device_reference
 
 from models.llama.rotary import rotary
-from shardlib import Rules, ShardingError, base_rules, compose, mesh_spec, rules_for_mesh
+from shardlib import Rules, ShardingError, base_rules, compose, rules_for_mesh
 from shardlib.analysis import explain
 from shardlib.core.attention import LocalAttention, chunked_attention, dense_attention
 from shardlib.core.layout import use_layout
 from shardlib.core.ops import attention, use_ops
 from shardlib.parallel import context_parallel
 from shardlib.parallel.context import ContextAttention, zigzag_order
-from shardlib.tools.parity import FP32_TOLERANCE, compare, trace
+from shardlib.tools.parity import FP32_TOLERANCE
 from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import make_setup
@@ -194,19 +195,10 @@ def test_chunked_memory_is_linear_inside_a_layer_scan():
 CFG = train_config(steps=5, batch=8, seq=32, **{"model.layers": 1})
 
 
-def _mesh(**axes):
-    n = 1
-    for size in axes.values():
-        n *= size
-    return mesh_spec(**axes).build(jax.devices()[:n])
-
-
 @pytest.fixture(scope="module")
 def reference():
     """(trace, initial host state) on one device with dense attention."""
-    setup = make_setup(CFG, _mesh(data=1))
-    state = jax.device_get(setup.init_state())
-    return trace(setup, state), state
+    return one_device_reference(CFG)
 
 
 CASES = {
@@ -223,13 +215,8 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_parity_fp32(name, reference):
-    axes, overrides = CASES[name]
-    ref, state = reference
-    setup = make_setup(override(CFG, overrides), _mesh(**axes))
-    result = compare(setup, ref, state)
-    assert result.max_rel_loss_err <= FP32_TOLERANCE, result
-    assert result.ok(), result
+def test_parity_fp32(name):
+    assert_parity(CFG, *CASES[name])
 
 
 # Each kernel at a second context size compares the 5 losses and gradient norms only (one
@@ -242,7 +229,7 @@ LOSS_ONLY = [("ring", 4), ("all_to_all", 2), ("all_gather", 8)]
 @pytest.mark.parametrize("kind, n", LOSS_ONLY)
 def test_context_parity_losses(kind, n, reference):
     ref, state = reference
-    setup = make_setup(override(CFG, {"attention": kind}), _mesh(context=n))
+    setup = make_setup(override(CFG, {"attention": kind}), first_devices_mesh(context=n))
     records = run(setup, state=jax.device_put(state, setup.state_shardings), show=False).records
     losses = np.array([r["loss"] for r in records])
     norms = np.array([r["grad_norm"] for r in records])
@@ -266,10 +253,7 @@ def test_resolved_specs():
     ],
 )
 def test_bad_configs_raise_before_compiling(axes, overrides, words):
-    with pytest.raises(ShardingError) as err:
-        make_setup(override(CFG, overrides), _mesh(**axes))
-    for word in words:
-        assert word in str(err.value), err.value
+    assert_refused(CFG, axes, overrides, words)
 
 
 COMM_CFG = train_config(batch=8, seq=32, **{"model.layers": 2})
@@ -280,7 +264,7 @@ def test_ulysses_all_to_all_bytes_per_layer():
     """Forward: q, k, v and the output each cross once, s·h/N elements per device each."""
     n, mha = 4, {"model.kv_heads": 16}  # MHA, as in the Ulysses paper's formula
     cfg = override(COMM_CFG, {"attention": "all_to_all", **mha})
-    setup = make_setup(cfg, _mesh(context=n))
+    setup = make_setup(cfg, first_devices_mesh(context=n))
     loss_fn = make_loss_fn(setup)
 
     def loss(params, tokens):

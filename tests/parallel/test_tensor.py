@@ -2,39 +2,22 @@
 tensor parallelism.
 
 Parity: each layout trains like one device (fp32, 5 steps, llama-tiny with one layer).
-One reference trace and one initial state are shared by every layout: initial values do
-not depend on the layout, so each case compiles only its train step and gradient function.
+One reference trace and initial state serve every layout (``layout_cases``).
 
 Communication (compile only, nothing runs): Megatron-SP moves the bytes of plain TP per
 layer with its all-reduces turned into all-gathers and reduce-scatters.
 """
 
-import jax
 import pytest
 from jax.sharding import PartitionSpec as P
+from layout_cases import assert_parity, assert_refused, first_devices_mesh
 
-from shardlib import ShardingError, mesh_spec, rules_for_mesh
+from shardlib import rules_for_mesh
 from shardlib.analysis.reduce_scatter import gpu_collectives
-from shardlib.tools.parity import FP32_TOLERANCE, compare, trace
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
 
 CFG = train_config(steps=5, batch=8, seq=32, **{"model.layers": 1})
-
-
-def _mesh(**axes):
-    n = 1
-    for size in axes.values():
-        n *= size
-    return mesh_spec(**axes).build(jax.devices()[:n])
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """(trace, initial host state) on one device."""
-    setup = make_setup(CFG, _mesh(data=1))
-    state = jax.device_get(setup.init_state())
-    return trace(setup, state), state
 
 
 CASES = {
@@ -47,13 +30,8 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_parity_fp32(name, reference):
-    axes, overrides = CASES[name]
-    ref, state = reference
-    setup = make_setup(override(CFG, overrides), _mesh(**axes))
-    result = compare(setup, ref, state)
-    assert result.max_rel_loss_err <= FP32_TOLERANCE, result
-    assert result.ok(), result
+def test_parity_fp32(name):
+    assert_parity(CFG, *CASES[name])
 
 
 # --- rules -------------------------------------------------------------------------------------
@@ -78,10 +56,7 @@ def test_resolved_specs():
     ],
 )
 def test_bad_configs_raise_before_compiling(axes, overrides, words):
-    with pytest.raises(ShardingError) as err:
-        make_setup(override(CFG, overrides), _mesh(**axes))
-    for word in words:
-        assert word in str(err.value), err.value
+    assert_refused(CFG, axes, overrides, words)
 
 
 # --- communication (compile only) ---------------------------------------------------------------
@@ -98,7 +73,7 @@ def _layer_collectives(setup):
 
 @pytest.mark.slow
 def test_sequence_parallel_moves_tp_bytes_without_all_reduce():
-    mesh = _mesh(tensor=4)
+    mesh = first_devices_mesh(tensor=4)
     tp = _layer_collectives(make_setup(COMM_CFG, mesh))
     sp = _layer_collectives(make_setup(override(COMM_CFG, {"sequence_parallel": True}), mesh))
     activation = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq * 64 * 4  # b·s·h fp32 bytes
