@@ -143,7 +143,9 @@ def measure(layout: str, schedule: str, m: int, precision: str, v: int) -> dict:
         "predicted_wire": est.wire_by_axes(),
         "ring": 2 * (d - 1) / d * held * 4,
         "tensor_formula": layers * m * 5 * 2 * (t - 1) / t * bsh,
-        "stage_formula": 2 * m * bsh,
+        # Megatron's p2p: 1/t of b·s·h per executed chunk and direction under 1F1B (its
+        # scatter/gather); GPipe/circular here move whole b·s·h (2 per micro-batch)
+        "stage_formula": 2 * (v * m + p - 1) * bsh / t if schedule == "1f1b" else 2 * m * bsh,
         "in_loop": sum(1 for op in data if op.count > 1),
         "flops": report.flops_per_device,
         "arguments": mem.argument_bytes,
@@ -152,7 +154,7 @@ def measure(layout: str, schedule: str, m: int, precision: str, v: int) -> dict:
         "held": held,
         # formulas: 4 + 8 bytes per held parameter (fp32 master + Adam); temp: fp32 grads
         # (+ the 1F1B loop's accumulator), full recompute's 2sbh per layer (compute dtype)
-        # for the layers in flight, the ring of 2vp-1 stage inputs (1F1B)
+        # for the layers in flight, the ring of 2vp-1 slots of layer inputs (1F1B)
         "grads_formula": held * 4 * (2 if schedule == "1f1b" else 1),
         "activations_formula": _activations_formula(layout, schedule, m, v, w.compute_bytes),
         "predicted": est.memory,
@@ -165,8 +167,8 @@ def _activations_formula(layout: str, schedule: str, m: int, v: int, nbytes: int
     p, h = axes["stage"], model["embed"]
     sbh = per_replica // m * SEQ * h * nbytes  # one micro-batch's layer input
     layers = model["layers"] // p
-    if schedule == "1f1b":  # one chunk's inputs at a time, and its ring of 2vp-1
-        return layers // v * sbh + (2 * v * p - 1) * sbh
+    if schedule == "1f1b":  # the ring of 2vp-1 slots of a chunk's layer inputs (stage_work)
+        return (2 * v * p - 1) * (layers // v) * sbh
     return layers * sbh * (m + p - 1)  # every trip's residuals (GPipe; circular about so)
 
 
@@ -188,7 +190,7 @@ def tables(layout: str, rows: dict, ideal: float) -> tuple[Table, Table]:
     p = axes["stage"]
     wire = Table(title=f"{layout}-class, {shape}: wire bytes per device per step, by mesh axis")
     cols = ("schedule", "v", "m", "data wire", "2(d-1)/d x held fp32", "ratio", "planner")
-    cols += ("tensor wire", "Megatron 5/layer", "planner", "stage wire", "2·m·bsh", "planner")
+    cols += ("tensor wire", "Megatron 5/layer", "planner", "stage wire", "Megatron p2p", "planner")
     cols += ("in loop", "temp")
     for col in cols:
         wire.add_column(col, justify="right")
@@ -285,8 +287,9 @@ def main() -> None:
         "number to hold against (p-1)/(v·m)). Tensor and stage "
         "bytes: the planner counts the compute dtype; the CPU backend upcasts bf16 activations' "
         "collectives to fp32 (2x). Tensor: the 1F1B loop executes v·m + p - 1 chunk forwards "
-        "and backwards and recomputes each chunk's forward (+2 all-reduces per layer), beyond "
-        "Megatron's 5 per layer and micro-batch."
+        "and backwards (the bubble's too), each layer's forward re-run once before its "
+        "backward: 5 all-reduces per layer, as Megatron's. Stage: 1F1B's formula is "
+        "2(v·m+p-1)·bsh/t (hand-overs split over tensor); GPipe/circular's 2·m·bsh."
     )
 
 

@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from shardlib.core import ops
+
 
 class Routing(NamedTuple):
     """Where each token goes, and the router's statistics for this layer (a pytree)."""
@@ -73,9 +75,10 @@ def route(logits_GSE: jax.Array, *, top_k: int, capacity: int) -> Routing:
 
     # Load balancing (Switch / GShard): E * sum_e f_e * P_e, f = fraction of assignments,
     # P = mean router probability; 1 when balanced. Means run over all tokens of the batch.
-    load_E = chosen_GSKE.sum(2).mean((0, 1)) / top_k
-    aux_loss = e * jnp.sum(load_E * probs_GSE.mean((0, 1)))
-    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GSE, axis=-1)))
-    dropped = jnp.sum(1.0 - kept_GSK)
+    # (``ops.batch_mean``: the whole batch's means where a program holds only some rows)
+    load_E = ops.batch_mean(chosen_GSKE.sum(2), (0, 1)) / top_k
+    aux_loss = e * jnp.sum(load_E * ops.batch_mean(probs_GSE, (0, 1)))
+    z_loss = ops.batch_mean(jnp.square(jax.nn.logsumexp(logits_GSE, axis=-1)), (0, 1))
+    dropped = ops.batch_sum(1.0 - kept_GSK)
     stats = {"aux_loss": aux_loss, "z_loss": z_loss, "dropped": dropped, "load": load_E}
     return Routing(dispatch_GSEC, combine_GSEC, stats)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +32,8 @@ __all__ = [
     "Packed",
     "active_ops",
     "attention",
+    "batch_mean",
+    "batch_sum",
     "exchange",
     "lookup",
     "run_blocks",
@@ -42,6 +45,9 @@ AttentionForm = Callable[..., Any]
 """``form(q_BLHK, k_BLGK, v_BLGK, positions_L, *, causal) -> out_BLHK``."""
 ExchangeForm = Callable[[jax.Array, tuple, tuple, str], jax.Array]
 """``form(x, src_names, dst_names, direction) -> x`` laid out by ``dst_names``."""
+BatchForm = Callable[[jax.Array, str], jax.Array]
+"""``form(value, "mean" | "sum") -> value``: a mean or sum over this program's rows of the
+batch, made the whole batch's."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,9 @@ class OpsSettings:
     """How attention runs: ``LocalAttention`` or a strategy's form (context parallelism)."""
     exchange: ExchangeForm | None = None
     """The MoE exchange; None: re-constrain and let XLA derive the all-to-all (GShard)."""
+    batch: BatchForm | None = None
+    """Where a program sees only some rows of the batch (a pipeline's per-replica loop,
+    ``parallel/pipeline/replicas.py``), how their means become the whole batch's."""
 
 
 _DEFAULT = OpsSettings()  # dense local attention, XLA's exchange: one device's forms
@@ -79,6 +88,34 @@ def use_ops(
 
 def active_ops() -> OpsSettings:
     return _OPS.get() or _DEFAULT
+
+
+@contextlib.contextmanager
+def batch_rows(form: BatchForm) -> Iterator[None]:
+    """Inside: this program sees a part of the batch's rows; ``batch_mean`` and ``batch_sum``
+    complete theirs with ``form`` (the other forms stay as they are)."""
+    token = _OPS.set(dataclasses.replace(active_ops(), batch=form))
+    try:
+        yield
+    finally:
+        _OPS.reset(token)
+
+
+def batch_mean(x: jax.Array, axis) -> jax.Array:
+    """``x.mean(axis)`` over the batch's rows: the whole batch's even where this program
+    holds only some of them. A statistic that is not linear in the batch (an MoE router's
+    load-balancing loss, a product of two batch means) needs its means whole: model code
+    takes them here, and the layout decides how."""
+    mean = jnp.mean(x, axis)
+    form = active_ops().batch
+    return mean if form is None else form(mean, "mean")
+
+
+def batch_sum(x: jax.Array, axis=None) -> jax.Array:
+    """``x.sum(axis)`` over the batch's rows (``batch_mean``'s sum: a count, say)."""
+    total = jnp.sum(x, axis)
+    form = active_ops().batch
+    return total if form is None else form(total, "sum")
 
 
 def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):

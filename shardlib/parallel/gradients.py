@@ -38,11 +38,9 @@ from jax.sharding import PartitionSpec as P
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
-from shardlib.core.ops import scan_blocks
 from shardlib.parallel import zeropp
 from shardlib.parallel.layer_loop import cast_params
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
-from shardlib.parallel.remat import remat_block
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -191,7 +189,6 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
             "trainer's loss (train.step.make_loss_fn), or pipeline_schedule=gpipe."
         )
     spec = plan.pipeline_spec()
-    remat = plan.remat.spec(layout.workload)
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
 
     def value_and_grad(params, tokens_BL1):
@@ -212,8 +209,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
         positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
         run = one_f_one_b_value_and_grad(
             spec,
-            block_fn=remat_block(loss.block(block_graph, positions_L), remat),
-            stage_layers=scan_blocks,
+            block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
             embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL),
             head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
             split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],

@@ -50,6 +50,7 @@ def candidate(
     microbatches: int = 1,
     schedule: str = "gpipe",
     virtual: int = 1,
+    split_saved: bool = False,
     remat: str = "none",
     offload: bool = False,
     **sizes: int,
@@ -59,8 +60,9 @@ def candidate(
     ``sizes`` are the mesh axis sizes by name (``data=8, tensor=2``; absent axes are 1).
     ``microbatches`` are the pipeline's with a stage axis (``pipeline.microbatches``) and
     gradient accumulation without one (``data.microbatches``): the cost model has one count.
-    ``schedule`` and ``virtual`` are ``PipelineParallel``'s (gpipe, 1f1b,
-    circular = interleaved); ``offload`` keeps the optimizer state on the host.
+    ``schedule``, ``virtual`` and ``split_saved`` are ``PipelineParallel``'s (gpipe, 1f1b,
+    circular = interleaved; ``split_saved_inputs``); ``offload`` keeps the optimizer state
+    on the host.
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
     if unknown:
@@ -71,7 +73,7 @@ def candidate(
     return ParallelPlan(
         mesh=_mesh(axes or ((str(Axis.DATA), 1),)),
         data=_data(zero, 1 if staged else microbatches),
-        pipeline=_pipeline(schedule, microbatches if staged else 0, virtual),
+        pipeline=_pipeline(schedule, microbatches if staged else 0, virtual, split_saved),
         remat=_remat(remat),
         offload=_offload(offload),
     )
@@ -80,7 +82,11 @@ def candidate(
 # sections are frozen: the search's thousands of candidates share them
 _mesh = functools.lru_cache(maxsize=4096)(MeshSpec)
 _data = functools.lru_cache(maxsize=256)(DataParallel)
-_pipeline = functools.lru_cache(maxsize=256)(PipelineParallel)
+_pipeline = functools.lru_cache(maxsize=256)(
+    lambda schedule, m, virtual, split: PipelineParallel(
+        schedule, m, virtual, split_saved_inputs=split and schedule == "1f1b"
+    )
+)
 _remat = functools.lru_cache(maxsize=16)(Remat)
 _offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=optimizer))
 

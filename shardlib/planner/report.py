@@ -11,7 +11,7 @@ from shardlib.analysis.report import format_bytes
 from shardlib.core.workload import Workload
 from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost.throughput import exposed_strategies, is_exposed
-from shardlib.planner.cost.total import Estimate, collective_seconds
+from shardlib.planner.cost.total import MEMORY_HEADROOM, Estimate, collective_seconds
 from shardlib.planner.inputs.cluster import Cluster
 from shardlib.planner.search import Result, Space, estimate_or_none, knob_groups, meshes, search
 
@@ -261,7 +261,12 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
     memory.add_column("bytes", justify="right")
     for part, size in sorted(est.memory.items(), key=lambda kv: -kv[1]):
         memory.add_row(part, format_bytes(size))
-    fits = "fits" if est.fits else "does NOT fit"
+    limit = MEMORY_HEADROOM * cluster.memory_bytes  # the limit ``est.fits`` applies
+    fits = (
+        f"{'fits' if est.fits else 'does NOT fit'} ({format_bytes(est.memory_bytes)} against "
+        f"the {MEMORY_HEADROOM:.0%} of {format_bytes(cluster.memory_bytes)} the planner allows, "
+        f"{format_bytes(limit)})"
+    )
     memory.add_row(
         "total (device)", f"{format_bytes(est.memory_bytes)} / {format_bytes(cluster.memory_bytes)}"
     )

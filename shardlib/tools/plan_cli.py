@@ -5,8 +5,9 @@ Both read a model (``--model`` and ``model.NAME=VALUE`` words) and a cluster pre
 (``--cluster``, ``--hosts``), print their results on stdout (``--json``: one JSON document
 for tools) and leave errors to ``shardlib.tools.cli`` (stderr, exit 2). A layout is given as
 ``NAME=VALUE`` settings, comma-separated: mesh axis sizes (``tensor=8,stage=8``) and knobs
-(``zero``, ``microbatches``, ``schedule``, ``virtual``, ``remat``, ``offload``): ``plan
---fix`` fixes some and searches the rest, ``estimate --set`` gives them all.
+(``zero``, ``microbatches``, ``schedule``, ``virtual``, ``split_saved``, ``remat``,
+``offload``): ``plan --fix`` fixes some and searches the rest, ``estimate --set`` gives them
+all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
 SCHEDULES = ("gpipe", "1f1b", "circular")
-KNOBS = ("zero", "microbatches", "schedule", "virtual", "remat", "offload")
+KNOBS = ("zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload")
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
 
@@ -49,7 +50,7 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("plan", help="choose the layout for a model on a cluster")
     _common_args(c)
     c.add_argument("--top", type=int, default=5, help="plans to show")
-    c.add_argument("--out", default="plan.toml", help="where to write the chosen plan")
+    c.add_argument("--out", help="where to write the chosen plan (default: nowhere)")
     c.add_argument(
         "--fix",
         action="append",
@@ -96,9 +97,9 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
             if value not in allowed:
                 raise ShardingError(f"{flag} {word}: {key} is one of {', '.join(allowed)}.")
             out[key] = value
-        elif key == "offload":
+        elif key in ("offload", "split_saved"):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ShardingError(f"{flag} {word}: offload is true or false.")
+                raise ShardingError(f"{flag} {word}: {key} is true or false.")
             out[key] = value.lower() in ("true", "1", "yes")
         elif key in (*axes, "zero", "microbatches", "virtual"):
             least = 0 if key == "zero" else 1
@@ -204,14 +205,18 @@ def cmd_plan(args, console: Console) -> int:
     seconds = time.perf_counter() - start
     if not result.best:
         raise ShardingError(no_plan_error(workload, cluster, space))
-    out = Path(args.out)
-    out.write_text(plan_toml(workload, result.best[0], cluster))
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.write_text(plan_toml(workload, result.best[0], cluster))
     if args.json:
         record = result_record(result, workload, cluster, space, seconds)
-        print(json.dumps({**record, "wrote": str(out)}, indent=1))
+        print(json.dumps({**record, "wrote": str(out) if out else None}, indent=1))
     else:
         render(result, workload, cluster, console, seconds)
-        console.print(f"wrote {out}: shardlib train --mesh {out}")
+        if out is not None:
+            console.print(f"wrote {out}: shardlib train --mesh {out}")
+        else:
+            console.print("not written: --out FILE writes it (for shardlib train --mesh FILE)")
     if args.validate:  # with --json its table goes to stderr: stdout stays one document
         _validate(result, workload, args.validate, Console(stderr=True) if args.json else console)
     return 0

@@ -300,8 +300,9 @@ def test_bad_moe_settings_are_reported_by_the_cli(capsys):
 
 
 def test_moe_with_a_stage_axis_is_refused_only_by_the_1f1b_schedule():
-    """GPipe/circular carry the router statistics (tests/parallel/test_pipeline_composition.py); the
-    1F1B schedule's own vjp does not yet, and says so before compiling."""
+    """GPipe/circular carry the router statistics (tests/parallel/test_pipeline_composition.py),
+    per data replica too; the 1F1B schedule's own vjp does not yet, and says so before
+    compiling."""
     from shardlib import ShardingError, mesh_spec
     from shardlib.train.config import parse_overrides
     from shardlib.train.setup import make_setup
@@ -312,9 +313,8 @@ def test_moe_with_a_stage_axis_is_refused_only_by_the_1f1b_schedule():
     one_f_one_b = parse_overrides(["pipeline_schedule=1f1b"], cfg)
     with pytest.raises(ShardingError, match="per-stage vjp.*Fix: pipeline_schedule=gpipe or circ"):
         make_setup(one_f_one_b, mesh)
-    step = parse_overrides(["pipeline_gather_weights=step"], cfg)
-    with pytest.raises(ShardingError, match="its own. Fix: pipeline_gather_weights=microbatch"):
-        make_setup(step, mesh)
+    step = parse_overrides(["pipeline_gather_weights=step"], cfg)  # carried per replica too
+    assert make_setup(step, mesh).plan.pipeline_spec().gather_weights == "step"
 
 
 def test_moe_with_a_context_axis_is_refused_before_compiling():

@@ -46,6 +46,8 @@ CASES = {  # name: (mesh axes, config overrides)
         {"virtual_stages": 2, "pipeline_microbatches": 4},
     ),
     "1f1b-p4-v2-tp2": ({"stage": 4, "tensor": 2}, {"virtual_stages": 2}),
+    # the saved layer inputs split over tensor until their backward (and gathered there)
+    "1f1b-p2-tp4-split": ({"stage": 2, "tensor": 4}, {"pipeline_split_saved_inputs": True}),
 }
 
 

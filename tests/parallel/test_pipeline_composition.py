@@ -111,8 +111,13 @@ def test_moe_under_a_pipeline_matches_one_device():
     assert got.metrics["aux_loss"] > 0 and got.metrics["moe_dropped"] > 0
     assert_same(got, ref)
     trips = M + 2 - 1  # GPipe: m + p - 1, one MoE block per stage and trip
-    a2a = [op for op in got.collectives() if op.kind == "all-to-all" and op.axes == ("expert",)]
+    ops = got.collectives()
+    a2a = [op for op in ops if op.kind == "all-to-all" and op.axes == ("expert",)]
     assert a2a and sum(op.count for op in a2a) == 4 * trips, a2a  # dispatch, combine, 2 back
+    # gradients reduced over data once per step, as a dense model's (the data replicas
+    # complete the router's batch means instead: small all-reduces inside the loop)
+    grads = [op for op in ops if "data" in op.axes and op.buffer_bytes > 4096]
+    assert grads and all(op.count == 1 for op in grads), [(o.name, o.count) for o in grads]
 
 
 @pytest.mark.slow

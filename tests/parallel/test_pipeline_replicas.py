@@ -30,7 +30,7 @@ def _report(axes, **overrides):
     )
     shapes, shardings = setup.param_shapes, setup.param_shardings
     held = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 4, shapes, shardings)
-    return report, sum(jax.tree.leaves(held))
+    return report, sum(jax.tree.leaves(held)), sum(jax.tree.leaves(held["blocks"]))
 
 
 @pytest.mark.slow
@@ -40,14 +40,20 @@ def _report(axes, **overrides):
 )
 def test_data_axis_gradients_are_reduced_once_per_step(schedule, extra):
     """m = p and m = 2p: every data-axis collective runs once per step, and their bytes are
-    one ring all-reduce of the held fp32 gradients, whatever m is."""
+    one ring all-reduce of the held fp32 gradients, whatever m is. (1F1B: the embedding and
+    head gradients, one copy per stage, in one ring over data x stage.)"""
     wire = {}
+    d, p = AXES["data"], AXES["stage"]
     for m in (2, 4):
-        report, held = _report(AXES, pipeline_schedule=schedule, pipeline_microbatches=m, **extra)
+        report, held, blocks = _report(
+            AXES, pipeline_schedule=schedule, pipeline_microbatches=m, **extra
+        )
         data = [op for op in report.collectives if "data" in op.axes]
         assert data and all(op.count == 1 for op in data), [(op.name, op.count) for op in data]
         wire[m] = sum(op.total_wire_bytes for op in data)
-        ring = 2 * (AXES["data"] - 1) / AXES["data"] * held
+        ring = 2 * (d - 1) / d * held
+        if schedule == "1f1b":
+            ring += (2 * (d * p - 1) / (d * p) - 2 * (d - 1) / d) * (held - blocks)
         assert wire[m] / ring == pytest.approx(1.0, abs=0.05), (m, wire[m], ring)
     assert wire[2] == wire[4]
 
@@ -57,7 +63,7 @@ def test_fsdp_weights_gathered_once_per_step_on_request():
     """``gather_weights=step``: the fsdp-axis gathers and gradient reductions leave the loop."""
     axes = {"stage": 2, "fsdp": 2, "tensor": 2}
     for gather, inside in (("microbatch", True), ("step", False)):
-        report, _ = _report(
+        report, _, _ = _report(
             axes,
             pipeline_schedule="1f1b",
             pipeline_microbatches=4,

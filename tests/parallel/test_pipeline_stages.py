@@ -4,12 +4,15 @@ Split from ``test_pipeline.py`` (whose helpers it shares) so that the two files 
 different test workers: each is a few minutes of compiles.
 """
 
+import dataclasses
+
 import pytest
 from test_pipeline import _mesh, flops
 
 from benchmarks._programs import layer_stack_program
 from shardlib import ShardingError
 from shardlib.core.mesh import single_device_mesh
+from shardlib.parallel.pipeline.gpipe import PipelineSpec
 from shardlib.parallel.pipeline.partition import balanced_stages, padded_order
 from shardlib.tools.parity import check_parity
 from shardlib.train.config import override, train_config
@@ -62,7 +65,12 @@ UNEVEN_AND_ANY_M = {  # name: (mesh axes, config overrides)
     "1f1b-6-layers-on-4": ({"stage": 4, "data": 2}, {"pipeline_schedule": "1f1b"}),
     "circular-6-layers-on-2x2": (
         {"stage": 2, "data": 2},
-        {"pipeline_schedule": "circular", "virtual_stages": 2, "pipeline_microbatches": 2},
+        {
+            "pipeline_schedule": "circular",
+            "virtual_stages": 2,
+            "pipeline_microbatches": 2,
+            "pipeline_stage_layers": "1,2,2,1",
+        },  # interleaved: uneven only when asked
     ),
     # m = 6 on 3 stages: the 1F1B loop; the circular loop's m > p runs in test_pipeline.py
     "1f1b-m6-on-3": ({"stage": 3, "data": 2}, {"pipeline_schedule": "1f1b"}),
@@ -91,6 +99,20 @@ def test_uneven_stages_and_any_microbatch_count_match_one_device(name):
         assert len(set(make_setup(cfg, mesh).plan.pipeline.stage_layers)) > 1
     result = check_parity(cfg, mesh)
     assert result.ok(), result
+
+
+def test_interleaved_schedules_refuse_unequal_chunks_with_the_reason():
+    """80 layers on 8 stages x 4 virtual stages (146B, v = 4): refused before compiling,
+    naming the v that divide, rather than padded to 96 layers (Megatron-LM refuses too)."""
+    for schedule in ("1f1b", "circular"):
+        spec = PipelineSpec(8, 48, 4, schedule)
+        with pytest.raises(
+            ShardingError, match=r"16 identity layers.*virtual_stages in \[1, 2, 5, 10\]"
+        ):
+            spec.check(layers=80, batch=96)
+    plan = train_config(**{"model.layers": 6}).parallel.with_mesh_axes({"stage": 2})
+    interleaved = dataclasses.replace(plan.pipeline, schedule="1f1b", virtual_stages=2)
+    assert interleaved.for_layers(6, plan.mesh_axes).stage_layers == ()  # not balanced
 
 
 def test_stage_partition_puts_identity_slots_beside_embedding_and_head():

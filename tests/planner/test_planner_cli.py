@@ -49,6 +49,25 @@ def test_estimate_reads_the_plan_that_plan_wrote(tmp_path, capsys):
     assert again["mesh"] == best["mesh"] and again["step_s"] == pytest.approx(best["step_s"])
 
 
+def test_fix_virtual_returns_only_plans_with_that_many_virtual_stages(
+    tmp_path, capsys, monkeypatch
+):
+    """--fix virtual=2 (1F1B or circular) never hands back a v = 1 plan beside them; and
+    without --out nothing is written into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--cluster", "a100-8", "--hosts", "2", *MODEL, "--json", "--top", "8"]
+    assert main([*args, "--fix", "stage=2,virtual=2"]) == 0
+    plans = _json(capsys)["plans"]
+    assert plans
+    for plan in plans:
+        pipe = plan["parallel"]["pipeline"]
+        assert pipe["virtual_stages"] == 2 and pipe["schedule"] in ("1f1b", "circular"), pipe
+    assert main([*args, "--fix", "stage=2,schedule=1f1b,virtual=1"]) == 0
+    for plan in _json(capsys)["plans"]:
+        assert plan["parallel"]["pipeline"].get("virtual_stages", 1) == 1
+    assert not list(tmp_path.iterdir())  # no plan.toml unasked
+
+
 def test_fix_keeps_the_fixed_sizes_and_knobs(tmp_path, capsys):
     args = ["plan", "--cluster", "a100-8", "--hosts", "2", *MODEL, "--json"]
     args += ["--fix", "tensor=2,stage=2,remat=full", "--out", str(tmp_path / "p.toml")]

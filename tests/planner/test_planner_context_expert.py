@@ -137,11 +137,13 @@ def test_search_space_has_experts_only_for_moe_moe_stages_and_no_moe_context():
     assert any(m["stage"] > 1 and m["expert"] > 1 for m in moe)  # GPipe/circular carry stats
     assert all(m["context"] == 1 for m in moe)
     # GPipe p = 2, m = 2: 3 loop trips of 2 blocks (1 MoE) each: 4 all-to-alls per MoE run,
-    # and no data replicas (the router's statistics): data gradients reduced every trip
+    # and data replicas (the router's batch means completed over them): gradients reduced
+    # over data alone once per step, after the loop
     est = estimate(_moe(), candidate(stage=2, data=2, expert=2, microbatches=2))
     a2a = [c for c in est.comms if c.kind == "all-to-all" and c.axes == ("expert",)]
     assert [c.count for c in a2a] == [4 * 3 * 1]
-    assert all(c.count == 3 * 2 for c in est.comms if c.axes == ("data",))
+    data = [c for c in est.comms if c.axes == ("data",)]
+    assert data and all(c.count in (1, 2) for c in data), data  # once (per layer: 2 layers)
     # the trainer's refusals, in its words
     refusals = {"per-stage vjp.*gpipe or circular": candidate(stage=2, expert=4, schedule="1f1b")}
     refusals["ring attention's token order"] = candidate(context=2, expert=4)

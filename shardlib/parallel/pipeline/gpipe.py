@@ -120,6 +120,8 @@ class PipelineSpec:
     (``pipeline/replicas.py``)."""
     stage_layers: tuple[int, ...] = ()
     """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
+    split_saved_inputs: bool = False
+    """1F1B: keep the saved layer inputs split over ``tensor`` (``stage_work``)."""
 
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
@@ -163,6 +165,16 @@ class PipelineSpec:
             raise ShardingError(
                 f"model layers={layers} < {p} stages x {v} virtual stages: a stage would run "
                 "no layer. Fix: fewer stages or virtual_stages."
+            )
+        elif layers % (p * v) and v > 1:
+            fits = [n for n in range(1, layers // p + 1) if layers % (p * n) == 0]
+            raise ShardingError(
+                f"model layers={layers} do not split into {p} stages x {v} virtual stages of "
+                f"equal size ({layers / (p * v):g} layers each). Interleaved schedules need "
+                "equal chunks, as Megatron-LM's --num-layers-per-virtual-pipeline-stage does; "
+                f"padding them would run {p * v * -(-layers // (p * v)) - layers} identity "
+                "layers per step and keep the stacked weights replicated over stage. Fix: "
+                f"virtual_stages in {fits}, or stage_layers (one count per virtual stage)."
             )
         elif layers % (p * v):
             raise ShardingError(
@@ -215,6 +227,10 @@ class PipelineParallel:
     stages run identity slots up to the largest count and keep the stacked weights
     replicated over ``stage`` (a stage's slots are sliced from them: no regrouping, but
     p x the block memory)."""
+    split_saved_inputs: bool = False
+    """1f1b: keep each layer's saved input split over ``tensor`` until its backward (1/t of
+    the ring of saved inputs, for one all-gather over ``tensor`` per layer and micro-batch
+    in the backward: ``pipeline/stage_work.py``). Off: Megatron's 6-all-reduce count."""
     gather_weights: str = "microbatch"
     """microbatch | step: with an ``fsdp`` axis (or ZeRO-3), all-gather a stage's weights for
     every micro-batch (least memory; gradients are then reduce-scattered per micro-batch
@@ -250,6 +266,8 @@ class PipelineParallel:
         groups = mesh_axes.get(Axis.STAGE, 1) * self.virtual_stages
         if groups == 1 or self.stage_layers or layers % groups == 0 or layers < groups:
             return self
+        if self.virtual_stages > 1:  # refused by ``PipelineSpec.check``, with the reason
+            return self
         return dataclasses.replace(self, stage_layers=balanced_stages(layers, groups))
 
     def rules(self, mesh_axes) -> list[Rules]:
@@ -272,6 +290,7 @@ class PipelineParallel:
             schedule=self.schedule,
             gather_weights=self.gather_weights,
             stage_layers=self.stage_layers,
+            split_saved_inputs=self.split_saved_inputs,
         )
 
     def check(self, mesh_axes, rules: Rules, workload) -> None:
@@ -301,19 +320,23 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
     def layers(block_fn, blocks_state, carry):
         """One copy of the weights per data replica (one gradient reduction per step).
 
-        Not with block statistics: a replica's micro-batch holds only its own rows, and a
-        statistic that is not linear in the batch (an MoE's load-balancing loss) would differ
-        from the one of the whole micro-batch. Those models leave the data axes to GSPMD
-        (gradients then reduced per loop trip) and match one device exactly.
+        With block statistics too: a replica's micro-batch holds only its own rows, but the
+        model takes a statistic's batch means through ``ops.batch_mean`` (an MoE's
+        load-balancing loss is a product of two), which the replicas complete over the
+        whole batch; every replica then carries the same statistics, and one copy is kept.
         """
-        reps = None if isinstance(carry, tuple) else replicas(gather_weights=spec.gather_weights)
+        reps = replicas(gather_weights=spec.gather_weights)
         if reps is None:
             return run(block_fn, blocks_state, carry)
+        x_BLD, stats = split_carry(carry)
         x_spec = reps.outer.spec(("batch", "seq", "embed"))
-        out_R = reps.vmap(lambda w, x: run(block_fn, w, x))(
-            to_replicas(reps, blocks_state), reps.split_batch(carry, x_spec)
+        stats_R = jax.tree.map(lambda s: jnp.broadcast_to(s[None], (reps.count, *s.shape)), stats)
+        out_R = reps.vmap(lambda w, x, st: run(block_fn, w, join_carry(x, st, carry)))(
+            to_replicas(reps, blocks_state), reps.split_batch(x_BLD, x_spec), stats_R
         )
-        return reps.merge_batch(out_R, x_spec)
+        x_R, stats_R = split_carry(out_R)
+        stats = jax.tree.map(lambda s_R: jnp.mean(s_R, 0), stats_R)  # the replicas agree
+        return join_carry(reps.merge_batch(x_R, x_spec), stats, carry)
 
     def pin_state(state):  # (x [p, b, seq, embed], stats [p, ...]) on their layouts
         x, stats = state

@@ -14,16 +14,26 @@ differentiating the loop. Device s holds v virtual stages (chunks) r·p + s, r =
 * backward mirrors it with offset D = vp - 1: device s runs item u' = t - D - (p-1-s),
   round v-1 - (u' mod vp) // p, cotangents ``roll(-1)``. The last virtual stage's backward
   runs in the iteration of its forward, after the head and the loss;
-* a stage keeps its *input* from forward to backward (at most 2vp - 2 iterations later) in
-  a ring of R = 2vp - 1 slots (slot = forward time mod R) and recomputes the chunk's
-  forward inside the backward (``jax.vjp`` at the saved input): live activations are
-  R·b·seq·embed per device plus one chunk's residuals, whatever m is;
+* a stage keeps the *input of each of its layers* from forward to backward (at most
+  2vp - 2 iterations later) in a ring of R = 2vp - 1 slots of k layer inputs (slot =
+  forward time mod R), and its backward re-runs each layer's forward once from that input,
+  right before the layer's own backward (``stage_work``): Megatron's full recompute, 6
+  tensor all-reduces per layer and micro-batch (5 compiled: the recompute stops before the
+  MLP's output), and live activations R·k·b·seq·embed per device (1/t of it with
+  ``pipeline.split_saved_inputs``) plus one layer's residuals, whatever m is;
+* hand-overs as lean as Megatron's (SC21 section 4.1): a stage's output and input
+  cotangent move split over ``tensor`` and are all-gathered on arrival; every stage runs
+  the head on its own output and the embedding's gradient on its own cotangent (only
+  device p-1's and device 0's count), so nothing is broadcast over ``stage`` per trip.
+  The stages' copies of the embedding and head gradients are summed once, after the
+  loop, in the data-parallel reduction's all-reduce (over data x stage);
 * three static phases, so no iteration executes work that is never used: warm-up
   (vp - 1 iterations, forward only), steady (vm + p - vp, forward and backward), cool-down
   (vp - 1, backward only). Each device executes (vm + p - 1) chunk forwards and backwards
   for vm useful ones: bubble (p-1)/(v·m), exactly; the head and loss run only in the p of
-  every vp steady iterations in which device p-1 finishes round v-1 (a nested scan with a
-  static flag: its FLOPs are those of m micro-batches, not v·m + ... iterations);
+  every vp steady iterations in which device p-1 finishes round v-1, the embedding and its
+  gradient only in those where device 0 runs round 0 (static flags per trip, alike trips
+  in one loop: ``trips``; ``Schedule.heads``, ``embeds``, ``embeds_grad``);
 * parameter gradients accumulate in fp32 in the loop carry; the carry holds one data
   replica's gradients (``pipeline.replicas``), so the data-parallel reduction runs once,
   after the loop. With fp16 the loss cotangent is seeded with loss_scale/m and the
@@ -31,7 +41,10 @@ differentiating the loop. Device s holds v virtual stages (chunks) r·p + s, r =
   would be: the trainer unscales them and skips a non-finite step (``train/precision.py``).
 
 Needs m % p == 0 when v > 1 (Megatron's rule); v = 1 takes any m. Costs one recomputed
-chunk forward per micro-batch (~1.33x the FLOPs of the step without remat).
+forward per layer and micro-batch (~1.33x the FLOPs of the step without remat), whatever
+the remat policy: the schedule decides what is saved. With v > 1 the weights are regrouped
+from the stored contiguous order to the round-robin one once per step (``to_stages``: an
+all-to-all over ``stage``); Megatron stores them per virtual stage and moves none.
 """
 
 from __future__ import annotations
@@ -41,11 +54,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.core.layout import constrain
-from shardlib.core.scopes import ONE_TRIP_SCOPE
+from shardlib.core.layout import active_layout, constrain
 from shardlib.parallel.pipeline.gpipe import STATE_NAMES, PipelineSpec
-from shardlib.parallel.pipeline.partition import masked, pad_stages, unpad_stages
+from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
 from shardlib.parallel.pipeline.replicas import replicas
+from shardlib.parallel.pipeline.stage_work import (
+    backward_from_inputs,
+    forward_saving_inputs,
+    handover,
+    one_trip,
+    split,
+)
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.parallel.pipeline.views import (
     constrain_param,
@@ -59,13 +78,27 @@ from shardlib.parallel.pipeline.views import (
     variable_names,
 )
 
-RING_NAMES = ("stage", None, "batch", "seq", "embed")  # [p, R, b, seq, embed]
+RING_NAMES = ("stage", None, None, "batch", "seq", "embed")  # [p, R, k, b, seq, embed]
 ACCUMULATE = jnp.float32  # gradients summed over micro-batches in the loop carry
 STAGE_SCOPE = "pipeline_stage"  # named scope of the chunks' work (in profiles and op names)
 
 
+def sum_replicas_and_stages(reps, g_RP: jax.Array) -> jax.Array:
+    """Mean over replicas of the sum over stages of [R, p, ...], as one all-reduce over the
+    replica and stage axes together (merged into one dim first: two reductions, one per
+    axis, would each move the whole tensor)."""
+    axes = stage_axes()
+    if axes is None:
+        return jnp.sum(g_RP, (0, 1)) / reps.count
+    stage = (axes,) if isinstance(axes, str) else tuple(axes)
+    merged = g_RP.reshape(-1, *g_RP.shape[2:])
+    spec = P((*reps.axes, *stage), *([P.UNCONSTRAINED] * (merged.ndim - 1)))
+    merged = jax.lax.with_sharding_constraint(merged, NamedSharding(reps.mesh, spec))
+    return jnp.sum(merged, 0) / reps.count
+
+
 def one_f_one_b_value_and_grad(
-    spec: PipelineSpec, *, block_fn, stage_layers, embed, head_loss, split_tokens=None
+    spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None
 ):
     """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
     grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
@@ -73,24 +106,14 @@ def one_f_one_b_value_and_grad(
     ``split_tokens(tokens_BL1) -> (inputs_BL, targets_BL)`` puts a batch in the order the
     model sees it (default: the natural order); ``embed(rest, inputs_bl) -> x_bld`` runs
     before the blocks, ``head_loss(rest, x_bld, targets_bl) -> scalar mean loss`` after
-    them; ``stage_layers(block_fn, w_k, x)`` applies one chunk's k stacked blocks. ``rest``
-    are all parameters but the stacked blocks. The trainer passes its loss's own parts
-    (``parallel.gradients``), traced under ``plan.ops()``.
+    them; ``block_fn(layer_state, x) -> x`` is one plain block (no ``jax.checkpoint``: the
+    schedule decides what is saved, ``stage_work``). ``rest`` are all parameters but the
+    stacked blocks. The trainer passes its loss's own parts (``parallel.gradients``), traced
+    under ``plan.ops()``.
     """
     split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
     sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
     p, m, v = sched.p, sched.m, sched.v
-
-    def stage(w_k, keep_k, x):
-        # fp32 master weights in (their gradients accumulate in fp32), compute dtype here
-        w_k = jax.tree.map(lambda w: w.astype(x.dtype), w_k)
-        if keep_k is None:
-            return stage_layers(block_fn, w_k, x)
-        return stage_layers(masked(block_fn), (w_k, keep_k), x)  # uneven: identity slots
-
-    def stage_vjp(w_k, keep_k, x, dy):
-        _, pullback = jax.vjp(lambda w, x: stage(w, keep_k, x), w_k, x)
-        return pullback(dy)
 
     def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None):
         """Per data replica (one gradient reduction per step, after the loop), then the mean."""
@@ -103,10 +126,12 @@ def one_f_one_b_value_and_grad(
         rest_R = jax.tree.map(lambda w, s: reps.broadcast(w, s.spec), rest, rest_shardings)
         inner = jax.tree.map(reps.inner_sharding, rest_shardings)
         tokens_R = reps.split_batch(tokens_BL1, reps.outer.spec(("batch", None)))
-        loss_R, g_rest_R, g_blocks_R = reps.vmap(lambda r, b, t: run(r, b, t, inner, scale))(
-            rest_R, to_replicas(reps, blocks_state), tokens_R
-        )
-        g_rest = jax.tree.map(lambda g: jnp.mean(g, 0), g_rest_R)
+        loss_R, g_rest_RP, g_blocks_R = reps.vmap(
+            lambda r, b, t: run(r, b, t, inner, scale, sum_stages=False)
+        )(rest_R, to_replicas(reps, blocks_state), tokens_R)
+        # the per-stage copies (embedding on stage 0, head on p-1) summed and the replicas
+        # averaged in one reduction over both axes: about the data-parallel one's bytes alone
+        g_rest = jax.tree.map(lambda g: sum_replicas_and_stages(reps, g), g_rest_RP)
         g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
         g_leaves, treedef = jax.tree.flatten(g_blocks_R)
         names = variable_names(blocks_state)
@@ -116,7 +141,7 @@ def one_f_one_b_value_and_grad(
         ]
         return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks)
 
-    def run(rest, blocks_state, tokens_BL1, rest_shardings, scale):
+    def run(rest, blocks_state, tokens_BL1, rest_shardings, scale, sum_stages=True):
         blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)  # [G·k, ...]
         keep_pvk = None if keep is None else to_stages(keep, None, p, v)
         names = variable_names(blocks_state)
@@ -129,10 +154,20 @@ def one_f_one_b_value_and_grad(
         def pin(ws, ns, what):
             return [constrain_param(w, n, what) for w, n in zip(ws, ns, strict=True)]
 
-        def pin_rest(tree):
-            if rest_shardings is None:
-                return tree
-            return jax.lax.with_sharding_constraint(tree, rest_shardings)
+        def pin_rest(tree_P):
+            """Per-stage [p, ...] copies of the non-block gradients: stage-split, and inside
+            a stage laid out as the parameters (unconstrained where no layout is given)."""
+            if axes is None:
+                return tree_P
+            mesh = active_layout()[0]
+
+            def one(g, s):
+                inner = (P.UNCONSTRAINED,) * (g.ndim - 1) if s is None else tuple(s.spec)
+                inner += (None,) * (g.ndim - 1 - len(inner))
+                return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(axes, *inner)))
+
+            shardings = rest_shardings or jax.tree.map(lambda _: None, tree_P)
+            return jax.tree.map(one, tree_P, shardings, is_leaf=lambda x: x is None)
 
         pick = jax.vmap(lambda a, j: jax.lax.dynamic_index_in_dim(a, j, 0, False))
 
@@ -145,87 +180,122 @@ def one_f_one_b_value_and_grad(
             kp = None if keep_pvk is None else keep_pvk[:, 0] if v == 1 else pick(keep_pvk, r_P)
             return pin(ws, pk_names, "stage weights"), kp
 
-        def add_chunk(g_pvk, g_pk, r_P):
-            """Accumulate one chunk's gradient into device s's chunk r_P[s] (fp32)."""
-            g_pk = g_pk.astype(ACCUMULATE)
-            if v == 1:
-                return g_pvk + g_pk[:, None]
-            return jax.vmap(put)(g_pvk, pick(g_pvk, r_P) + g_pk, r_P)
+        # the fp32 gradient accumulator: [p, v, k, ...], or [p, k, ...] for v = 1 (a slice
+        # and an update of a [p, 1, k] one would copy all of it every trip)
+        acc_names = pk_names if v == 1 else pvk_names
 
-        fwd_all = jax.vmap(lambda w, kp, x: stage(treedef.unflatten(w), kp, x), spmd_axis_name=axes)
+        def acc_chunk(g_acc, r_P):
+            """Device s's chunk r_P[s] of the accumulator, [p, k, ...]."""
+            return g_acc if v == 1 else pick(g_acc, r_P)
 
-        def bwd_one(w, kp, x, dy):
-            g_w, dx = stage_vjp(treedef.unflatten(w), kp, x, dy)
-            return jax.tree.leaves(g_w), dx
+        def put_chunk(g_acc, g_pk, r_P):
+            return g_pk if v == 1 else jax.vmap(put)(g_acc, g_pk, r_P)
 
+        def fwd_one(w, kp, x, ring, r):
+            w = treedef.unflatten(w)
+            return forward_saving_inputs(block_fn, w, kp, x, ring, r, split_saved)
+
+        def bwd_one(w, kp, ring, r, dy, acc):
+            acc, dx = backward_from_inputs(
+                block_fn, treedef.unflatten(w), kp, ring, r, dy, treedef.unflatten(acc)
+            )
+            return jax.tree.leaves(acc), dx
+
+        def head_one(r, y, target):
+            """Every stage runs the head on its own output (only device p-1's counts): no
+            stage sends its output to another for the head, and the cotangent stays put."""
+
+            def scaled_loss(r, h):
+                loss = head_loss(r, h, target).astype(jnp.float32)
+                return loss * seed, loss
+
+            _, pull, loss = jax.vjp(scaled_loss, r, y, has_aux=True)
+            g_r, dy = pull(jnp.ones((), jnp.float32))
+            return loss, g_r, dy
+
+        def embed_grad(r, dx, inputs):
+            return jax.vjp(lambda r: embed(r, inputs), r)[1](dx)[0]
+
+        fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
+        head_all = jax.vmap(head_one, in_axes=(None, 0, None), spmd_axis_name=axes)
+        embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
 
         inputs_MBL, targets_MBL = (
             constrain(split_microbatches(t_BL, m), (None, "batch", None))
             for t_BL in split_tokens(tokens_BL1)
         )
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
-        zeros_PBLD = jnp.zeros((p, *x_aval.shape), x_aval.dtype)
-        ring = jnp.zeros((p, sched.ring_slots, *x_aval.shape), x_aval.dtype)
+        k = w_pvk[0].shape[2]
+        zeros_PBLD = handover(jnp.zeros((p, *x_aval.shape), x_aval.dtype), "stage hand-over")
+        split_saved = spec.split_saved_inputs
+
+        def saved(x, names):  # the layer inputs' layout while saved
+            return split(x, names, "saved inputs") if split_saved else constrain(x, names)
+
+        ring = saved(jnp.zeros((p, sched.ring_slots, k, *x_aval.shape), x_aval.dtype), RING_NAMES)
         first, last = stage_mask(p, 4) == 0, stage_mask(p, 4) == p - 1
+        is_last = jnp.arange(p) == p - 1
         seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
 
         def micro(tokens_M, i):
             return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)
 
-        def body(carry, t, *, fwd_on: bool, bwd_on: bool, head_on: bool):
+        def masked_add(acc_P, new_P, on_P):
+            """acc + new where ``on`` (per stage [p]), in fp32."""
+            return jax.tree.map(
+                lambda a, b: (
+                    a + jnp.where(on_P.reshape(-1, *([1] * (b.ndim - 1))), b, 0).astype(ACCUMULATE)
+                ),
+                acc_P,
+                new_P,
+            )
+
+        def body(carry, t, *, fwd_on, bwd_on, head_on, embed_on, embed_grad_on):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
-            g_rest_t = []
             if fwd_on:
                 fi = sched.forward(t)
                 # device 0 embeds in round 0; in later rounds it takes device p-1's output
-                x0 = embed(rest, micro(inputs_MBL, fi.micro[0]))[None]
-                x = jnp.where(first & (fi.round == 0).reshape(p, 1, 1, 1), x0, fwd)
+                x = fwd
+                if embed_on:  # only in the trips where device 0 runs round 0
+                    x0 = embed(rest, micro(inputs_MBL, fi.micro[0]))[None]
+                    x = jnp.where(first & (fi.round == 0).reshape(p, 1, 1, 1), x0, fwd)
                 x = constrain(x, STATE_NAMES)
-                ring = jax.lax.dynamic_update_index_in_dim(ring, x, t % sched.ring_slots, 1)
-                ring = constrain(ring, RING_NAMES)
                 w_pk, keep_pk = chunks(fi.round)
                 with jax.named_scope(STAGE_SCOPE):
-                    y = constrain(fwd_all(w_pk, keep_pk, x), STATE_NAMES)
-                fwd = constrain(jnp.roll(y, 1, axis=0), STATE_NAMES)
+                    y, ring = fwd_all(w_pk, keep_pk, x, ring, t % sched.ring_slots)
+                y = constrain(y, STATE_NAMES)
+                ring = saved(ring, RING_NAMES)
+                fwd = handover(jnp.roll(handover(y, "stage output"), 1, axis=0), "stage input")
             if head_on:  # device p-1 has just finished round v-1 of micro-batch i
                 target = micro(targets_MBL, fi.micro[p - 1])
-                y_last = constrain(y[p - 1], STATE_NAMES[1:])
-
-                def scaled_loss(r, h):
-                    loss = head_loss(r, h, target).astype(jnp.float32)
-                    return loss * seed, loss
-
-                _, head_pull, loss = jax.vjp(scaled_loss, rest, y_last, has_aux=True)
-                g_head, dy_last = head_pull(jnp.ones((), jnp.float32))
-                g_rest_t.append(g_head)
-                loss_sum = loss_sum + loss
+                loss_P, g_head_P, dy_head = head_all(rest, y, target)
+                g_head_P = pin_rest(g_head_P)  # laid out as the parameters, per stage
+                g_rest = pin_rest(masked_add(g_rest, g_head_P, is_last))
+                loss_sum = loss_sum + jnp.where(is_last, loss_P, 0)
             if bwd_on:
                 bi = sched.backward(t)
                 dy = bwd
                 if head_on:  # device p-1 is in round v-1: the head's cotangent
-                    dy = jnp.where(last, constrain(dy_last, STATE_NAMES[1:])[None], dy)
+                    dy = jnp.where(last, dy_head, dy)
                 dy = jnp.where(bi.live.reshape(p, 1, 1, 1), dy, 0)
-                x_saved = pick(ring, bi.slot)  # the input saved by its forward
                 w_pk, keep_pk = chunks(bi.round)
                 with jax.named_scope(STAGE_SCOPE):
-                    g_w_t, dx = bwd_all(w_pk, keep_pk, x_saved, constrain(dy, STATE_NAMES))
+                    acc = pin([acc_chunk(g, bi.round) for g in g_w], pk_names, "chunk gradient")
+                    dy = constrain(dy, STATE_NAMES)  # the inputs its forward saved: ring[bi.slot]
+                    acc, dx = bwd_all(w_pk, keep_pk, ring, bi.slot, dy, acc)
                 g_w = pin(
-                    [add_chunk(a, b, bi.round) for a, b in zip(g_w, g_w_t, strict=True)],
-                    pvk_names,
+                    [put_chunk(a, b, bi.round) for a, b in zip(g_w, acc, strict=True)],
+                    acc_names,
                     "stage gradient",
                 )
-                # device 0's round-0 input cotangent flows into the embedding
-                to_embed = (bi.live[0] & (bi.round[0] == 0)).astype(dx.dtype)
-                _, embed_pull = jax.vjp(lambda r: embed(r, micro(inputs_MBL, bi.micro[0])), rest)
-                g_rest_t.append(embed_pull(dx[0] * to_embed)[0])
-                bwd = constrain(jnp.roll(dx, -1, axis=0), STATE_NAMES)
-            if g_rest_t:
-                g_rest = pin_rest(
-                    jax.tree.map(
-                        lambda a, *b: a + sum(x.astype(ACCUMULATE) for x in b), g_rest, *g_rest_t
-                    )
-                )
+                if embed_grad_on:  # device 0's round-0 input cotangent, into the embedding
+                    to_embed = bi.live & (bi.round == 0) & (jnp.arange(p) == 0)
+                    dx_embed = jnp.where(to_embed.reshape(p, 1, 1, 1), dx, 0)
+                    g_embed_P = embed_grad_all(rest, dx_embed, micro(inputs_MBL, bi.micro[0]))
+                    g_embed_P = pin_rest(g_embed_P)
+                    g_rest = pin_rest(masked_add(g_rest, g_embed_P, to_embed))
+                bwd = handover(jnp.roll(handover(dx, "stage cotangent"), -1, axis=0), "stage dy")
             return (fwd, bwd, ring, g_w, g_rest, loss_sum), None
 
         def phase(carry, start, length, **flags):
@@ -236,58 +306,75 @@ def one_f_one_b_value_and_grad(
             step = lambda c, t: body(c, t, **flags)  # noqa: E731
             return jax.lax.scan(step, carry, start + jnp.arange(length, dtype=jnp.int32))[0]
 
+        def trips(carry, start, first, count, **on):
+            """Trips ``start`` .. ``start + count - 1`` (``start`` may be traced; ``first``
+            is a static trip with the same offsets mod vp), each with only the work some
+            device has in it: the head, the embedding and its gradient run in the trips
+            ``Schedule`` names (all of them for v = 1), consecutive alike trips in one loop."""
+            runs: list[list] = []
+            for o in range(count):
+                t = first + o
+                flags = dict(
+                    on,
+                    head_on=on["fwd_on"] and on["bwd_on"] and sched.heads(t),
+                    embed_on=on["fwd_on"] and sched.embeds(t),
+                    embed_grad_on=on["bwd_on"] and sched.embeds_grad(t),
+                )
+                if runs and runs[-1][2] == flags:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([o, 1, flags])
+            for o, n, flags in runs:
+                carry = phase(carry, start + o, n, **flags)
+            return carry
+
         def steady(carry):
-            """Head in p of every vp iterations (device p-1 finishing round v-1)."""
+            """v·m + p - vp trips: one of m for v = 1, else m/p groups of vp alike trips."""
             start = sched.warmup
             if v == 1:
-                return phase(carry, start, m, fwd_on=True, bwd_on=True, head_on=True)
+                return trips(carry, start, start, sched.steady, fwd_on=True, bwd_on=True)
             vp = v * p
 
             def group(c, g):
-                t0 = start + g * vp
-                c = phase(c, t0, p, fwd_on=True, bwd_on=True, head_on=True)
-                return phase(c, t0 + p, vp - p, fwd_on=True, bwd_on=True, head_on=False), None
+                return trips(c, start + g * vp, start, vp, fwd_on=True, bwd_on=True), None
 
             groups = m // p
             if groups > 1:
                 carry = jax.lax.scan(group, carry, jnp.arange(groups - 1, dtype=jnp.int32))[0]
-            return phase(
-                carry, start + (groups - 1) * vp, p, fwd_on=True, bwd_on=True, head_on=True
-            )
+            last = start + (groups - 1) * vp  # the last group's first p trips: v·m + p - vp
+            return trips(carry, last, last, sched.steady - (groups - 1) * vp, fwd_on=True,
+                         bwd_on=True)  # fmt: skip
 
         carry = (
             zeros_PBLD,
             zeros_PBLD,
             ring,
-            pin([jnp.zeros(w.shape, ACCUMULATE) for w in w_pvk], pvk_names, "stage gradient"),
-            pin_rest(jax.tree.map(lambda r: jnp.zeros(r.shape, ACCUMULATE), rest)),
-            jnp.zeros((), jnp.float32),
+            pin(
+                [
+                    jnp.zeros(w.shape[:1] + w.shape[2:] if v == 1 else w.shape, ACCUMULATE)
+                    for w in w_pvk
+                ],
+                acc_names,
+                "stage gradient",
+            ),
+            pin_rest(jax.tree.map(lambda r: jnp.zeros((p, *r.shape), ACCUMULATE), rest)),
+            jnp.zeros((p,), jnp.float32),
         )
-        carry = phase(carry, 0, sched.warmup, fwd_on=True, bwd_on=False, head_on=False)
+        carry = trips(carry, 0, 0, sched.warmup, fwd_on=True, bwd_on=False)
         carry = steady(carry)
-        carry = phase(
-            carry, sched.cooldown_start, sched.warmup, fwd_on=False, bwd_on=True, head_on=False
-        )
-        _, _, _, g_w, g_rest, loss_sum = carry
+        cool = sched.cooldown_start
+        carry = trips(carry, cool, cool, sched.warmup, fwd_on=False, bwd_on=True)
+        _, _, _, g_w, g_rest_P, loss_sum = carry
+        g_w = [g[:, None] if v == 1 else g for g in g_w]  # [p, v, k, ...]
         g_blocks = [
             constrain_param(unpad_stages(from_stages(g, n), spec.stage_layers), n, "grad")
             for g, n in zip(g_w, names, strict=True)
         ]
-        return loss_sum / m * scale, g_rest, treedef.unflatten(g_blocks)
+        g_rest = g_rest_P
+        if sum_stages:  # one reduction per step
+            g_rest = jax.tree.map(lambda g: jnp.sum(g, 0), g_rest_P)
+            if rest_shardings is not None:
+                g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
+        return jnp.sum(loss_sum) / m * scale, g_rest, treedef.unflatten(g_blocks)
 
     return value_and_grad
-
-
-def one_trip(step, carry, t: int):
-    """``step(t, carry)`` once, in a while loop XLA keeps (trip count hidden behind a barrier).
-
-    XLA inlines a loop of one trip into its caller. The cool-down's buffers (its chunk's
-    weights in compute layout, the zeroed stacks of residuals and weight gradients its
-    layer scans fill) then live in the entry computation, where the CPU scheduler creates
-    them before the steady loop and keeps them through it: +24 GiB per device on the 39B
-    layout (tensor 8 x stage 2, fp32, m = 2), whose ramps are one trip. As a loop of its own
-    they exist only while it runs. ``explain`` counts the loop once (``ONE_TRIP_SCOPE``).
-    """
-    with jax.named_scope(ONE_TRIP_SCOPE):
-        t0 = jax.lax.optimization_barrier(jnp.int32(t))
-        return jax.lax.fori_loop(t0, t0 + 1, step, carry)

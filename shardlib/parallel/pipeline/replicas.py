@@ -42,9 +42,11 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.layout import active_layout, mesh_axes, use_layout
 from shardlib.core.mesh import Axis
+from shardlib.core.ops import batch_rows
 from shardlib.core.rules import Rules, entry_without
 
 GATHER_WEIGHTS = ("microbatch", "step")
+REPLICA_AXIS = "pipeline_replicas"  # the vmap axis of the replica dim (batch means over it)
 _CANDIDATES = (Axis.DATA, Axis.FSDP)  # axes whose replicas differ only in their batch rows
 
 
@@ -106,13 +108,20 @@ class Replicas:
         return jax.lax.with_sharding_constraint(x_B, NamedSharding(self.mesh, spec))
 
     def vmap(self, fn: Callable) -> Callable:
-        """``fn`` run once per replica (under the inner rules), replicas stacked on dim 0."""
+        """``fn`` run once per replica (under the inner rules), replicas stacked on dim 0.
+        A batch mean or sum taken inside (``ops.batch_mean``, ``batch_sum``: an MoE router's
+        statistics) is reduced over the replicas, so it is the whole batch's (replicas hold
+        equal rows): every replica then carries the same statistics."""
+
+        def whole(value, how):
+            reduce = jax.lax.pmean if how == "mean" else jax.lax.psum
+            return reduce(value, REPLICA_AXIS)
 
         def one(*args):
-            with use_layout(self.mesh, self.inner):
+            with use_layout(self.mesh, self.inner), batch_rows(whole):
                 return fn(*args)
 
-        return jax.vmap(one, spmd_axis_name=self._entry)
+        return jax.vmap(one, spmd_axis_name=self._entry, axis_name=REPLICA_AXIS)
 
 
 def replicas(*, gather_weights: str = "microbatch") -> Replicas | None:

@@ -33,15 +33,9 @@ if TYPE_CHECKING:
 
 def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None:
     """Refuse what cannot carry block statistics (the trainer's and the planner's refusal:
-    one text): the 1F1B schedule, and per-replica weights (``gather_weights=step``: a
-    replica's micro-batch would compute its own, different, statistics)."""
-    if gather_weights == "step":
-        raise ShardingError(
-            "pipeline_gather_weights=step runs the pipeline once per data/fsdp replica, and "
-            "this model's blocks return statistics that are not linear in the batch (an MoE "
-            "router's load-balancing loss): each replica would compute its own. Fix: "
-            "pipeline_gather_weights=microbatch (the default) for this model."
-        )
+    one text): the 1F1B schedule. (Per-replica pipelines carry them: the replicas complete
+    the statistics' batch means, ``ops.batch_mean``.)"""
+    del gather_weights  # every gathering carries them
     if schedule == "1f1b":
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "

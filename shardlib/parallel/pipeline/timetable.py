@@ -34,7 +34,10 @@ class Schedule:
 
     @property
     def ring_slots(self) -> int:
-        """R = 2vp - 1: a stage input lives at most 2vp - 2 iterations after its forward."""
+        """R = 2vp - 1: a stage input lives at most 2vp - 2 iterations after its forward.
+        (2vp - 2 slots would do if a trip's backward read its slot before the trip's forward
+        wrote it, but the read is then a copy of the slot live through the forward: the
+        same memory, measured on the 39B layout.)"""
         return 2 * self.v * self.p - 1
 
     @property
@@ -61,6 +64,20 @@ class Schedule:
     def executed(self) -> int:
         """Chunk forwards (and backwards) each device executes: vm + p - 1, for vm useful."""
         return self.steady + self.warmup
+
+    def heads(self, t: int) -> bool:
+        """Whether device p-1 finishes round v-1 at trip t (the head and loss run then)."""
+        u = t - (self.p - 1)
+        return u >= 0 and (u % (self.v * self.p)) // self.p == self.v - 1
+
+    def embeds(self, t: int) -> bool:
+        """Whether device 0 runs a round-0 forward at trip t (the embedding runs then)."""
+        return t >= 0 and t % (self.v * self.p) < self.p  # (after the last: masked, cheap)
+
+    def embeds_grad(self, t: int) -> bool:
+        """Whether device 0 runs a round-0 backward at trip t (the embedding's gradient)."""
+        u = t - (self.v * self.p - 1) - (self.p - 1)
+        return u >= 0 and (u % (self.v * self.p)) // self.p == self.v - 1
 
     def _split(self, u, xp):
         vp = self.v * self.p

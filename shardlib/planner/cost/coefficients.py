@@ -28,10 +28,11 @@ COEFFICIENTS: dict[str, float] = {
     "moe_slot_hidden": 6.408,  # MoE: elements of width expert_mlp saved per slot per MoE block
     "moe_working_hidden": 6.018,  # ... live once (one MoE block's backward)
     "moe_dense_mlp": 6.514,  # MoE models: extra elements of width mlp per dense block
-    "pipe_logits": 0.973,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
+    "pipe_logits": 0.974,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
     "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
-    "pipe_circular_weights": 0.102,  # circular: weight-sized buffers of the regrouping's way
+    "pipe_circular_weights": 0.101,  # circular: weight-sized buffers of the regrouping's way
     # back, per regrouped copy (itself counted by definition: terms.pipeline)
+    "pipe_1f1b_tables": 0.782,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
 }
 # Refitted on all 99 probes (``calibrate.fit.PROBES``) after issue 16's memory changes (RMSNorm
 # keeps only its input, q/k/v and gate/up cut by split, full remat's input split over tensor:
@@ -57,6 +58,11 @@ COEFFICIENTS: dict[str, float] = {
 # went from 22.6 to 14.3 GB. Circular now needs little beyond GPipe's terms and its
 # regrouped copy (pipe_circular_weights 0.1, was 1.6 copies per loop trip); the circular
 # held-out plan went from 1.165 to 1.094, the pipeline probes' worst is 7.2%.
+# Refitted alone again (``--free pipeline``, 122 records: the small group and the remat and
+# published-width records, all re-measured) after the 1F1B schedule moved to Megatron's
+# program (``parallel.pipeline.stage_work``: per-layer saved inputs, per-stage head and
+# embedding): pipe_1f1b_tables is new (0.78 of an fp32 embedding + head gradient set per
+# device beside the accumulator), the others moved by <= 0.001; worst 8.1% over all.
 # Known miss, not fitted: GPipe and circular at published widths with 8 or more layers per
 # device are under-predicted (8 devices, 39B-class width, tensor 2-4: GPipe 0.87-0.98,
 # circular 0.79; the 39B layout of benchmarks/pipeline_scale.py at full depth: GPipe

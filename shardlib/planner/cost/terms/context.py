@@ -50,7 +50,7 @@ from shardlib.planner.cost.terms.base import (
     Term,
 )
 from shardlib.planner.cost.terms.fsdp import vocab_tables
-from shardlib.planner.cost.terms.pipeline import layer_runs
+from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 
 CONTEXT = str(Axis.CONTEXT)
 

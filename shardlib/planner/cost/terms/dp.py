@@ -35,7 +35,7 @@ from shardlib.planner.cost.terms.base import (
     Term,
     admits_any,
 )
-from shardlib.planner.cost.terms.pipeline import gradient_reductions
+from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions
 
 DATA = str(Axis.DATA)
 

@@ -24,8 +24,15 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.core.workload import ParamInfo
 from shardlib.parallel.plan import ParallelPlan
-from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
-from shardlib.planner.cost.terms.pipeline import layer_runs
+from shardlib.planner.cost.terms.base import (
+    MASTER_BYTES,
+    Comm,
+    Contribution,
+    SearchAxis,
+    Step,
+    Term,
+)
+from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 
 EXPERT = str(Axis.EXPERT)
 
@@ -129,8 +136,15 @@ def _saved(step: Step, policy: str, kept) -> dict[str, Any]:
 
 
 def _reductions(step: Step, param: ParamInfo) -> tuple:
-    """The expert axis folds into the batch: it replicates what it does not split."""
-    return () if EXPERT in step.splits[param.name] else (((EXPERT,), None),)
+    """The expert axis folds into the batch: it replicates what it does not split. Under
+    pipeline stages the data axis runs as replicas (reduced once, after the loop) and the
+    expert axis inside them: the blocks' reduction of its own, per loop trip."""
+    if EXPERT in step.splits[param.name]:
+        return ()
+    view = step.view
+    if view["stage"] > 1 and view.zero < 3 and param.per_layer:  # (the rest: after it)
+        return (((EXPERT,), param.numel / step.shard(param) * MASTER_BYTES),)
+    return (((EXPERT,), None),)
 
 
 _DEFAULT = ParallelPlan().expert

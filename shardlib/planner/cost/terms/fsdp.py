@@ -33,7 +33,7 @@ from shardlib.planner.cost.terms.base import (
     param_splits,
     per_step,
 )
-from shardlib.planner.cost.terms.pipeline import gradient_reductions, layer_runs
+from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions, layer_runs
 
 FSDP = str(Axis.FSDP)
 

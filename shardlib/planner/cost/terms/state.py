@@ -46,10 +46,8 @@ def state(step: Step) -> Contribution:
     accumulator = grads / (view["data"] if view.zero >= 2 else 1) if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
     in_flight = layer_elements_gathered(step)
-    live = step.calib["grad_layers_live"]
-    if view["stage"] > 1 and view.schedule == "1f1b":
-        live += step.layers_per_device - 1  # a stage's vjp returns all its L/p layers' at once
-    in_flight *= live * MASTER_BYTES
+    # (1F1B adds each layer's into the accumulator as it is computed: ``stage_work``)
+    in_flight *= step.calib["grad_layers_live"] * MASTER_BYTES
     # the optimizer update's temporaries, as sharded as the optimizer state (ZeRO-1 shrinks them)
     shards = view["data"] if view.zero >= 1 else 1
     update = step.calib["update_live"] * n * MASTER_BYTES / shards

@@ -22,7 +22,7 @@ from shardlib.core.mesh import Axis
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
-from shardlib.planner.cost.terms.pipeline import executed, layer_runs
+from shardlib.planner.cost.terms.pipeline_loop import executed, layer_runs
 from shardlib.planner.cost.terms.remat import saved_input_split
 
 FORWARD_PER_LAYER = 2
@@ -63,15 +63,12 @@ def tensor(step: Step) -> Contribution:
     m = view.microbatches
     if view["stage"] > 1 and view.schedule == "1f1b":  # embedding and head run inside the loop
         m = executed(step)
-    # the 1F1B pipeline's backward recomputes the whole forward (its all-reduces again); full
-    # remat recomputes it up to the MLP: the attention all-reduce again (the MLP's output
-    # all-reduce is not needed for the backward pass). Both at once compose: the 1F1B
-    # stage's recomputed forward, then each layer's own recompute inside its backward
-    # (compiled, 39B/146B-class layouts: 7 all-reduces per layer and loop trip; issue 15)
+    # full remat recomputes a layer up to the MLP: the attention all-reduce again (the MLP's
+    # output all-reduce is not needed for the backward pass). The 1F1B schedule does so
+    # whatever the policy: each layer's forward re-runs from its saved input right before
+    # its backward (``stage_work``; compiled: 5 all-reduces per layer and executed chunk)
     forward = FORWARD_PER_LAYER
-    if view["stage"] > 1 and view.schedule == "1f1b":
-        forward += FORWARD_PER_LAYER
-    if view.remat == "full":
+    if view.remat == "full" or (view["stage"] > 1 and view.schedule == "1f1b"):
         forward += RECOMPUTED_PER_LAYER
     per_layer = (forward + BACKWARD_PER_LAYER) * layer_runs(step)  # with stages: loop trips
     if w.experts:  # an MoE block's MLP is its experts': the expert term's all-reduces
