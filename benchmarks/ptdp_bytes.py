@@ -74,7 +74,8 @@ def formulas(layout, v: int, w: int) -> tuple[float, float]:
 def compiled(name: str, v: int, split: bool = False) -> dict:
     h, heads, layers, mlp, t, p, d, b, m = LAYOUTS[name]
     knobs = {"virtual_stages": v} if v > 1 else {}
-    knobs["pipeline_split_saved_inputs"] = split
+    if split:
+        knobs["pipeline_split_saved_inputs"] = True
     cfg = train_config(
         model="llama-70b",
         **{"model.embed": h, "model.layers": layers, "model.heads": heads},
@@ -104,7 +105,7 @@ def compiled(name: str, v: int, split: bool = False) -> dict:
         **axes, schedule="1f1b", microbatches=m, virtual=v, remat="full", split_saved=split
     )
     est = estimate(w, plan, backend="cpu")
-    return {"wire": wire, "memory": report.memory.total_bytes, "est": est}
+    return {"wire": wire, "memory": report.memory.total_bytes, "est": est, "report": report}
 
 
 def part1(names: list[str], virtuals: list[int]) -> Table:
@@ -176,11 +177,43 @@ def part2() -> Table:
     return table
 
 
+def collectives(name: str) -> Table:
+    """Where the stage and tensor bytes come from: every stage-axis collective of the
+    compiled step (v = 1), and the tensor-axis ones summed by the op they come from."""
+    report = compiled(name, 1)["report"]
+    table = Table(title=f"{name}, 1F1B v = 1: the stage and tensor collectives of one step")
+    for col in ("kind", "axes", "buffer", "executions", "wire", "from"):
+        table.add_column(col, justify="left" if col in ("kind", "axes", "from") else "right")
+    rows: dict[tuple, list] = {}
+    for op in report.collectives:
+        if "stage" in op.axes:
+            key = (op.kind, ",".join(op.axes), op.buffer_bytes, op.name)
+        elif "tensor" in op.axes:
+            key = (op.kind, ",".join(op.axes), op.buffer_bytes, op.op_name.split("/")[-2])
+        else:
+            continue
+        row = rows.setdefault(key, [0, 0.0, op.op_name])
+        row[0] += op.count
+        row[1] += op.total_wire_bytes
+    for (kind, axes, buf, _), (count, wire, where) in sorted(rows.items(), key=lambda r: -r[1][1]):
+        if wire >= 2**20:
+            table.add_row(
+                kind, axes, format_bytes(buf), str(count), format_bytes(wire), where[-64:]
+            )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="39B only, v = 1")
+    parser.add_argument(
+        "--collectives", action="store_true", help="only list the 39B step's collectives"
+    )
     args = parser.parse_args()
     console.print(f"jax {jax.__version__}, backend {jax.default_backend()}, simulated devices")
+    if args.collectives:
+        console.print(collectives("39B"))
+        return
     names = ["39B"] if args.quick else list(LAYOUTS)
     console.print(part1(names, [1] if args.quick else [1, 2]))
     console.print(part2())
