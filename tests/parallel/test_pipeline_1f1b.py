@@ -23,8 +23,8 @@ from shardlib.analysis import hlo, hlo_flops
 from shardlib.core.mesh import reference_mesh
 from shardlib.core.ops import scan_blocks
 from shardlib.dataset.tokens import global_batch, load_tokens
-from shardlib.parallel.pipeline.gpipe import PipelineSpec
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
+from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.tools import parity
 from shardlib.train.config import train_config

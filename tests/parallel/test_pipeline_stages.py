@@ -12,8 +12,8 @@ from test_pipeline import _mesh, flops
 from benchmarks._programs import layer_stack_program
 from shardlib import ShardingError
 from shardlib.core.mesh import single_device_mesh
-from shardlib.parallel.pipeline.gpipe import PipelineSpec
 from shardlib.parallel.pipeline.partition import balanced_stages, padded_order
+from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.tools.parity import check_parity
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup

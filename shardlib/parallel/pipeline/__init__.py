@@ -1,2 +1,3 @@
 """Pipeline parallelism: the section and the GPipe/circular loop (``gpipe``), the 1F1B schedule
-(``one_f_one_b``, its timetable), and the views, partitions and replicas they share."""
+(``one_f_one_b``, its timetable and its stage's work), and what they share: the spec and its
+checks (``spec``), views, partitions and replicas."""

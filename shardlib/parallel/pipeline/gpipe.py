@@ -52,6 +52,7 @@ from shardlib.core.mesh import Axis
 from shardlib.core.rules import Rules, resolve_spec
 from shardlib.parallel.pipeline.partition import balanced_stages, masked, pad_stages
 from shardlib.parallel.pipeline.replicas import GATHER_WEIGHTS, replicas
+from shardlib.parallel.pipeline.spec import SCHEDULE_ALIASES, SCHEDULES, PipelineSpec
 from shardlib.parallel.pipeline.stats import (
     check_block_stats,
     join_carry,
@@ -69,8 +70,6 @@ from shardlib.parallel.pipeline.views import (
     to_stages,
 )
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
-SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
 STATE_NAMES = ("stage", "batch", "seq", "embed")  # [p, b, seq, embed]
 BUFFER_NAMES = (None, "batch", "seq", "embed")  # [m, b, seq, embed]
 _PICKED = "pipeline_round_weights"  # a stage's layer, picked from [v, k, ...] per trip
@@ -101,107 +100,6 @@ def _round_policy(prim, *_, **params) -> bool:
 def pipeline_rules(*, axis: str = Axis.STAGE) -> Rules:
     """Stacked ``layers`` of parameters over ``axis``; the staged ``stage`` dim likewise."""
     return Rules(params={"layers": (axis,), "stage": (axis,)}, activations={"stage": (axis,)})
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """How the stacked layers run over the stage axis."""
-
-    stages: int
-    """p: devices along the ``stage`` mesh axis."""
-    microbatches: int
-    """m: micro-batches streamed through the stages per (accumulation) batch."""
-    virtual_stages: int = 1
-    """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
-    schedule: str = "gpipe"
-    """gpipe | circular | 1f1b (see the module docstrings)."""
-    gather_weights: str = "microbatch"
-    """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
-    (``pipeline/replicas.py``)."""
-    stage_layers: tuple[int, ...] = ()
-    """Real layers per (virtual) stage, in stage order; () = L/(p·v) each."""
-    split_saved_inputs: bool = False
-    """1F1B: keep the saved layer inputs split over ``tensor`` (``stage_work``)."""
-
-    def iterations(self) -> int:
-        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
-        v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``)."""
-        p, m, v = self.stages, self.microbatches, self.virtual_stages
-        return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
-
-    def executed(self) -> int:
-        """Chunk forwards (each with its backward) a stage executes: the loop trips, but
-        1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1."""
-        if self.schedule == "1f1b":
-            return self.virtual_stages * self.microbatches + self.stages - 1
-        return self.iterations()
-
-    def bubble_ratio(self) -> float:
-        """Executed over ideal stage work: 1 + (p-1)/(m·v) for all three schedules (v = 1
-        for GPipe), measured from FLOPs in ``tests/test_pipeline*.py``."""
-        return self.executed() / (self.virtual_stages * self.microbatches)
-
-    def check(self, layers: int, batch: int) -> None:
-        """Divisibility and schedule constraints, with the fix, before anything compiles."""
-        p, m, v = self.stages, self.microbatches, self.virtual_stages
-        if self.schedule not in SCHEDULES:
-            raise ShardingError(
-                f"pipeline_schedule={self.schedule!r}. Fix: one of {', '.join(SCHEDULES)}."
-            )
-        if v < 1 or (v > 1 and self.schedule == "gpipe"):
-            raise ShardingError(
-                f"virtual_stages={v} needs pipeline_schedule=circular or 1f1b (interleaved "
-                f"1F1B), got {self.schedule}."
-            )
-        if self.stage_layers:
-            counts = self.stage_layers
-            if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:
-                raise ShardingError(
-                    f"pipeline stage_layers={counts} does not split model layers={layers} "
-                    f"into {p} stages x {v} virtual stages (needs {p * v} counts >= 1 summing "
-                    f"to {layers}). Fix: leave stage_layers empty (balanced automatically)."
-                )
-        elif layers < p * v:
-            raise ShardingError(
-                f"model layers={layers} < {p} stages x {v} virtual stages: a stage would run "
-                "no layer. Fix: fewer stages or virtual_stages."
-            )
-        elif layers % (p * v) and v > 1:
-            fits = [n for n in range(1, layers // p + 1) if layers % (p * n) == 0]
-            raise ShardingError(
-                f"model layers={layers} do not split into {p} stages x {v} virtual stages of "
-                f"equal size ({layers / (p * v):g} layers each). Interleaved schedules need "
-                "equal chunks, as Megatron-LM's --num-layers-per-virtual-pipeline-stage does; "
-                f"padding them would run {p * v * -(-layers // (p * v)) - layers} identity "
-                "layers per step and keep the stacked weights replicated over stage. Fix: "
-                f"virtual_stages in {fits}, or stage_layers (one count per virtual stage)."
-            )
-        elif layers % (p * v):
-            raise ShardingError(
-                f"model layers={layers} cannot be split evenly into {p} stages x {v} virtual "
-                f"stages. Fix: set pipeline stage_layers (``balanced_stages({layers}, "
-                f"{p * v})`` = {balanced_stages(layers, p * v)}; the trainer does this itself) "
-                f"or make model.layers a multiple of {p * v}."
-            )
-        if m < 1 or batch % m:
-            raise ShardingError(
-                f"batch {batch} is not divisible by pipeline_microbatches={m}. Fix: choose a "
-                "batch that is a multiple of the pipeline micro-batches."
-            )
-        if v > 1 and self.schedule == "1f1b" and m % p:
-            raise ShardingError(
-                f"interleaved 1F1B (pipeline_schedule=1f1b, virtual_stages={v}) runs "
-                f"micro-batches in groups of the {p} stages; pipeline_microbatches={m} is not "
-                f"a multiple of {p} (Megatron-LM's rule). Fix: pipeline_microbatches="
-                f"{' or '.join(map(str, sorted({max(p, m - m % p), m + p - m % p})))}, or "
-                "virtual_stages=1."
-            )
-        if v > 1 and m < p:
-            raise ShardingError(
-                f"circular schedule with pipeline_microbatches={m} < {p} stages: a micro-batch "
-                "would re-enter stage 0 before it left the last stage. Fix: use at least "
-                f"{p} micro-batches."
-            )
 
 
 @dataclass(frozen=True)
@@ -299,7 +197,7 @@ class PipelineParallel:
         if spec is None:
             return
         if workload.block_stats:  # an MoE router's losses: GPipe/circular carry them
-            check_block_stats(spec.schedule, spec.gather_weights)
+            check_block_stats(spec.schedule)
         spec.check(workload.blocks, workload.micro_batch)
         b = workload.micro_batch // spec.microbatches
         what = f"pipeline micro-batch ({workload.micro_batch} sequences / {spec.microbatches})"

@@ -55,9 +55,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlib.core.layout import active_layout, constrain
-from shardlib.parallel.pipeline.gpipe import STATE_NAMES, PipelineSpec
+from shardlib.core.rules import entry_axes
+from shardlib.parallel.pipeline.gpipe import STATE_NAMES
 from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
 from shardlib.parallel.pipeline.replicas import replicas
+from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.stage_work import (
     backward_from_inputs,
     forward_saving_inputs,
@@ -90,7 +92,7 @@ def sum_replicas_and_stages(reps, g_RP: jax.Array) -> jax.Array:
     axes = stage_axes()
     if axes is None:
         return jnp.sum(g_RP, (0, 1)) / reps.count
-    stage = (axes,) if isinstance(axes, str) else tuple(axes)
+    stage = entry_axes(axes)
     merged = g_RP.reshape(-1, *g_RP.shape[2:])
     spec = P((*reps.axes, *stage), *([P.UNCONSTRAINED] * (merged.ndim - 1)))
     merged = jax.lax.with_sharding_constraint(merged, NamedSharding(reps.mesh, spec))
@@ -270,7 +272,6 @@ def one_f_one_b_value_and_grad(
             if head_on:  # device p-1 has just finished round v-1 of micro-batch i
                 target = micro(targets_MBL, fi.micro[p - 1])
                 loss_P, g_head_P, dy_head = head_all(rest, y, target)
-                g_head_P = pin_rest(g_head_P)  # laid out as the parameters, per stage
                 g_rest = pin_rest(masked_add(g_rest, g_head_P, is_last))
                 loss_sum = loss_sum + jnp.where(is_last, loss_P, 0)
             if bwd_on:
@@ -293,7 +294,6 @@ def one_f_one_b_value_and_grad(
                     to_embed = bi.live & (bi.round == 0) & (jnp.arange(p) == 0)
                     dx_embed = jnp.where(to_embed.reshape(p, 1, 1, 1), dx, 0)
                     g_embed_P = embed_grad_all(rest, dx_embed, micro(inputs_MBL, bi.micro[0]))
-                    g_embed_P = pin_rest(g_embed_P)
                     g_rest = pin_rest(masked_add(g_rest, g_embed_P, to_embed))
                 bwd = handover(jnp.roll(handover(dx, "stage cotangent"), -1, axis=0), "stage dy")
             return (fwd, bwd, ring, g_w, g_rest, loss_sum), None

@@ -36,16 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.layout import activation_spec, active_layout, constrain, mesh_axes
 from shardlib.core.mesh import Axis
+from shardlib.core.rules import entry_axes
 from shardlib.core.scopes import ONE_TRIP_SCOPE
 from shardlib.parallel.pipeline.gpipe import STATE_NAMES
 from shardlib.parallel.pipeline.partition import masked
 
 LAYER_NAMES = STATE_NAMES[1:]  # [b, seq, embed]: one stage's residual (under the stage vmap)
 SPLIT_NAMES = ("seq", "embed")  # the dims a residual is split on over tensor, first first
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def split_spec(shape: tuple[int, ...], names: tuple, what: str) -> NamedSharding | None:
@@ -60,10 +57,10 @@ def split_spec(shape: tuple[int, ...], names: tuple, what: str) -> NamedSharding
     spec = list(activation_spec(what, shape, names, rules, sizes))
     spec += [None] * (len(shape) - len(spec))
     t = sizes.get(Axis.TENSOR, 1)
-    used = {a for d in spec for a in _axes(d)}
+    used = {a for d in spec for a in entry_axes(d)}
     if t > 1 and Axis.TENSOR not in used:
         for dim in (names.index(n) for n in SPLIT_NAMES):
-            axes = _axes(spec[dim])
+            axes = entry_axes(spec[dim])
             local = shape[dim] // math.prod(sizes[a] for a in axes)
             if local % t == 0:
                 spec[dim] = (*axes, Axis.TENSOR.value)

@@ -28,14 +28,13 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
 
 if TYPE_CHECKING:
-    from shardlib.parallel.pipeline.gpipe import PipelineSpec
+    from shardlib.parallel.pipeline.spec import PipelineSpec
 
 
-def check_block_stats(schedule: str, gather_weights: str = "microbatch") -> None:
+def check_block_stats(schedule: str) -> None:
     """Refuse what cannot carry block statistics (the trainer's and the planner's refusal:
     one text): the 1F1B schedule. (Per-replica pipelines carry them: the replicas complete
     the statistics' batch means, ``ops.batch_mean``.)"""
-    del gather_weights  # every gathering carries them
     if schedule == "1f1b":
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "

@@ -10,7 +10,7 @@ every loop trip, the bubble's too. ``terms.pipeline`` costs the pipeline itself.
 from __future__ import annotations
 
 from shardlib.core.mesh import Axis
-from shardlib.parallel.pipeline.gpipe import PipelineSpec
+from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Step, per_step
 
 VIRTUAL_SCHEDULES = ("circular", "1f1b")  # schedules with v virtual stages per device
