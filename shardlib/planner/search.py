@@ -36,7 +36,7 @@ from shardlib.planner.candidate import AXIS_ORDER, PlanView, batch_ways, candida
 from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
 from shardlib.planner.cost.terms.base import Knob
 from shardlib.planner.cost.throughput import exposed_strategies, is_exposed
-from shardlib.planner.cost.total import Estimate, collective_seconds, estimate
+from shardlib.planner.cost.total import COMPUTE_EXTRAS, Estimate, collective_seconds, estimate
 from shardlib.planner.inputs.cluster import Cluster
 
 KNOBS: tuple[Knob, ...] = tuple(knob for term in TERMS for knob in term.knobs)
@@ -218,10 +218,21 @@ def trade_ranks(space: Space) -> list[tuple[int, ...]]:
     ]
 
 
+UNORDERED = tuple(i for i, knob in enumerate(TRADES) if knob.name == "remat")
+"""Trades whose heavier values are not always slower: recomputing saves fewer activations,
+whose HBM round trip (``throughput.saved_seconds``) can cost more than the recompute (dense
+attention's scores). Plans differing in them dominate nothing."""
+
+
 def _dominated(rank: tuple[int, ...], fitting: list[tuple[int, ...]]) -> bool:
     """Some plan of ``fitting`` (the ranks of the group's fitting plans, or of those already
-    too slow) is no heavier on any trade (no more remat, no more offload)."""
-    return any(all(f <= r for f, r in zip(other, rank, strict=True)) for other in fitting)
+    too slow) is no heavier on any trade (no more offload) and the same on the unordered
+    ones (``UNORDERED``: remat)."""
+    return any(
+        all(f <= r for f, r in zip(other, rank, strict=True))
+        and all(other[i] == rank[i] for i in UNORDERED)
+        for other in fitting
+    )
 
 
 def estimate_or_none(workload, plan, cluster) -> Estimate | None:
@@ -238,7 +249,8 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
     latency only grows with m). Where a term moves bytes that fall with more micro-batches
     (a pipeline loop's bubble trips), its ``bounds`` name the plans that bound the mesh
-    instead, at the most micro-batches ``m``; the smallest bound is kept."""
+    instead, at the most micro-batches ``m``; the smallest bound is kept. The compute is
+    the matmuls' and elementwise work's only (``total.COMPUTE_EXTRAS`` left out)."""
     whole = estimate_or_none(workload, candidate(**mesh), cluster)
     if whole is None:
         return math.inf
@@ -250,7 +262,10 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
         plans = [candidate(**mesh, **knobs) for knobs in bounds]
         options = [e for e in (estimate_or_none(workload, p, cluster) for p in plans) if e]
     critical = min((_critical_s(e, cluster) for e in options), default=math.inf)
-    return whole.compute_s + critical
+    # the saved activations' round trip and the launches are no part of the bound: a
+    # recomputing plan saves less than ``whole`` (remat=none) does
+    extra = sum(whole.compute_parts.get(k, 0.0) for k in COMPUTE_EXTRAS)
+    return whole.compute_s - extra + critical
 
 
 def _critical_s(est: Estimate, cluster: Cluster) -> float:

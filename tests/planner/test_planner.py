@@ -14,6 +14,7 @@ import pytest
 from shardlib import ShardingError, load_mesh
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner import Workload, candidate, estimate, load_cluster
+from shardlib.planner.cost import links
 from shardlib.planner.cost.terms.pipeline import partition
 from shardlib.planner.inputs.cluster import Cluster, cluster_presets
 from shardlib.planner.search import Space, exhaustive, rank_key, search
@@ -42,8 +43,10 @@ def test_fast_axes_stay_inside_a_host():
     axes = (("data", 8), ("fsdp", 8), ("tensor", 8))
     assert h100.axis_is_intra_host(axes, "tensor")
     assert not h100.axis_is_intra_host(axes, "fsdp")  # 8 x 8 devices span 8 hosts
-    assert h100.link(axes, ("tensor",))[0] == h100.intra_host_bw
-    assert h100.link(axes, ("data", "tensor"))[0] == h100.inter_host_bw
+    assert links.priced(h100, "all-reduce", axes, ("tensor",))[0] == h100.busbw(intra=True)
+    # data x tensor: 8 of each group's 64 devices share a host: 8 NICs carry its ring
+    bw, _ = links.priced(h100, "all-reduce", axes, ("data", "tensor"))
+    assert bw == min(h100.busbw(intra=True), 8 * h100.busbw(intra=False))
 
 
 # --- cost terms: formulas ---------------------------------------------------------------------

@@ -108,7 +108,9 @@ def test_tensor_across_hosts_is_slower_than_inside(gpt_1_7b):
     plan = inside.plan
     crossed = dataclasses.replace(plan, mesh=MeshSpec((("tensor", 8), ("data", 4))))
     outside = estimate(gpt_1_7b, crossed, c)
-    assert outside.exposed_comm_s > 5 * inside.exposed_comm_s
+    # one GPU per host in each tensor group: its NIC (24 GB/s) against NVLink (230 GB/s); the
+    # data axis then stays inside hosts, where across them its rings had all eight NICs
+    assert outside.exposed_comm_s > 4 * inside.exposed_comm_s
     assert outside.step_s > inside.step_s
 
 

@@ -20,9 +20,10 @@ the tie. Here the rate depends on the plan:
   (input and weight gradients) and its elementwise work about twice, so one rate (FLOPs
   over seconds of that forward) times every FLOP the terms count (backward, recompute, the
   pipeline's bubble).
-* **Communication** per collective on its link (``Cluster.link``: NVLink inside a host,
-  InfiniBand across) at ``LINK_EFFICIENCY`` of the preset's bandwidth, plus per-step
-  latency.
+* **Communication** per collective as NCCL runs it (``planner.cost.links``): the bytes
+  that stay in a host on NVLink, those that cross on the host's NICs together, at the
+  achieved bus bandwidths the cluster preset cites (nccl-tests), plus ring or tree hop
+  latencies.
 * **Overlap.** Each term says whether its collectives sit on the critical path of a plan
   (``Term.exposed``: tensor-parallel and expert all-reduces, the pipeline's hand-overs; a
   pipeline's data-parallel reduction, after its flush, as Megatron-LM's) and, if not,
@@ -49,19 +50,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardlib.core.workload import Workload
+from shardlib.planner.cost import links
 from shardlib.planner.cost.terms import TERMS
 from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Comm, Step
+from shardlib.planner.cost.terms.model import layer_activation_bytes
 from shardlib.planner.inputs.cluster import Cluster
 
 if TYPE_CHECKING:
     from shardlib.planner.candidate import PlanView
 
-LINK_EFFICIENCY = 0.5
-"""Achieved fraction of a link's preset bandwidth for large collectives. Fitted with
-``matmul_efficiency`` on the published Megatron-LM runs, each costed with its own program's
-traffic (``benchmarks/planner_calibration.py --fit``, ``planner.calibrate.megatron``). Weakly
-identified: any value from 0.4 to 1.0 (with its best ``matmul_efficiency``) keeps the worst
-calibration row within 1.063-1.080 (docs/throughput_calibration.md)."""
 OVERLAP = 0.8
 """Fraction of compute time that FSDP prefetches hide behind (an assumption: the
 calibration runs use none)."""
@@ -267,6 +264,30 @@ def update_seconds(step: Step, cluster: Cluster) -> float:
     return passes / cluster.hbm_bw
 
 
+KERNELS_PER_LAYER = 30
+"""GPU kernels one block runs per micro-batch, forward and backward, as XLA fuses
+shardlib's block: about ten forward (two norm fusions, the q/k/v, output and two MLP
+products, rotary, attention, SwiGLU's product, the residual adds) and twice that backward."""
+
+
+def saved_seconds(step: Step, cluster: Cluster) -> float:
+    """HBM time of the activations the forward saves for the backward: written once and
+    read once, beyond the elementwise passes ``BlockTraffic`` counts. Recomputed values are
+    consumed inside the backward's fusions; saved ones make the round trip. The H200 runs of
+    docs/gpu.md show it: without it every ``remat=none`` step was predicted 1.20-1.38x too
+    fast while ``remat=full`` (which saves one input per layer) read 1.00-1.04."""
+    view = step.view
+    per_layer = layer_activation_bytes(step, step.micro_batch)
+    return 2 * per_layer * step.layers_per_device * view.microbatches / cluster.hbm_bw
+
+
+def launch_seconds(step: Step, cluster: Cluster) -> float:
+    """Per-kernel launch gaps (``Cluster.kernel_launch``) of the blocks' kernels, per step:
+    what keeps small models and micro-batches below the roofline."""
+    kernels = KERNELS_PER_LAYER * step.layers_per_device * step.view.microbatches
+    return kernels * cluster.kernel_launch
+
+
 @functools.lru_cache(maxsize=16384)
 def shape_rate(shape: Shape, cluster: Cluster) -> Rate:
     size, layers = shape.workload.compute_bytes, shape.layers
@@ -283,19 +304,12 @@ def shape_rate(shape: Shape, cluster: Cluster) -> Rate:
 
 
 def collective_seconds(comm: Comm, cluster: Cluster, axes: tuple) -> float:
-    """Wire bytes over the link's achieved bandwidth plus ring-step latencies."""
+    """Wire bytes at the achieved bandwidth of the links they use, plus hop latencies
+    (``planner.cost.links``: NCCL's rings over NVLink and the hosts' NICs)."""
     if comm.group <= 1 or comm.count == 0:
         return 0.0
-    bw, latency = _link(cluster, axes, comm.axes)
-    steps = {"all-reduce": 2 * (comm.group - 1), "collective-permute": 1}.get(
-        comm.kind, comm.group - 1
-    )
-    return comm.wire_bytes / (bw * LINK_EFFICIENCY) + steps * latency * comm.count * comm.ops
-
-
-@functools.lru_cache(maxsize=65536)
-def _link(cluster: Cluster, axes: tuple, names: tuple) -> tuple[float, float]:
-    return cluster.link(axes, names)
+    bw, latency = links.priced(cluster, comm.kind, axes, comm.axes)
+    return comm.wire_bytes / bw + latency * comm.count * comm.ops
 
 
 def exposed_strategies(view: PlanView) -> frozenset[str]:

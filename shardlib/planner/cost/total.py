@@ -24,6 +24,9 @@ from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
 from shardlib.planner.cost.terms.base import Comm, Contribution, Step
 from shardlib.planner.inputs.cluster import Cluster
 
+COMPUTE_EXTRAS = ("saved activations", "kernel launches")
+"""Parts of ``Estimate.compute_parts`` beyond the forward's rate: the saved activations' HBM
+round trip (``throughput.saved_seconds``) and the kernels' launch gaps (``launch_seconds``)."""
 MEMORY_HEADROOM = 0.92
 """Usable fraction of device memory (allocator fragmentation, NCCL and runtime buffers)."""
 
@@ -181,7 +184,18 @@ def estimate(
     # has those FLOPs in ``flops`` (as in the compiled program): reported as bubble time
     bubble_s = idle_flops / rate.flops_per_s
     compute_s = flops / rate.flops_per_s - bubble_s
+    # saved activations' HBM round trip and kernel launch gaps: compute-side time the
+    # matmul roofline does not see (``throughput.saved_seconds``, ``launch_seconds``)
+    saved, launches = COMPUTE_EXTRAS
+    extra = {
+        saved: throughput.saved_seconds(step, cluster),
+        launches: throughput.launch_seconds(step, cluster),
+    }
+    # a bubble slot is a whole micro-batch's work: its share of the extras too
+    bubble_s *= 1 + sum(extra.values()) / compute_s if compute_s > 0 else 1
+    compute_s += sum(extra.values())
     total_s = sum(rate.seconds.values())
+    parts_s = compute_s - sum(extra.values())
     windows = throughput.overlap_windows(rate, compute_s)
     exposed_s, comm_s = throughput.exposed_seconds(comms, cluster, plan.mesh.axes, windows, view)
     update_s = throughput.update_seconds(step, cluster)
@@ -204,6 +218,6 @@ def estimate(
         fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
         notes=tuple(dict.fromkeys(notes)),
         compute_efficiency=rate.efficiency,
-        compute_parts={k: compute_s * v / total_s for k, v in rate.seconds.items()},
+        compute_parts={k: parts_s * v / total_s for k, v in rate.seconds.items()} | extra,
         update_s=update_s,
     )

@@ -20,6 +20,10 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR
 
 CLUSTERS_DIR = MESHES_DIR / "clusters"
+DEFAULT_BUSBW_FRACTION = 0.8
+"""Achieved fraction of a link's data-sheet bandwidth for presets that cite no nccl-tests
+bus bandwidth (TPU ICI, simulated CPU devices): about what the GPU presets' citations show
+(meshes/clusters/a100-8.toml)."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,20 @@ class Cluster:
     """Bytes/s each device can send to peers in its host (NVLink, ICI)."""
     inter_host_bw: float
     """Bytes/s each device can send to other hosts (its share of the NICs)."""
+    intra_host_busbw: float | None = None
+    """Achieved bus bandwidth of a large all-reduce inside one host (nccl-tests ``busbw``,
+    bytes/s), cited in the preset. Unset: ``DEFAULT_BUSBW_FRACTION`` of ``intra_host_bw``."""
+    inter_host_busbw: float | None = None
+    """Achieved bus bandwidth of a large all-reduce over several whole hosts (nccl-tests
+    ``busbw``, bytes/s): a host's NICs together, as NCCL's rings use them. Unset:
+    ``DEFAULT_BUSBW_FRACTION`` of ``inter_host_bw`` x ``devices_per_host``."""
     intra_host_latency: float = 3e-6
     """Seconds per ring step inside a host."""
     inter_host_latency: float = 10e-6
     """Seconds per ring step across hosts."""
+    kernel_launch: float = 0.0
+    """Seconds between one GPU kernel and the next that no kernel computes (launch and
+    tail), paid per kernel (``throughput.launch_seconds``). Unset: none."""
     host_link_bw: float = 25e9
     """Bytes/s between a device and its host memory (PCIe), for offload."""
     matmul_efficiency: float = 0.75
@@ -79,12 +93,16 @@ class Cluster:
                 return inner <= self.devices_per_host or size == 1
         raise KeyError(name)
 
-    def link(self, axes: Sequence[tuple[str, int]], names: Sequence[str]) -> tuple[float, float]:
-        """(bandwidth, latency) of a collective over mesh axes ``names``: the slowest wins."""
-        slow = any(not self.axis_is_intra_host(axes, n) for n in names)
-        if slow:
-            return self.inter_host_bw, self.inter_host_latency
-        return self.intra_host_bw, self.intra_host_latency
+    def busbw(self, intra: bool) -> float:
+        """Achieved bytes/s per device of a ring collective: inside a host (NVLink), or one
+        device's share of its host's NICs across hosts (``planner.cost.links`` multiplies it
+        by the members a group has in a host)."""
+        if intra:
+            measured = self.intra_host_busbw
+            return measured if measured else DEFAULT_BUSBW_FRACTION * self.intra_host_bw
+        if self.inter_host_busbw:
+            return self.inter_host_busbw / self.devices_per_host
+        return DEFAULT_BUSBW_FRACTION * self.inter_host_bw
 
 
 _FIELDS = {
@@ -95,9 +113,12 @@ _FIELDS = {
     "peak_tflops": ("peak_flops", float, 1e12),
     "intra_host_gbps": ("intra_host_bw", float, 1e9),
     "inter_host_gbps": ("inter_host_bw", float, 1e9),
+    "intra_host_busbw_gbps": ("intra_host_busbw", float, 1e9),
+    "inter_host_busbw_gbps": ("inter_host_busbw", float, 1e9),
     "intra_host_latency_us": ("intra_host_latency", float, 1e-6),
     "inter_host_latency_us": ("inter_host_latency", float, 1e-6),
     "host_link_gbps": ("host_link_bw", float, 1e9),
+    "kernel_launch_us": ("kernel_launch", float, 1e-6),
     "matmul_efficiency": ("matmul_efficiency", float, 1.0),
     "hbm_gbps": ("hbm_bw", float, 1e9),
     "sms": ("sms", int, 1.0),

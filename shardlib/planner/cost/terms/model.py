@@ -5,9 +5,13 @@ every axis that splits tokens (the batch and sequence splits the axes declare) o
 (tensor), plus the forward that rematerialisation repeats. Saved activations follow
 Korthikanti et al. 2022: per layer, per token, some elements of width h (norm inputs,
 residual: not split by tensor parallelism), some of the q/k/v and MLP widths (split by
-tensor), and the attention scores (a·s per token, split by tensor). The element counts are
-fitted to compiled programs (``calibrate.fit``) instead of assumed, because XLA's
-fusion decides what is saved.
+tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend the
+element counts are fitted to compiled programs (``calibrate.fit``) instead of assumed,
+because XLA:CPU's fusion (and its fp32 upcasts of bf16 products) decides what is saved. For
+a GPU or TPU program remat=none is booked by definition (``terms.remat.KEPT["none"]``: what
+the block's backward needs, each buffer once, as fused kernels keep it; ~32 bytes per token
+per h per layer at Llama 7B in bf16, Korthikanti et al.'s 34), the scores' count still
+fitted for dense attention (``terms.remat.by_definition``).
 
 A strategy that changes what a layer saves says so in its own term's hooks: the parts it
 replaces (``Term.saved``: an attention that keeps no score matrix, an MoE block's routed
@@ -22,6 +26,7 @@ from typing import Any
 from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
+    by_definition,
     recompute_flops,
     saved_coefficients,
     saved_input_split,
@@ -47,7 +52,7 @@ def _layer_parts(
     t = view["tensor"]
     tokens = micro_batch * step.local_seq
     policy = view.remat if policy is None else policy
-    k = saved_coefficients(policy, step.calib)
+    k = saved_coefficients(policy, step.calib, defined=by_definition(step))
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
     qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
@@ -60,7 +65,8 @@ def _layer_parts(
         own = saved(step, policy, k)
         parts.update(own)
         replaced.update(own)
-    elems = k["h"] * w.embed + k["qkv"] * qkv / t + parts["attention"]
+    attn_out = w.heads * w.head_dim  # the attention output, split by tensor as q is
+    elems = k["h"] * w.embed + (k["q"] * attn_out + k["qkv"] * qkv) / t + parts["attention"]
     for addend in parts["mlp"]:
         elems += addend
     return tokens * elems * w.compute_bytes, replaced

@@ -35,20 +35,52 @@ REMAT = ("none", "selective", "full")
 scores; keep layer inputs (``Remat.policy``)."""
 
 KEPT: dict[str, dict[str, float]] = {
+    # what the block's backward needs, each once, in the compute dtype (a GPU's program):
+    # the block input (the first norm's), the first norm's output (q/k/v's input), the
+    # residual between attention and MLP (the second norm's input) and the second norm's
+    # output; the attention output (``q``: heads x head_dim, the output projection's input,
+    # which a fused kernel keeps as its own output too: one buffer); q, k, v after rotary;
+    # gate, up and silu(gate) * up. The scores are the attention kernel's (``_saved`` of
+    # terms.context: none when fused; dense attention's fitted count otherwise). Korthikanti
+    # et al.'s 34·sbh is this block's 2·(5h + 3h + 3·mlp)/h ~ 32 at Llama 7B's widths.
+    # MLP: gate, up and silu(gate) * up, and autodiff of silu keeps three more of the MLP's
+    # width (gate again, sigmoid(gate), silu(gate)): 6. A fused SwiGLU keeps 3 (~32 bytes
+    # per h at 7B against ~48 now): the model change and its CPU refit are still to land.
+    "none": {"h": 4.0, "q": 1.0, "qkv": 1.0, "mlp": 6.0},
     "selective": {"h": 2.0, "qkv": 1.0, "mlp": 2.0},
     "full": {"h": 1.0},
 }
-"""Elements per token per layer a policy keeps by definition, by width (see the docstring)."""
+"""Elements per token per layer a policy keeps by definition, by width (see the docstring):
+``h`` the model width, ``q`` the attention output's (heads x head_dim), ``qkv`` the q/k/v
+projection's, ``mlp`` the MLP's. ``none`` is booked by definition only where the program runs
+on a GPU/TPU (``by_definition``); the CPU backend's is fitted (``layer_*`` coefficients)."""
+
+WIDTHS = ("h", "q", "qkv", "mlp", "scores")
+"""The widths the saved counts are given in (``terms.model``)."""
 
 
-def saved_coefficients(policy: str, calib: dict) -> dict[str, float]:
-    """Elements saved per token per layer, by width (see ``terms.model``)."""
-    fitted = {k: calib[f"layer_{k}"] for k in ("h", "qkv", "mlp", "scores")}
-    if policy == "none":
+def by_definition(step: Step) -> bool:
+    """Whether remat=none's saved set is booked as ``KEPT["none"]`` (a GPU or TPU program)
+    rather than fitted: the CPU backend (``backend="cpu"``, what compiled validation
+    measures, or a cluster of simulated CPU devices) keeps more than the definition, fp32
+    upcasts of bf16 products among it (benchmarks/activation_bytes.py), and is what the
+    ``layer_*`` coefficients were fitted on."""
+    cpu_cluster = step.cluster is not None and step.cluster.platform == "cpu"
+    return step.backend != "cpu" and not cpu_cluster
+
+
+def saved_coefficients(policy: str, calib: dict, *, defined: bool = False) -> dict[str, float]:
+    """Elements saved per token per layer, by width (``WIDTHS``; see ``terms.model``).
+    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted."""
+    fitted = {k: calib.get(f"layer_{k}", 0.0) for k in WIDTHS}
+    if policy == "none" and not defined:
         return fitted
     if policy in KEPT:
         kept = KEPT[policy]
-        return {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
+        out = {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
+        if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
+            out["scores"] = fitted["scores"]
+        return out
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
