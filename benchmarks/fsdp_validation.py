@@ -9,8 +9,9 @@ cluster preset with ``--hosts``):
 
 * **Narayanan et al. 2021 (SC21), Table 2**: 175B with ZeRO-3 and no model parallelism
   (DeepSpeed, batch 1536, micro-batch 4/2/1 on 384/768/1536 A100s: 144/88/44 TFLOP/s per
-  GPU) beside PTD-P on the same GPUs (153/149/141). ZeRO-3 is costed with shardlib's own
-  FSDP program (``fsdp=N, remat=full``, as ``shardlib estimate --set`` does); PTD-P with
+  GPU) beside PTD-P on the same GPUs (153/149/141). ZeRO-3 is costed with DeepSpeed 2021's
+  program (``planner.calibrate.deepspeed``) and, for comparison, with shardlib's own FSDP
+  program (``fsdp=N, remat=full``, as ``shardlib estimate --set`` does); PTD-P with
   Megatron-LM's (``planner.calibrate.megatron``, as ``planner_calibration.py``).
 * **llm-foundry's FSDP runs** (``fsdp_runs.py``: PyTorch FSDP FULL_SHARD, 8-128 A100 40/80GB
   and H100 80GB, 125M-70B, seq 512-65536), costed with shardlib's FSDP program and fused
@@ -45,6 +46,8 @@ from benchmarks.planner_calibration import (  # noqa: E402
 )
 from benchmarks.planner_calibration import predict as megatron_predict  # noqa: E402
 from shardlib.planner import Workload, candidate, estimate, load_cluster  # noqa: E402
+from shardlib.planner.calibrate.deepspeed import zero3_program  # noqa: E402
+from shardlib.planner.cost.total import SHARDLIB  # noqa: E402
 
 CLUSTERS = {"a100_80gb": "a100-8", "a100_40gb": "a100-40-8", "h100_80gb": "h100-8"}
 SC21_ZERO3 = ((384, 144.0), (768, 88.0), (1536, 44.0))
@@ -96,10 +99,12 @@ def zero3_run(gpus: int, tflops: float) -> Run:
                tflops=tflops, program=MEGATRON_2021, micro_batch=1536 // gpus)  # fmt: skip
 
 
-def zero3_predict(run: Run) -> tuple[float, object]:
-    """(TFLOP/s per GPU by the paper's count, the estimate) of shardlib's FSDP program."""
+def zero3_predict(run: Run, program=SHARDLIB) -> tuple[float, object]:
+    """(TFLOP/s per GPU by the paper's count, the estimate) of ``program``: shardlib's FSDP,
+    or DeepSpeed 2021's ZeRO-3 (``planner.calibrate.deepspeed``)."""
     cluster = load_cluster("a100-8").with_hosts(run.gpus // 8)
-    est = estimate(gpt_workload(run), candidate(fsdp=run.gpus, remat="full"), cluster)
+    plan = candidate(fsdp=run.gpus, remat="full")
+    est = estimate(gpt_workload(run), plan, cluster, program=program)
     return run.flops() / (est.step_s * run.gpus) / 1e12, est
 
 
@@ -110,15 +115,18 @@ def sc21_table(console: Console) -> list[float]:
         table.add_column(col, justify="right")
     ratios = []
     for (gpus, z_pub), (_, p_pub) in zip(SC21_ZERO3, SC21_PTDP, strict=True):
-        z_pred, z_est = zero3_predict(zero3_run(gpus, z_pub))
+        z_pred, z_est = zero3_predict(zero3_run(gpus, z_pub), zero3_program())
+        s_pred, s_est = zero3_predict(zero3_run(gpus, z_pub))
         ptdp = Run(source=TABLE2, **_175B, tensor=8, stage=12, gpus=gpus, global_batch=1536,
                    tflops=p_pub, program=MEGATRON_2021)  # fmt: skip
         p_pred, p_est = megatron_predict(ptdp)
         for scheme, pub, pred, est in (
-            (f"ZeRO-3 (fsdp={gpus}, remat=full, b={1536 // gpus})", z_pub, z_pred, z_est),
+            (f"ZeRO-3, DeepSpeed 2021's program (b={1536 // gpus})", z_pub, z_pred, z_est),
+            ("ZeRO-3 layout, shardlib's FSDP program (not counted)", z_pub, s_pred, s_est),
             ("PTD-P (t=8, p=12, Megatron-LM's program)", p_pub, p_pred, p_est),
         ):
-            ratios.append(pred / pub)
+            if "not counted" not in scheme:
+                ratios.append(pred / pub)
             table.add_row(str(gpus), scheme, f"{pub:.0f}", f"{pred:.0f}", f"{pred / pub:.3f}",
                           f"{est.step_s:.1f} s", f"{est.exposed_comm_s:.1f} s",
                           f"{est.comm_s:.1f} s")  # fmt: skip
@@ -176,9 +184,43 @@ def summary(sets: dict[str, list[tuple]]) -> list[str]:
     return lines
 
 
+def plot(path: str, sets: dict[str, list[tuple]]) -> None:
+    """Predicted against published tokens/s per GPU, log-log, the ±15% band around parity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    lo, hi = 3e2, 3e5
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey",
+                    alpha=0.15)  # fmt: skip
+    for (name, body), marker in zip(sets.items(), "os^", strict=True):
+        for where, hosts in (("one host", False), ("across hosts", True)):
+            rows = [(run, est) for run, _, est in body if (run.gpus > 8) == hosts]
+            if not rows:
+                continue
+            xs = [run.tokens_per_s / run.gpus for run, _ in rows]
+            ys = [est.tokens_per_s / run.gpus for run, est in rows]
+            fill = "none" if hosts else None
+            ax.scatter(xs, ys, marker=marker, s=18, facecolors=fill, label=f"{name}, {where}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("published tokens/s per GPU (llm-foundry, PyTorch FSDP)")
+    ax.set_ylabel("predicted by shardlib's planner")
+    ax.set_title("planner vs published FSDP runs (band: ±15%)")
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every FSDP row, not the misses")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="draw predicted vs published")
     args = parser.parse_args(argv)
     console = Console(width=200)
     sc21 = sc21_table(console)
@@ -192,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in summary(sets):
         console.print(line)
+    if args.plot:
+        plot(args.plot, sets)
+        console.print(f"wrote {args.plot}")
     return 0
 
 

@@ -252,6 +252,32 @@ class Attention(nnx.Module):
         return constrain(out_BLD, RESIDUAL)
 
 
+def _swiglu(gate_BLF, up_BLF):
+    return jax.nn.silu(gate_BLF) * up_BLF
+
+
+@jax.custom_vjp
+def swiglu(gate_BLF, up_BLF):
+    """silu(gate) * up whose backward keeps only gate and up (both needed anyway) and
+    recomputes the sigmoid and silu from gate, as fused SwiGLU kernels do. Autodiff of the
+    plain form keeps silu's own intermediates too (gate again, sigmoid(gate), silu(gate)):
+    three more [batch, seq, mlp] buffers per layer under remat=none
+    (benchmarks/activation_bytes.py). A custom VJP rather than ``jax.checkpoint``: the
+    latter's optimisation barrier moved XLA's fusion elsewhere in the block."""
+    return _swiglu(gate_BLF, up_BLF)
+
+
+def _swiglu_fwd(gate_BLF, up_BLF):
+    return _swiglu(gate_BLF, up_BLF), (gate_BLF, up_BLF)
+
+
+def _swiglu_bwd(saved, g_BLF):
+    return jax.vjp(_swiglu, *saved)[1](g_BLF)  # the plain form's gradient, recomputed
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         e, f = cfg.embed, cfg.mlp
@@ -272,7 +298,7 @@ class MLP(nnx.Module):
         gate_BLF, up_BLF = (t[:, :, 0] for t in jnp.split(gate_up_BLJF, 2, axis=2))  # as q, k, v
         gate_BLF = gate_BLF + update(self, "gate", x_BLD, 1, s)
         up_BLF = up_BLF + update(self, "up", x_BLD, 1, s)
-        h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
+        h_BLF = constrain(swiglu(gate_BLF, up_BLF), ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
         out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
         return constrain(out_BLD + update(self, "down", h_BLF, 1, s), RESIDUAL)

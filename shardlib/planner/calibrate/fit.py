@@ -49,10 +49,13 @@ REMAT_RECORDS = "shardlib/planner/calibrate/remat_probes.jsonl"
 FREE_SETS: dict[str, tuple[str, ...]] = {
     "remat": tuple(k for k in FREE if k.startswith(("selective_", "full_", "remat_"))),
     "pipeline": tuple(k for k in FREE if k.startswith("pipe_")),
+    "layers": tuple(k for k in FREE if k.startswith("layer_")) + ("moe_dense_mlp",),
 }
 """Coefficient subsets ``--free`` refits alone: a change to one policy's buffers (``remat``:
 on ``--group remat`` and ``scale`` records) or to the pipelines' (``pipeline``: on all
-records, its own probes re-measured) leaves the other coefficients as they are."""
+records, its own probes re-measured) or to what a block keeps without remat (``layers``: the
+``layer_*`` counts and MoE models' dense blocks, on all records re-measured) leaves the other
+coefficients as they are."""
 
 Probe = tuple[ParallelPlan, str]
 """A plan and the workload it is compiled on (``TrainConfig`` words: model, batch, seq and

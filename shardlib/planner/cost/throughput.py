@@ -32,7 +32,12 @@ the tie. Here the rate depends on the plan:
   beyond it; ring-attention passes behind the attention blocks only (Liu et al. 2023: a
   pass is free while a block's compute outlasts its transfer); the rest (FSDP gathers and
   reductions) behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not
-  fitted: no calibration run uses FSDP).
+  fitted; llm-foundry's FSDP runs across hosts, ``benchmarks/fsdp_validation.py``, read
+  within 5% with it).
+* **Beyond the roofline**: the loss head's fp32 softmax passes over the logits
+  (``BlockTraffic.logits``), the saved activations' HBM round trip (``saved_seconds``) and
+  the kernels' launch gaps (``launch_seconds``), measured against the H200 runs of
+  docs/gpu.md and llm-foundry's FSDP runs (``benchmarks/fsdp_validation.py``).
 * **The optimizer update** (``update_seconds``): a pass over the held state at HBM
   bandwidth, after the reduction, exposed.
 
@@ -103,6 +108,11 @@ class BlockTraffic:
     streamed 5.3-6.8 widths per score element beyond its two products (median 5.9) on an
     H200 (``benchmarks/gpu_attention.py``: fwd + bwd of Llama 1B's and 7B's heads at seq
     2048-8192, docs/gpu.md); one fused read + write would be 2."""
+    logits: float = 2
+    """Over the vocabulary (split by tensor), the loss head's: the logits in fp32 read once by
+    the softmax fusion (4 bytes: 2 widths of bf16), in forward units; with the backward's
+    read and its gradient's write the step streams about three fp32 passes per logit. A
+    small model's share: at 125M (vocab 50,368, h 768) ~10% of a step."""
 
 
 LLAMA_TRAFFIC = BlockTraffic()
@@ -299,6 +309,9 @@ def shape_rate(shape: Shape, cluster: Cluster) -> Rate:
     head = head_matmul(shape)
     seconds["head"] = head.seconds(cluster, size)
     flops += head.flops
+    w = shape.workload
+    seconds["loss"] = shape.tokens * w.vocab / shape.tensor * shape.traffic.logits * size
+    seconds["loss"] /= cluster.hbm_bw
     seconds["elementwise"] = layers * elementwise_bytes(shape) / cluster.hbm_bw
     return Rate(flops, seconds, cluster.peak_flops)
 

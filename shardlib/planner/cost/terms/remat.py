@@ -43,10 +43,7 @@ KEPT: dict[str, dict[str, float]] = {
     # gate, up and silu(gate) * up. The scores are the attention kernel's (``_saved`` of
     # terms.context: none when fused; dense attention's fitted count otherwise). Korthikanti
     # et al.'s 34·sbh is this block's 2·(5h + 3h + 3·mlp)/h ~ 32 at Llama 7B's widths.
-    # MLP: gate, up and silu(gate) * up, and autodiff of silu keeps three more of the MLP's
-    # width (gate again, sigmoid(gate), silu(gate)): 6. A fused SwiGLU keeps 3 (~32 bytes
-    # per h at 7B against ~48 now): the model change and its CPU refit are still to land.
-    "none": {"h": 4.0, "q": 1.0, "qkv": 1.0, "mlp": 6.0},
+    "none": {"h": 4.0, "q": 1.0, "qkv": 1.0, "mlp": 3.0},
     "selective": {"h": 2.0, "qkv": 1.0, "mlp": 2.0},
     "full": {"h": 1.0},
 }
