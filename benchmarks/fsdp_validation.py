@@ -196,15 +196,15 @@ def plot(path: str, sets: dict[str, list[tuple]]) -> None:
     ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
     ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey",
                     alpha=0.15)  # fmt: skip
-    for (name, body), marker in zip(sets.items(), "os^", strict=True):
+    for (name, body), marker, color in zip(sets.items(), "os^", ("C0", "C2", "C1"), strict=True):
         for where, hosts in (("one host", False), ("across hosts", True)):
             rows = [(run, est) for run, _, est in body if (run.gpus > 8) == hosts]
             if not rows:
                 continue
             xs = [run.tokens_per_s / run.gpus for run, _ in rows]
             ys = [est.tokens_per_s / run.gpus for run, est in rows]
-            fill = "none" if hosts else None
-            ax.scatter(xs, ys, marker=marker, s=18, facecolors=fill, label=f"{name}, {where}")
+            ax.scatter(xs, ys, marker=marker, s=20, facecolors="none" if hosts else color,
+                       edgecolors=color, label=f"{name}, {where}")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
