@@ -21,7 +21,7 @@ Llama 7B's block (h 4096, heads 32, head_dim 128, mlp 11008, seq 2048, bf16), th
 What the CPU backend shows (jax 0.10.2): the compiled bytes equal the listed residuals in
 fp32 exactly, and bf16 compiles to the *same* bytes as fp32: XLA:CPU keeps every bf16
 residual in fp32 (2x). Before the model's SwiGLU kept only gate and up
-(``models.llama.model.swiglu``), autodiff of silu also kept gate, sigmoid(gate) and
+(``models.llama.swiglu``), autodiff of silu also kept gate, sigmoid(gate) and
 silu(gate): three more mlp-wide buffers (100.5 -> 68.3 B/tok/h compiled on CPU, 16 in bf16).
 """
 

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.llama.lora import adapted, add_lora, update
 from models.llama.norm import rms_norm
 from models.llama.rotary import rotary
+from models.llama.swiglu import swiglu
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
 from shardlib.core.ops import attention, lookup, run_blocks
@@ -250,32 +251,6 @@ class Attention(nnx.Module):
         out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, wo.astype(dt))
         out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
         return constrain(out_BLD, RESIDUAL)
-
-
-def _swiglu(gate_BLF, up_BLF):
-    return jax.nn.silu(gate_BLF) * up_BLF
-
-
-@jax.custom_vjp
-def swiglu(gate_BLF, up_BLF):
-    """silu(gate) * up whose backward keeps only gate and up (both needed anyway) and
-    recomputes the sigmoid and silu from gate, as fused SwiGLU kernels do. Autodiff of the
-    plain form keeps silu's own intermediates too (gate again, sigmoid(gate), silu(gate)):
-    three more [batch, seq, mlp] buffers per layer under remat=none
-    (benchmarks/activation_bytes.py). A custom VJP rather than ``jax.checkpoint``: the
-    latter's optimisation barrier moved XLA's fusion elsewhere in the block."""
-    return _swiglu(gate_BLF, up_BLF)
-
-
-def _swiglu_fwd(gate_BLF, up_BLF):
-    return _swiglu(gate_BLF, up_BLF), (gate_BLF, up_BLF)
-
-
-def _swiglu_bwd(saved, g_BLF):
-    return jax.vjp(_swiglu, *saved)[1](g_BLF)  # the plain form's gradient, recomputed
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):

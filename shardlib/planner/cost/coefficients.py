@@ -76,7 +76,7 @@ COEFFICIENTS: dict[str, float] = {
 # benchmarks/planner_scale.py (1.7B-39B on 1024-3072 GPUs) and circular at one (175B on
 # 3072: predicted 73.4 GiB, compiled 69.8 GiB at data 16 of 32, 1.052); 1F1B is costed
 # within 8% (pipeline_scale.py).
-# Issue 32: SwiGLU's backward keeps gate and up only (``models.llama.model.swiglu``, a
+# Issue 32: SwiGLU's backward keeps gate and up only (``models.llama.swiglu``, a
 # custom VJP: autodiff of silu kept three more mlp-wide buffers). All probes re-measured
 # (``--group small``, ``--group scale``; the remat records regenerated from them: one
 # remat=none record moved, 0.983); ``layer_mlp`` refitted alone (5.005 -> 2.152: the three
