@@ -43,6 +43,7 @@ from benchmarks.planner_calibration import (  # noqa: E402
     TABLE2,
     Run,
     gpt_workload,
+    parity_axes,
 )
 from benchmarks.planner_calibration import predict as megatron_predict  # noqa: E402
 from shardlib.planner import Workload, candidate, estimate, load_cluster  # noqa: E402
@@ -186,16 +187,7 @@ def summary(sets: dict[str, list[tuple]]) -> list[str]:
 
 def plot(path: str, sets: dict[str, list[tuple]]) -> None:
     """Predicted against published tokens/s per GPU, log-log, the ±15% band around parity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 5.5))
-    lo, hi = 3e2, 3e5
-    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey",
-                    alpha=0.15)  # fmt: skip
+    fig, ax = parity_axes(3e2, 3e5, log=True)
     for (name, body), marker, color in zip(sets.items(), "os^", ("C0", "C2", "C1"), strict=True):
         for where, hosts in (("one host", False), ("across hosts", True)):
             rows = [(run, est) for run, _, est in body if (run.gpus > 8) == hosts]
@@ -205,12 +197,7 @@ def plot(path: str, sets: dict[str, list[tuple]]) -> None:
             ys = [est.tokens_per_s / run.gpus for run, est in rows]
             ax.scatter(xs, ys, marker=marker, s=20, facecolors="none" if hosts else color,
                        edgecolors=color, label=f"{name}, {where}")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
     ax.set_xlabel("published tokens/s per GPU (llm-foundry, PyTorch FSDP)")
-    ax.set_ylabel("predicted by shardlib's planner")
     ax.set_title("planner vs published FSDP runs (band: ±15%)")
     ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()

@@ -293,19 +293,31 @@ def show(console: Console, title: str, body: list[tuple[list[str], float]], mark
     console.print(out)
 
 
-def plot(path: str, cal: list, other: list, held: list) -> None:
-    """Predicted against published TFLOP/s per GPU, the ±15% band around parity."""
+def parity_axes(lo: float, hi: float, *, log: bool = False):
+    """``(fig, ax)`` for predicted against published on [lo, hi]: the parity line, the ±15%
+    band around it, the predicted axis labelled (log-log with ``log``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
-    lo, hi = 100, 200
     ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
     ax.fill_between(
         [lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15
     )
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_ylabel("predicted by shardlib's planner")
+    return fig, ax
+
+
+def plot(path: str, cal: list, other: list, held: list) -> None:
+    """Predicted against published TFLOP/s per GPU, the ±15% band around parity."""
+    fig, ax = parity_axes(100, 200)
     for body, runs, marker, label in (
         (cal, CALIBRATION, "o", "calibration (Megatron-LM)"),
         (other, OTHER_STACK, "s", "check: MT-NLG (DeepSpeed + Megatron)"),
@@ -322,10 +334,7 @@ def plot(path: str, cal: list, other: list, held: list) -> None:
                 xytext=(3, 3),
                 textcoords="offset points",
             )
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
     ax.set_xlabel("published TFLOP/s per A100 (the publication's FLOP count)")
-    ax.set_ylabel("predicted by shardlib's planner")
     ax.set_title("planner throughput model vs published runs (band: ±15%)")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

@@ -41,8 +41,8 @@ def test_cluster_presets_load_and_say_when_to_use_them():
 def test_fast_axes_stay_inside_a_host():
     h100 = load_cluster("h100-512")
     axes = (("data", 8), ("fsdp", 8), ("tensor", 8))
-    assert h100.axis_is_intra_host(axes, "tensor")
-    assert not h100.axis_is_intra_host(axes, "fsdp")  # 8 x 8 devices span 8 hosts
+    assert links.span(h100, axes, ("tensor",)).hosts == 1
+    assert links.span(h100, axes, ("fsdp",)).hosts == 8  # 8 x 8 devices span 8 hosts
     assert links.priced(h100, "all-reduce", axes, ("tensor",))[0] == h100.busbw(intra=True)
     # data x tensor: 8 of each group's 64 devices share a host: 8 NICs carry its ring
     bw, _ = links.priced(h100, "all-reduce", axes, ("data", "tensor"))

@@ -26,7 +26,6 @@ and ``stage3.py``, and its issues 1069, 1173, 1174):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from shardlib.planner.cost import total as cost
@@ -54,11 +53,7 @@ def zero3_program() -> cost.Program:
 
 
 def _terms(step: Step) -> list[Contribution]:
-    parts = [
-        dataclasses.replace(part, comms=tuple(c for c in part.comms if c.strategy != "fsdp"))
-        for part in cost.contributions(step)
-    ]
-    return [*parts, _zero3(step)]
+    return [*cost.replacing(step, {"fsdp"}), _zero3(step)]
 
 
 def _zero3(step: Step) -> Contribution:

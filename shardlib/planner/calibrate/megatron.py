@@ -37,7 +37,6 @@ on the same hardware model (compute rate, links, overlap) as the planner's own p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shardlib.core.mesh import Axis
@@ -74,13 +73,8 @@ def megatron_program(version: Megatron) -> cost.Program:
 def _terms(step: Step, version: Megatron) -> list[Contribution]:
     """shardlib's terms with the tensor, pipeline, data and recompute parts replaced by
     Megatron-LM's (the model's FLOPs, state and activations are the same model's)."""
-    replaced = {"tensor", "pipeline", "dp"}
-    parts = [  # keep each replaced term's FLOPs (the pipeline's bubble) and memory
-        dataclasses.replace(part, comms=())
-        if part.comms and {c.strategy for c in part.comms} <= replaced
-        else part
-        for part in cost.contributions(step)
-    ]
+    # each replaced term's FLOPs (the pipeline's bubble) and memory stay
+    parts = cost.replacing(step, {"tensor", "pipeline", "dp"})
     ours = (_tensor(step, version), _pipeline(step, version), _data(step, version))
     return [*parts, *ours, Contribution(flops=_extra_flops(step))]
 

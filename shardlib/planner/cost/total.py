@@ -10,6 +10,7 @@ behind compute plus the bubble plus host transfers plus the optimizer update;
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +135,18 @@ def contributions(step: Step) -> list[Contribution]:
     return [term.cost(step) for term in TERMS]
 
 
+def replacing(step: Step, strategies: set[str]) -> list[Contribution]:
+    """shardlib's terms with the collectives of ``strategies`` taken out, their FLOPs and
+    memory kept: the base a published program (``planner.calibrate``) adds its own
+    traffic for those strategies to."""
+    return [
+        dataclasses.replace(
+            part, comms=tuple(c for c in part.comms if c.strategy not in strategies)
+        )
+        for part in contributions(step)
+    ]
+
+
 @dataclass(frozen=True)
 class Program:
     """What runs for a plan: the terms that say what it computes, holds and moves, and the
@@ -183,7 +196,7 @@ def estimate(
     # a schedule that computes its bubble (the SPMD pipeline: every stage, every iteration)
     # has those FLOPs in ``flops`` (as in the compiled program): reported as bubble time
     bubble_s = idle_flops / rate.flops_per_s
-    compute_s = flops / rate.flops_per_s - bubble_s
+    rate_s = flops / rate.flops_per_s - bubble_s  # the FLOPs the terms count, at this rate
     # saved activations' HBM round trip and kernel launch gaps: compute-side time the
     # matmul roofline does not see (``throughput.saved_seconds``, ``launch_seconds``)
     saved, launches = COMPUTE_EXTRAS
@@ -191,11 +204,11 @@ def estimate(
         saved: throughput.saved_seconds(step, cluster),
         launches: throughput.launch_seconds(step, cluster),
     }
+    extra_s = sum(extra.values())
     # a bubble slot is a whole micro-batch's work: its share of the extras too
-    bubble_s *= 1 + sum(extra.values()) / compute_s if compute_s > 0 else 1
-    compute_s += sum(extra.values())
+    bubble_s *= (1 + extra_s / rate_s) if rate_s > 0 else 1
+    compute_s = rate_s + extra_s
     total_s = sum(rate.seconds.values())
-    parts_s = compute_s - sum(extra.values())
     windows = throughput.overlap_windows(rate, compute_s)
     exposed_s, comm_s = throughput.exposed_seconds(comms, cluster, plan.mesh.axes, windows, view)
     update_s = throughput.update_seconds(step, cluster)
@@ -218,6 +231,6 @@ def estimate(
         fits=total <= MEMORY_HEADROOM * cluster.memory_bytes,
         notes=tuple(dict.fromkeys(notes)),
         compute_efficiency=rate.efficiency,
-        compute_parts={k: parts_s * v / total_s for k, v in rate.seconds.items()} | extra,
+        compute_parts={k: rate_s * v / total_s for k, v in rate.seconds.items()} | extra,
         update_s=update_s,
     )

@@ -1,10 +1,10 @@
 """Cluster descriptions: how many devices, how much memory, how fast they compute and talk.
 
 A cluster preset is a TOML file with a ``[cluster]`` table (``meshes/clusters/*.toml``); it
-describes hardware, where a mesh preset describes a layout. The planner needs one question
-answered per mesh axis: does its ring stay inside a host (NVLink, ICI) or cross hosts
-(InfiniBand)? Mesh axes are laid out outermost first, the last one varying fastest over
-device ids, so an axis is intra-host when it and every axis after it fit in one host.
+describes hardware, where a mesh preset describes a layout: devices per host, the links inside
+a host (NVLink, ICI) and between hosts (the NICs), and the bus bandwidths NCCL achieves on
+them. How a collective's group sits on those hosts, and so which links carry its bytes, is
+``planner.cost.links``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,15 +82,6 @@ class Cluster:
     def with_hosts(self, hosts: int) -> Cluster:
         """The same hardware with another number of hosts (``--hosts``)."""
         return dataclasses.replace(self, hosts=hosts, name=f"{self.name} [{hosts} hosts]")
-
-    def axis_is_intra_host(self, axes: Sequence[tuple[str, int]], name: str) -> bool:
-        """Whether ``name``'s rings stay in one host, given the mesh ``axes`` (outer first)."""
-        inner = 1
-        for axis, size in reversed(tuple(axes)):
-            inner *= size
-            if axis == name:
-                return inner <= self.devices_per_host or size == 1
-        raise KeyError(name)
 
     def busbw(self, intra: bool) -> float:
         """Achieved bytes/s per device of a ring collective: inside a host (NVLink), or one
