@@ -1,4 +1,4 @@
-"""Sequence, context and tensor parallelism measured against the published formulas (issue 4).
+"""Sequence, context and tensor parallelism measured against the published formulas.
 
 Everything is compiled from abstract inputs on simulated CPU devices and measured by
 ``explain`` (memory_analysis, collectives of the optimized HLO); nothing is trained. One
@@ -274,9 +274,7 @@ def main() -> None:
     ring_rows(rows, 1024 if args.quick else 4096)
     chunked_rows(rows, (1024, 2048, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384))
     tensor_mode_rows(rows)
-    table = Table(
-        title=f"issue 4: sequence, context and tensor parallelism (CPU, jax {jax.__version__})"
-    )
+    table = Table(title=f"sequence, context and tensor parallelism (CPU, jax {jax.__version__})")
     for col in ("figure", "plan", "measured", "formula / reference", "ratio", "note"):
         table.add_column(col, justify="right" if col in ("measured", "ratio") else "left")
     for figure, plan, measured, formula, ratio, note in rows:

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B at GPT-3 scale: bubble from FLOPs, temp memory, data-axis bytes (issue 14).
+"""Interleaved 1F1B at GPT-3 scale: bubble from FLOPs, temp memory, data-axis bytes.
 
 Run:  python benchmarks/interleaved_1f1b.py [--layouts 39b,146b] [--virtual 1,2,4]
           [--micro p,2p,4p]

@@ -10,7 +10,7 @@ products (square sweeps, and the per-block products of Llama 1B and 7B at 8k tok
 ``jax.jit`` on one device, fits ``matmul_efficiency`` as the median achieved fraction of
 peak over the compute-bound products (>= 1 TFLOP each), and prints measured / modelled time
 for every shape at that fitted value: the calibration of the cluster preset's compute
-figure (issue 22). It also measures HBM bandwidth (an elementwise pass over 4 GiB, bytes
+figure. It also measures HBM bandwidth (an elementwise pass over 4 GiB, bytes
 read + written) for the preset's ``hbm_gbps``.
 
 On CPU it runs (smaller shapes, ``--quick``), but the figures describe the host, not a GPU.

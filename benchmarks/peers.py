@@ -1,9 +1,9 @@
 """No framework tax: shardlib's train step next to the same step written in plain JAX.
 
     python benchmarks/peers.py            # 3 meshes x (fp32, bf16) x remat (full, none, dots)
-    python benchmarks/peers.py --quick    # fp32 remat=full only (the issue's rows)
+    python benchmarks/peers.py --quick    # fp32 remat=full only
 
-On 8 simulated CPU devices, for issue 16's Llama (vocab 8192, width 512, 8 heads of 64,
+On 8 simulated CPU devices, for a small Llama (vocab 8192, width 512, 8 heads of 64,
 SwiGLU 2048, 4 layers, untied head; seq 256, batch 8, AdamW) on fsdp=8, data2 x fsdp2 x
 tensor2 and tensor=8, it prints per device, for shardlib and for the hand-written baseline
 (``benchmarks/plain_jax.py``):
@@ -15,7 +15,7 @@ tensor2 and tensor=8, it prints per device, for shardlib and for the hand-writte
   two programs alternating from round to round so that neither always runs on a warmer (or
   busier) machine.
 
-The fp32 remat=full rows are also checked against the best peer of issue 16 (plain JAX by
+The fp32 remat=full rows are also checked against the best peer measured (plain JAX by
 hand, MaxText): shardlib must be at or below it. Figures come from the CPU backend.
 """
 
@@ -35,7 +35,7 @@ import shardlib  # noqa: E402
 MODEL = ("model.embed=512", "model.heads=8", "model.kv_heads=8", "model.head_dim=64",
          "model.mlp=2048", "model.layers=4", "model.vocab=8192", "seq=256", "batch=8")  # fmt: skip
 MESH_FILES = {"fsdp": "cpu-8-fsdp.toml", "3d": "cpu-8-3d.toml", "tp": "cpu-8-tp.toml"}
-# issue 16's best peer per mesh at fp32, remat=full: (memory B/device, collective B/step)
+# the best peer per mesh at fp32, remat=full: (memory B/device, collective B/step)
 BEST_PEER = {"fsdp": (102_326_392, 236.0e6), "3d": (140_635_512, 205.6e6),
              "tp": (106_583_100, 142.6e6)}  # fmt: skip
 ROWS = (("fp32", "full"), ("bf16", "full"), ("fp32", "none"), ("fp32", "dots"))
@@ -138,7 +138,7 @@ def main() -> None:
     table = Table(title="shardlib vs plain JAX (per device, 8 simulated CPU devices)")
     for col in ("mesh", "precision", "remat", "shardlib memory B", "plain JAX memory B",
                 "shardlib collective B", "plain JAX collective B", "step time ratio",
-                "vs best peer (issue 16)"):  # fmt: skip
+                "vs best peer"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("mesh", "precision", "remat") else "right")
     for mesh_name in args.meshes.split(","):
         for precision, remat in rows:

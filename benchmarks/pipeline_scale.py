@@ -1,4 +1,4 @@
-"""Pipelines at GPT-3 scale, from compiled programs: bytes per axis, bubble, memory (issue 14).
+"""Pipelines at GPT-3 scale, from compiled programs: bytes per axis, bubble, memory.
 
 Run:  python benchmarks/pipeline_scale.py [--quick] [--layouts 39b,146b]
           [--schedules 1f1b,gpipe,circular] [--precision bf16|fp32] [--virtual 1,2]

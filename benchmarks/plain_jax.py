@@ -3,8 +3,8 @@
 No shardlib here: every weight gets a hand-written ``PartitionSpec`` per mesh, the step is
 ``jax.jit`` with donated state, the optimizer optax AdamW, and remat is ``jax.checkpoint``
 on the scanned layer. It is what a careful user writes without a framework, so that
-``benchmarks/peers.py`` can show what shardlib costs (or saves) on the same model: the
-issue 16 decoder (vocab 8192, width 512, 8 heads of 64, SwiGLU 2048, 4 layers, untied head).
+``benchmarks/peers.py`` can show what shardlib costs (or saves) on the same model: a
+small decoder (vocab 8192, width 512, 8 heads of 64, SwiGLU 2048, 4 layers, untied head).
 Heads and key/value heads are equal in this model, so attention needs no grouping.
 """
 
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 @dataclass(frozen=True)
 class Shape:
-    """The decoder's sizes (issue 16's model by default)."""
+    """The decoder's sizes (the peers.py model by default)."""
 
     vocab: int = 8192
     embed: int = 512

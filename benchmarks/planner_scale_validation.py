@@ -1,4 +1,4 @@
-"""The planner's memory model at published scale: held-out plans, compiled (issue 15, item 3).
+"""The planner's memory model at published scale: held-out plans, compiled.
 
     python benchmarks/planner_scale_validation.py               # 7B/64, 70B/512, 175B/1024
     python benchmarks/planner_scale_validation.py --scales 7b   # one scale

@@ -11,7 +11,7 @@ FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), o
 offload (device memory excludes the pinned_host arguments; the host bytes are compared
 apart), context parallelism (ring attention), expert parallelism (MoE) and pipelines (GPipe,
 1f1b = (interleaved) 1F1B, circular = GPipe with virtual stages).
-Targets (issue 9): memory within 10%, collective bytes within 5%.
+Targets: memory within 10%, collective bytes within 5%.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ plan next to the measured one, with the ``matmul_efficiency`` that would make th
 on a GPU or TPU that is how the preset's compute and bandwidth figures get calibrated.
 With simulated CPU devices (this repository's CI) the numbers describe 8 fake devices
 sharing a few cores, not hardware. On one real GPU, ``benchmarks/gpu_train.py`` runs this
-same loop over the configurations of issue 22 in one process (docs/gpu.md: an H200).
+same loop over its configurations in one process (docs/gpu.md: an H200).
 """
 
 from __future__ import annotations

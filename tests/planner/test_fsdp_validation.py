@@ -47,4 +47,4 @@ def test_deepspeed_2021_zero3_program():
         assert est.host_s == pytest.approx(PASSES * 96 * GATHERED_PER_LAYER * gpus * copy)
         ratios.append(theirs / published)
     assert hit(ratios[0])  # 384 GPUs: within 15%
-    assert ratios[1] > ratios[0]  # the miss grows with the ring (issue 32's note)
+    assert ratios[1] > ratios[0]  # what DeepSpeed 2021 is missed by grows with the ring

@@ -4,7 +4,7 @@ Why: inside a pipeline loop every micro-batch's weight gradient is a contraction
 batch, and the batch is split over ``data`` (and ``fsdp``). GSPMD reduces a contraction over
 a split dim where it is computed, so the gradient of weights replicated over ``data`` was
 all-reduced on every loop trip: m + p - 1 (or m + 2(p-1)) reductions of a stage's gradients
-per step instead of one (issue 14: 109 GiB of data-axis traffic per device per step at m = 4
+per step instead of one (109 GiB of data-axis traffic per device per step at m = 4
 on a 39B layout, where one ring reduction is ~18 GiB).
 
 How, with no hand-written collective: inside the pipelined step the weights get an explicit

@@ -188,7 +188,7 @@ PIPELINE_PROBES: tuple[Probe, ...] = (
         "batch=16 model.layers=8 seq=256",
     ),
 )
-# Published widths at tensor 1-8, with the buffers that grow with them (issue 15): 7B-class
+# Published widths at tensor 1-8, with the buffers that grow with them: 7B-class
 # (h 4096), 39B-class (h 8192) and 175B-class (h 12288) layers, seq 2048, a few layers each
 # (the per-layer parts scale with the count; held-out validation runs the full depth:
 # ``benchmarks/planner_scale_validation.py``). Every remat policy, ZeRO-1/2, 1F1B and

@@ -34,7 +34,7 @@ COEFFICIENTS: dict[str, float] = {
     # back, per regrouped copy (itself counted by definition: terms.pipeline)
     "pipe_1f1b_tables": 0.908,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
 }
-# Refitted on all 99 probes (``calibrate.fit.PROBES``) after issue 16's memory changes (RMSNorm
+# Refitted on all 99 probes (``calibrate.fit.PROBES``) after the memory changes of 2026-11 (RMSNorm
 # keeps only its input, q/k/v and gate/up cut by split, full remat's input split over tensor:
 # terms.remat.saved_input_split), fixed_bytes kept (runtime scratch: those changes do not touch
 # it; freed, the fit moves 47 KB into it and llama-tiny's validation plan in test_planner.py
@@ -76,7 +76,7 @@ COEFFICIENTS: dict[str, float] = {
 # benchmarks/planner_scale.py (1.7B-39B on 1024-3072 GPUs) and circular at one (175B on
 # 3072: predicted 73.4 GiB, compiled 69.8 GiB at data 16 of 32, 1.052); 1F1B is costed
 # within 8% (pipeline_scale.py).
-# Issue 32: SwiGLU's backward keeps gate and up only (``models.llama.swiglu``, a
+# SwiGLU's backward keeps gate and up only (``models.llama.swiglu``, a
 # custom VJP: autodiff of silu kept three more mlp-wide buffers). All probes re-measured
 # (``--group small``, ``--group scale``; the remat records regenerated from them: one
 # remat=none record moved, 0.983); ``layer_mlp`` refitted alone (5.005 -> 2.152: the three

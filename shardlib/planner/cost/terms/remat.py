@@ -12,7 +12,7 @@ coefficients are these extras, non-negative):
   h *whatever the tensor degree* (the row-parallel product before its all-reduce), plus the
   layer input the scan keeps: 2h that tensor parallelism does not shrink. Fitting these
   counts on tensor 1-2 probes hid the h part in the MLP count and under-predicted tensor 8
-  by 1.76x (issue 15). The scores and softmax are dropped; the backward recomputes q·kᵀ
+  by 1.76x. The scores and softmax are dropped; the backward recomputes q·kᵀ
   and the softmax: half the attention forward, 2·a·s·d FLOPs per token.
 - ``full``: the layer input only (REFERENCE.md's "full recompute 2sbh" in fp16 bytes), and
   the whole layer forward again: about one extra forward pass (~33%). Outside a pipeline
