@@ -82,9 +82,7 @@ def fsdp_estimate(run: fsdp_runs.R, **cluster_fields):
         fsdp=run.gpus,
         microbatches=run.grad_accum,
         remat="full" if run.checkpointing else "none",
-    )
-    plan = dataclasses.replace(
-        plan, context=dataclasses.replace(plan.context, attention_impl="cudnn")
+        attention="cudnn",
     )
     cluster = load_cluster(CLUSTERS[run.gpu]).with_hosts(max(1, run.gpus // 8))
     cluster = dataclasses.replace(cluster, **cluster_fields)
@@ -104,7 +102,7 @@ def zero3_predict(run: Run, program=SHARDLIB) -> tuple[float, object]:
     """(TFLOP/s per GPU by the paper's count, the estimate) of ``program``: shardlib's FSDP,
     or DeepSpeed 2021's ZeRO-3 (``planner.calibrate.deepspeed``)."""
     cluster = load_cluster("a100-8").with_hosts(run.gpus // 8)
-    plan = candidate(fsdp=run.gpus, remat="full")
+    plan = candidate(fsdp=run.gpus, remat="full", attention="dense")  # 2021: no flash kernel
     est = estimate(gpt_workload(run), plan, cluster, program=program)
     return run.flops() / (est.step_s * run.gpus) / 1e12, est
 

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_attention.py                       # seq 2048, 4096, 8192 (1 min)
     python benchmarks/gpu_attention.py --json attention.json
+    python benchmarks/gpu_attention.py --packed               # rows of 4 packed documents
 
 Both kernels are the ones ``attention_impl`` selects
 (``shardlib.core.attention.LocalAttention.kernel``),
@@ -12,6 +13,11 @@ the same bf16 inputs (relative error: max |error| / max |value|); cuDNN passes w
 error is no larger than bf16 dense attention's own plus 1e-2. Speed: forward + backward,
 median of timed repeats. Memory: the compiled forward + backward's temporary bytes
 (``memory_analysis``): dense attention writes the [B, H, L, L] scores, cuDNN none.
+
+``--packed``: each row holds four documents (1/8, 1/4, 3/8 and 1/4 of it), attention causal
+within each (``core.attention.Packed``: dense masks the scores, cuDNN takes the document mask
+as its mask); both against packed dense attention in fp32. FLOPs count each document's own
+causal half.
 """
 
 from __future__ import annotations
@@ -34,20 +40,41 @@ def fwd_bwd(kernel):
     return jax.jit(run)
 
 
-def attention_fn(impl: str, seq: int, dtype=None):
-    """``(q, k, v) -> out`` of the kernel ``attention_impl=impl`` selects, causal; inputs cast
-    to ``dtype`` first where given (the fp32 reference)."""
+DOCS = (1, 2, 3, 2)  # eighths of a packed row, one per document
+
+
+def packed_rows(batch: int, seq: int):
+    """``Packed`` rows of four documents (``DOCS``), and their causal score count."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from shardlib.core.attention import Packed
+
+    lengths = [seq * n // 8 for n in DOCS]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    positions, segments = (
+        jnp.asarray(np.tile(x, (batch, 1)), jnp.int32) for x in (positions, segments)
+    )
+    return Packed(positions, segments), sum(n * n for n in lengths)
+
+
+def attention_fn(impl: str, seq: int, dtype=None, packed=None):
+    """``(q, k, v) -> out`` of the kernel ``attention_impl=impl`` selects, causal (within each
+    document of ``packed`` rows where given); inputs cast to ``dtype`` first where given
+    (the fp32 reference)."""
     import jax.numpy as jnp
 
     from shardlib.core.attention import LocalAttention
 
-    inner = LocalAttention(impl=impl).kernel(True, seq)
+    local = LocalAttention(impl=impl)
+    inner = local.kernel(True, seq)
     pos = jnp.arange(seq, dtype=jnp.int32)
 
     def attend(q, k, v):
         if dtype is not None:
             q, k, v = (x.astype(dtype) for x in (q, k, v))
-        return inner(q, k, v, pos, pos)
+        return inner(q, k, v, pos, pos) if packed is None else local(q, k, v, packed)
 
     return attend
 
@@ -64,6 +91,7 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    parser.add_argument("--packed", action="store_true", help="rows of 4 packed documents")
     args = parser.parse_args()
 
     import jax
@@ -84,9 +112,11 @@ def main() -> int:
             v = jax.random.normal(keys[2], (b, seq, g, d), jnp.bfloat16)
             do = jax.random.normal(keys[3], (b, seq, h, d), jnp.bfloat16)
             row = {"model": model, "heads": h, "kv_heads": g, "head_dim": d, "seq": seq, "batch": b}
+            packed, scores = packed_rows(b, seq) if args.packed else (None, seq * seq)
+            row["packed"] = args.packed
             # causal attention: half the score matrix; forward 2 matmuls, backward 5
-            row["flops"] = 3.5 * 4 * b * h * seq * seq * d / 2
-            fp32 = fwd_bwd(attention_fn("dense", seq, jnp.float32))
+            row["flops"] = 3.5 * 4 * b * h * scores * d / 2
+            fp32 = fwd_bwd(attention_fn("dense", seq, jnp.float32, packed))
             try:
                 want = fp32(q, k, v, do.astype(jnp.float32))
             except Exception as err:  # the fp32 reference's scores do not fit: no parity row
@@ -94,7 +124,7 @@ def main() -> int:
                 rows.append(row)
                 continue
             for impl in ("dense", "cudnn"):
-                fn = fwd_bwd(attention_fn(impl, seq))
+                fn = fwd_bwd(attention_fn(impl, seq, packed=packed))
                 try:
                     compiled = fn.lower(q, k, v, do).compile()
                     got = compiled(q, k, v, do)
@@ -108,9 +138,8 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    table = Table(
-        title=f"causal attention fwd+bwd, bf16, on {device.device_kind} (jax {jax.__version__})"
-    )
+    what = "packed causal attention (4 documents a row)" if args.packed else "causal attention"
+    table = Table(title=f"{what} fwd+bwd, bf16, on {device.device_kind} (jax {jax.__version__})")
     for col in (
         "shape", "seq", "dense err", "cudnn err", "dense ms", "cudnn ms", "speed-up",
         "cudnn TFLOP/s", "dense temp", "cudnn temp",

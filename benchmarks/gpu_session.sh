@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One lease of a single-GPU machine (issue 22): install the project as it is, measure, test.
+# One lease of a single-GPU machine: install the project as it is, measure, test.
 #
 #   OUT=/tmp/gpu_out bash benchmarks/gpu_session.sh [budget_seconds]
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/gpu_session.sh     # the script itself, on a CPU
+#   SECTIONS="matmul dense1b" OUT=... bash benchmarks/gpu_session.sh  # named sections only
 #
+# The default sections are the fast-by-default ones (the defaults, packed documents, FP8,
+# the chunked loss, activation bytes, the GPU tests); the first lease's (matmul, dense1b,
+# attention, offload, precision, dense7b8, noflags, seq8192) stay runnable by name.
 # Wheels of what the machine's image lacks (grain, tensorboardX and their own needs) travel
 # in .whl/ (docs/gpu.md says which and how). Sections run in order of importance, each in its
 # own process under a timeout; none starts after the budget is spent. The CPU test suite
@@ -62,23 +66,48 @@ fi
   >"$OUT/pytest_cpu.txt" 2>&1) &
 CPU_SUITE=$!
 
-R=(python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --cluster h200-1 "${SMALL[@]}")
-section matmul 90 python3 benchmarks/matmul.py --cluster h200-1 --json "$OUT/matmul.json" "${QUICK[@]}"
-section "train: 1B, remat none/selective/full" 200 "${R[@]}" --only 1b-none,1b-selective,1b-full
-section "attention: cuDNN vs dense" 120 python3 benchmarks/gpu_attention.py --json "$OUT/attention.json" "${ATT[@]}"
-section "train: cuDNN attention, host offload" 200 \
-  "${R[@]}" --only 1b-cudnn-none,1b-cudnn-full,1b-full-offload-opt,1b-offload-residuals
-section "GPU tests" 150 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  python3 -m pytest tests/tools/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA
-section "fp32 precision: GPU against CPU" 60 env JAX_PLATFORMS=cuda,cpu \
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_precision.py default highest
-section "train: 7B width, 8 layers" 200 "${R[@]}" --only 7b8-none,7b8-selective,7b8-full
-section "train: without shardlib's XLA flags" 90 "${R[@]}" --only 1b-selective --no-gpu-flags --tag=-noflags
-section "train: seq 8192" 120 "${R[@]}" --only 1b-cudnn-seq8192,1b-dense-seq8192
+CLUSTER=${CLUSTER:-h200-1}  # the preset the planner's predictions beside each run are for
+R=(python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --cluster "$CLUSTER" "${SMALL[@]}")
+G=(env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false)
+run_section() {  # one named section of a lease; SECTIONS lists the ones to run, in order
+  case $1 in
+    gputests) section "GPU tests" 150 "${G[@]}" \
+      python3 -m pytest tests/tools/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA ;;
+    defaults) section "train: the defaults (attention_impl=auto), 1B and 7B width" 240 \
+      "${R[@]}" --only 1b-auto-none,7b8-auto-none,1b-auto-none-b8,7b8-auto-none-b8 ;;
+    packed) section "attention: packed documents, cuDNN vs dense" 60 \
+      python3 benchmarks/gpu_attention.py --packed --json "$OUT/packed.json" "${ATT[@]}" ;;
+    fp8) section "train: FP8 against bf16, 7B width" 150 "${R[@]}" --only "$FP8_RUNS" ;;
+    loss) section "train: chunked loss" 90 "${R[@]}" --only "$LOSS_RUNS" ;;
+    activations) section "activation bytes: compiled on the GPU" 90 \
+      python3 benchmarks/activation_bytes.py --gpu "${QUICK[@]}" ;;
+    # the first lease's sections (docs/gpu.md)
+    matmul) section matmul 90 \
+      python3 benchmarks/matmul.py --cluster "$CLUSTER" --json "$OUT/matmul.json" "${QUICK[@]}" ;;
+    dense1b) section "train: 1B, dense attention, remat none/selective/full" 200 \
+      "${R[@]}" --only 1b-none,1b-selective,1b-full ;;
+    attention) section "attention: cuDNN vs dense" 120 \
+      python3 benchmarks/gpu_attention.py --json "$OUT/attention.json" "${ATT[@]}" ;;
+    offload) section "train: cuDNN attention, host offload" 200 \
+      "${R[@]}" --only 1b-cudnn-none,1b-cudnn-full,1b-full-offload-opt,1b-offload-residuals ;;
+    precision) section "fp32 precision: GPU against CPU" 60 \
+      "${G[@]}" python3 benchmarks/gpu_precision.py default highest ;;
+    dense7b8) section "train: 7B width, 8 layers" 200 \
+      "${R[@]}" --only 7b8-none,7b8-selective,7b8-full ;;
+    noflags) section "train: without shardlib's XLA flags" 90 \
+      "${R[@]}" --only 1b-selective --no-gpu-flags --tag=-noflags ;;
+    seq8192) section "train: seq 8192" 120 "${R[@]}" --only 1b-cudnn-seq8192,1b-dense-seq8192 ;;
+    *) say "unknown section $1" ;;
+  esac
+}
+FP8_RUNS=${FP8_RUNS:-7b8-bf16-ref,7b8-fp8}
+LOSS_RUNS=${LOSS_RUNS:-1b-auto-none-chunked-loss}
+SECTIONS=${SECTIONS:-gputests defaults packed fp8 loss activations}
+for name in $SECTIONS; do run_section "$name"; done
 
 say "waiting for the CPU suite"
 wait $CPU_SUITE
 say "CPU suite: exit $? ($(tail -1 "$OUT/pytest_cpu.txt"))"
-python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --table
+python3 benchmarks/gpu_train.py --jsonl "$OUT/runs.jsonl" --cluster "$CLUSTER" --table
 grep -E "passed|failed" "$OUT/log.txt" | tail -3
 say "done"

@@ -28,17 +28,35 @@ import time
 import traceback
 
 SEVEN_B = {"model": "llama-7b", "model.layers": "8"}  # 7B's width, 8 of its 32 layers
+DENSE = {"attention_impl": "dense"}  # the first GPU session's runs, before auto was the default
 RUNS: dict[str, dict[str, str]] = {
-    "1b-none": {"model": "llama-1b", "remat": "none"},
-    "1b-selective": {"model": "llama-1b", "remat": "selective"},
-    "1b-full": {"model": "llama-1b", "remat": "full"},
+    # the defaults, nothing set but the model and remat (attention_impl=auto)
+    "1b-auto-none": {"model": "llama-1b", "remat": "none"},
+    "1b-auto-selective": {"model": "llama-1b", "remat": "selective"},
+    "7b8-auto-none": {**SEVEN_B, "remat": "none"},
+    "7b8-auto-selective": {**SEVEN_B, "remat": "selective"},
+    "1b-auto-none-b8": {"model": "llama-1b", "remat": "none", "batch": "8"},
+    "7b8-auto-none-b8": {**SEVEN_B, "remat": "none", "batch": "8"},
+    # the first session's runs, each kernel named
+    "1b-none": {"model": "llama-1b", "remat": "none", **DENSE},
+    "1b-selective": {"model": "llama-1b", "remat": "selective", **DENSE},
+    "1b-full": {"model": "llama-1b", "remat": "full", **DENSE},
     "1b-cudnn-none": {"model": "llama-1b", "remat": "none", "attention_impl": "cudnn"},
     "1b-cudnn-full": {"model": "llama-1b", "remat": "full", "attention_impl": "cudnn"},
-    "1b-full-offload-opt": {"model": "llama-1b", "remat": "full", "offload_optimizer": "true"},
-    "1b-offload-residuals": {"model": "llama-1b", "remat": "offload:attn_residual,mlp_hidden"},
-    "7b8-none": {**SEVEN_B, "remat": "none"},
-    "7b8-selective": {**SEVEN_B, "remat": "selective"},
-    "7b8-full": {**SEVEN_B, "remat": "full"},
+    "1b-full-offload-opt": {
+        "model": "llama-1b",
+        "remat": "full",
+        "offload_optimizer": "true",
+        **DENSE,
+    },  # fmt: skip
+    "1b-offload-residuals": {
+        "model": "llama-1b",
+        "remat": "offload:attn_residual,mlp_hidden",
+        **DENSE,
+    },  # fmt: skip
+    "7b8-none": {**SEVEN_B, "remat": "none", **DENSE},
+    "7b8-selective": {**SEVEN_B, "remat": "selective", **DENSE},
+    "7b8-full": {**SEVEN_B, "remat": "full", **DENSE},
     "1b-cudnn-seq8192": {
         "model": "llama-1b",
         "remat": "full",
@@ -46,7 +64,13 @@ RUNS: dict[str, dict[str, str]] = {
         "batch": "1",
         "seq": "8192",
     },  # fmt: skip
-    "1b-dense-seq8192": {"model": "llama-1b", "remat": "full", "batch": "1", "seq": "8192"},
+    "1b-dense-seq8192": {
+        "model": "llama-1b",
+        "remat": "full",
+        "batch": "1",
+        "seq": "8192",
+        **DENSE,
+    },
 }
 COMMON = {"precision": "bf16", "batch": "4", "seq": "2048", "steps": "6", "compile_cache": "off"}
 
@@ -71,6 +95,7 @@ def one_run(name: str, settings: dict[str, str], cluster_name: str, extra: dict)
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "steps_timed": len(steady), "wall_s": wall, "loss_last": result.records[-1]["loss"],
         "step_s_all": [r["step_time_s"] for r in steady], "peak_flops": result.peak_flops,
+        "attention": setup.attention.describe() if setup.attention else "",
     }  # fmt: skip
     for key in (
         "step_time_s", "tokens_per_s", "mfu", "hfu", "memory_step_bytes", "memory_host_bytes",

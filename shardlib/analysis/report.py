@@ -174,6 +174,8 @@ class LayoutReport:
     xla_cost_analysis_flops: float | None
     collectives: list[CollectiveOp]
     warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    """What the caller adds about the program (the trainer: the attention kernel it chose)."""
     gpu_collectives: list[CollectiveOp] = field(default_factory=list)
     """The same collectives as GPU and TPU run them: the CPU backend's all-reduce + slice
     pairs counted as the reduce-scatters they become there (``reduce_scatter``)."""
@@ -221,6 +223,7 @@ class LayoutReport:
                 for t in self.tensors
             ],
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -237,6 +240,8 @@ class LayoutReport:
             self._totals_table(),
         ):
             console.print(table)
+        for note in self.notes:
+            console.print(note, highlight=False, soft_wrap=True)
         for warning in self.warnings:
             console.print(f"[yellow]warning:[/yellow] {warning}")
 

@@ -251,7 +251,9 @@ def chunked_attention(q_BLHK, k_BTGK, v_BTGK, q_pos_L, k_pos_T, *, causal=True, 
 
 # --- packed documents and the per-device choice of kernel --------------------------------------
 
-IMPLS = ("dense", "chunked", "cudnn")
+IMPLS = ("auto", "dense", "chunked", "cudnn")
+"""``auto`` is replaced by one of the others when the plan meets the model and its devices
+(``ParallelPlan.for_workload``, ``parallel.context.choice``); it never runs as such."""
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["positions", "segments"], meta_fields=[])
@@ -289,12 +291,29 @@ def _cudnn(q, k, v, q_pos, k_pos, *, causal):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
+def packed_cudnn_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
+    """Packed rows through cuDNN's fused kernel: the document mask as the kernel's mask.
+
+    JAX's public call takes a boolean mask, which it turns into an additive bias of
+    [batch, 1, L, T] in the compute dtype (bf16 at seq 2048: 8 MiB per row, against the
+    fp32 [batch, heads, L, T] scores dense attention streams). Documents are contiguous in
+    a row, so causal in the row's order is causal within each document. The packed (THD)
+    layout that would skip the masked blocks is reachable only through ``jax._src``.
+    """
+    seg_BL = packed.segments
+    same_B1QT = (seg_BL[:, :, None] == seg_BL[:, None, :])[:, None]  # [batch, 1, L, T]
+    return jax.nn.dot_product_attention(
+        q_BLHK, k_BTGK, v_BTGK, mask=same_B1QT, is_causal=True, implementation="cudnn"
+    )
+
+
 @dataclass(frozen=True)
 class LocalAttention:
     """Attention on one device's whole sequence: the default form of ``ops.attention``."""
 
     impl: str = "dense"
-    """dense (O(s²) scores), chunked (online softmax, O(chunk²)) or cudnn (GPU only)."""
+    """dense (O(s²) scores), chunked (online softmax, O(chunk²)) or cudnn (GPU only); auto
+    only as a request not yet decided."""
     chunk: int = 512
     """Query/key block length of chunked attention."""
 
@@ -306,8 +325,18 @@ class LocalAttention:
         if self.chunk < 1:
             raise ShardingError(f"attention_chunk={self.chunk} must be >= 1.")
 
+    def decided(self) -> None:
+        """Refuse to run ``auto``: it is a request, decided before the step is traced."""
+        if self.impl == "auto":
+            raise ShardingError(
+                "attention_impl=auto is decided when the plan meets the model and its devices "
+                "(ParallelPlan.for_workload); this plan was not. Fix: call "
+                "plan.for_workload(workload) first, or set attention_impl=dense|chunked|cudnn."
+            )
+
     def kernel(self, causal: bool, length: int):
         """``inner(q, k, v, q_pos, k_pos)`` for sequences of ``length`` tokens."""
+        self.decided()
         if self.impl == "chunked":
             return partial(chunked_attention, causal=causal, chunk=pick_chunk(length, self.chunk))
         if self.impl == "cudnn":
@@ -315,17 +344,22 @@ class LocalAttention:
         return partial(dense_attention, causal=causal)
 
     def check_packed(self) -> None:
-        """Packed rows (document masks) run the dense kernel only."""
-        if self.impl != "dense":
+        """Packed rows (document masks) run the dense or the cuDNN kernel: chunked attention
+        has no document mask."""
+        if self.impl == "chunked":
             raise ShardingError(
-                f"packed documents (a prepared dataset) need dense attention; this run uses "
-                f"attention_impl={self.impl}. Fix: attention_impl=dense, or a flat token file."
+                f"packed documents (a prepared dataset) need dense or cuDNN attention; this "
+                f"run uses attention_impl={self.impl}. Fix: attention_impl=dense (or cudnn on "
+                "a GPU), or a flat token file."
             )
 
     def __call__(self, q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):
         """[B, L, H, K] -> [B, L, H, K]; ``positions_L`` true positions or ``Packed`` rows."""
         if isinstance(positions_L, Packed):
             self.check_packed()
+            self.decided()
+            if self.impl == "cudnn":
+                return packed_cudnn_attention(q_BLHK, k_BLGK, v_BLGK, positions_L)
             return packed_attention(q_BLHK, k_BLGK, v_BLGK, positions_L)
         seq = q_BLHK.shape[1]
         pos = jnp.arange(seq, dtype=jnp.int32) if positions_L is None else positions_L

@@ -44,7 +44,8 @@ from shardlib.core.rules import Indivisible, Rules, base_rules, compose, divides
 from shardlib.core.values import replace_path
 from shardlib.core.workload import Workload
 from shardlib.parallel import gradients
-from shardlib.parallel.context import ContextParallel
+from shardlib.parallel.context import ContextParallel, choice
+from shardlib.parallel.context.choice import Device
 from shardlib.parallel.data import DataParallel
 from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
@@ -158,16 +159,32 @@ class ParallelPlan:
         """Rules per role of the training state (parameters, gradients, optimizer state)."""
         return zero(self.rules, stage=self.data.zero, mesh_axes=self.mesh_axes)
 
-    def for_workload(self, workload: Workload) -> ParallelPlan:
+    def for_workload(self, workload: Workload, device: Device | None = None) -> ParallelPlan:
         """The plan for this model: what depends on its shapes (uneven pipeline stages,
-        whether FSDP's head runs vocab-parallel: ``parallel.fsdp.vocab_parallel_pays``)."""
+        whether FSDP's head runs vocab-parallel: ``parallel.fsdp.vocab_parallel_pays``) and
+        on the devices (``attention_impl=auto``: ``parallel.context.choice``; ``device``
+        defaults to the local one)."""
         pipeline = self.pipeline.for_layers(workload.blocks, self.mesh_axes)
         data = self.data
         if data.vocab_parallel and not self._vocab_parallel_pays(workload):
             data = dataclasses.replace(data, vocab_parallel=False)
-        if (pipeline, data) == (self.pipeline, self.data):
+        context = self.with_attention(workload, device).context
+        if (pipeline, data, context) == (self.pipeline, self.data, self.context):
             return self
-        return dataclasses.replace(self, pipeline=pipeline, data=data)
+        return dataclasses.replace(self, pipeline=pipeline, data=data, context=context)
+
+    def with_attention(self, workload: Workload, device: Device | None = None) -> ParallelPlan:
+        """This plan with ``attention_impl=auto`` replaced by its pick for these devices."""
+        if self.context.attention_impl != "auto":
+            return self
+        device = choice.local_device() if device is None else device
+        context = self.context.for_workload(self.mesh_axes, self.rules, workload, device)
+        return dataclasses.replace(self, context=context)
+
+    def attention_choice(self, workload: Workload, device: Device | None = None):
+        """Which attention kernel this plan runs for ``workload`` and why (``AttentionChoice``)."""
+        device = choice.local_device() if device is None else device
+        return self.context.choose(self.mesh_axes, self.rules, workload, device)
 
     def _vocab_parallel_pays(self, workload: Workload) -> bool:
         """Under a pipeline, never: the head runs outside the stage loop on the whole data

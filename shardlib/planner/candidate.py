@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardlib.core.mesh import Axis, MeshSpec
+from shardlib.parallel.context import ContextParallel
 from shardlib.parallel.data import DataParallel
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
@@ -53,6 +54,7 @@ def candidate(
     split_saved: bool = False,
     remat: str = "none",
     offload: bool = False,
+    attention: str = "auto",
     **sizes: int,
 ) -> ParallelPlan:
     """The ``ParallelPlan`` of one point of the search space.
@@ -62,7 +64,8 @@ def candidate(
     gradient accumulation without one (``data.microbatches``): the cost model has one count.
     ``schedule``, ``virtual`` and ``split_saved`` are ``PipelineParallel``'s (gpipe, 1f1b,
     circular = interleaved; ``split_saved_inputs``); ``offload`` keeps the optimizer state
-    on the host.
+    on the host. ``attention`` is ``attention_impl`` (``auto``: costed as the trainer picks on
+    the cluster's devices; the published 2021 programs pin ``dense``).
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
     if unknown:
@@ -76,12 +79,16 @@ def candidate(
         pipeline=_pipeline(schedule, microbatches if staged else 0, virtual, split_saved),
         remat=_remat(remat),
         offload=_offload(offload),
+        context=_context(attention),
     )
 
 
 # sections are frozen: the search's thousands of candidates share them
 _mesh = functools.lru_cache(maxsize=4096)(MeshSpec)
 _data = functools.lru_cache(maxsize=256)(DataParallel)
+_context = functools.lru_cache(maxsize=8)(
+    lambda attention: ContextParallel(attention_impl=attention)
+)
 _pipeline = functools.lru_cache(maxsize=256)(
     lambda schedule, m, virtual, split: PipelineParallel(
         schedule, m, virtual, split_saved_inputs=split and schedule == "1f1b"

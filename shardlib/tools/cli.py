@@ -9,6 +9,7 @@ CPU devices as the mesh needs, before JAX starts its backend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from rich.console import Console
@@ -198,7 +199,9 @@ def cmd_train(args, console: Console) -> int:
     shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
     console.print(
         f"[bold]shardlib train[/] {cfg.model} on {shape} "
-        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices)"
+        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices); "
+        f"{setup.attention.describe()}",
+        soft_wrap=True,
     )
     result = run(setup, console=console)
     if args.peers is not None:  # every process finished: a peer exiting now is no failure
@@ -238,6 +241,7 @@ def cmd_explain(args, console: Console) -> int:
     state = setup.abstract_state()
     batch = setup.abstract_batch()
     report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
+    report = dataclasses.replace(report, notes=(setup.attention.describe(),))
     report.render(console)
     if args.json:
         report.write_json(args.json)

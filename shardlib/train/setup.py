@@ -26,6 +26,8 @@ from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
+from shardlib.parallel.context import choice
+from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
@@ -51,6 +53,8 @@ class TrainSetup:
     mesh: Mesh
     param_specs: dict
     tx: optax.GradientTransformation
+    attention: AttentionChoice | None = None
+    """The attention kernel the plan runs and why (``attention_impl=auto``'s pick)."""
 
     @property
     def rules(self) -> Rules:
@@ -259,7 +263,9 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         inv=inv,
         microbatches=plan.data.microbatches,
     )
-    plan = plan.for_workload(workload)
+    device = choice.device_of(mesh.devices.flat[0])  # the mesh's, not the default backend's
+    attention = plan.attention_choice(workload, device)  # before ``auto`` is replaced
+    plan = plan.for_workload(workload, device)
     _, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
     plan.check(workload)
     with suggest_presets(batch=workload.micro_batch):
@@ -276,4 +282,5 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
             build_optimizer(cfg.optimizer, cfg.run.steps, plan),
             cfg.lora.rank,
         ),
+        attention=attention,
     )

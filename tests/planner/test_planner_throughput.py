@@ -56,12 +56,11 @@ def test_fused_attention_writes_no_scores_and_saves_none():
     h200 = load_cluster("h200-1")
     llama_1b = Workload.from_preset("llama-1b", 4, 2048)
     for remat in ("none", "full"):
-        dense = estimate(llama_1b, candidate(remat=remat), h200)
-        fused_plan = dataclasses.replace(
-            candidate(remat=remat),
-            context=dataclasses.replace(candidate().context, attention_impl="cudnn"),
-        )
-        fused = estimate(llama_1b, fused_plan, h200)
+        dense = estimate(llama_1b, candidate(remat=remat, attention="dense"), h200)
+        fused = estimate(llama_1b, candidate(remat=remat, attention="cudnn"), h200)
+        auto = estimate(llama_1b, candidate(remat=remat), h200)  # what the trainer picks
+        assert auto.step_s == fused.step_s and auto.memory == fused.memory
+        assert any("attention cudnn" in n for n in auto.notes)
         scores = 4 * 2048 * llama_1b.heads * 2048 * 2  # one layer's [b, h, s, s] in bf16
         assert dense.memory["activations"] - fused.memory["activations"] >= scores
         assert fused.compute_parts["elementwise"] < dense.compute_parts["elementwise"]
@@ -153,7 +152,7 @@ def test_megatron_program_moves_what_megatron_moves(gpt_1_7b):
     dropout) than XLA's dense attention as measured on a GPU."""
     c = A100.with_hosts(4)
     p, m, t = 4, 8, 8
-    plan = candidate(stage=p, tensor=t, microbatches=m, remat="full")
+    plan = candidate(stage=p, tensor=t, microbatches=m, remat="full", attention="dense")
     version = Megatron(sequence_parallel=False)
     ours = estimate(gpt_1_7b, plan, c)
     theirs = estimate(gpt_1_7b, plan, c, program=megatron_program(version))

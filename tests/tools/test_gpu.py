@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.gpu_attention import attention_fn, fwd_bwd, rel_err
+from benchmarks.gpu_attention import attention_fn, fwd_bwd, packed_rows, rel_err
 from shardlib.core.mesh import MeshSpec
 from shardlib.tools import parity
 from shardlib.train.config import train_config
@@ -63,8 +63,37 @@ def test_cudnn_attention_matches_dense():
     assert cudnn <= max(dense, 1e-3) * 2, (cudnn, dense)
 
 
+def test_packed_documents_through_cudnn_match_packed_dense():
+    """Four documents a row, causal within each: cuDNN with the document mask against
+    packed dense attention in fp32, output and the three input gradients, within bf16
+    dense attention's own error."""
+    b, seq, h, g, d = 2, 512, 8, 4, 64
+    packed, _ = packed_rows(b, seq)
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (b, seq, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, seq, g, d), jnp.bfloat16) for key in keys[1:3])
+    do = jax.random.normal(keys[3], (b, seq, h, d), jnp.bfloat16)
+    reference = fwd_bwd(attention_fn("dense", seq, jnp.float32, packed))
+    want = reference(q, k, v, do.astype(jnp.float32))
+
+    def err(impl):
+        got = fwd_bwd(attention_fn(impl, seq, packed=packed))(q, k, v, do)
+        return max(rel_err(a, w) for a, w in zip(got, want, strict=True))
+
+    dense, cudnn = err("dense"), err("cudnn")
+    assert cudnn <= max(dense, 1e-3) * 2, (cudnn, dense)
+
+
+def test_auto_picks_cudnn_on_the_gpu():
+    """The default, with nothing set: bf16 on a GPU runs cuDNN and says so; fp32 dense."""
+    bf16 = make_setup(train_config(**CFG, precision="bf16"), _mesh("gpu"))
+    assert bf16.plan.context.attention_impl == "cudnn", bf16.attention
+    fp32 = make_setup(train_config(**CFG), _mesh("gpu"))
+    assert fp32.plan.context.attention_impl == "dense" and "fp32" in fp32.attention.reason
+
+
 def test_cudnn_attention_trains_like_dense():
-    cfg = train_config(**CFG, precision="bf16")
+    cfg = train_config(**CFG, precision="bf16", attention_impl="dense")
     _, dense = _trace(cfg, "gpu", grads=False)
     _, cudnn = _trace(
         train_config(**CFG, precision="bf16", attention_impl="cudnn"), "gpu", grads=False

@@ -21,6 +21,8 @@ each device's slice of the sequence are in ``kernels.py`` beside it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +39,7 @@ from shardlib.core.mesh import Axis
 from shardlib.core.rules import Rules, resolve_spec
 from shardlib.core.shard_map import shard_map
 from shardlib.core.workload import Workload
+from shardlib.parallel.context.choice import AttentionChoice, Device, Splits, choose
 from shardlib.parallel.context.kernels import (
     all_gather_attention,
     ring_attention,
@@ -79,13 +82,12 @@ class ContextAttention:
         return zigzag_order(seq, self.axis_size) if self.zigzag else None
 
     def check_packed(self) -> None:
-        """Packed rows (document masks) run the dense kernel on whole sequences only."""
+        """Packed rows (document masks) run the dense or cuDNN kernel on whole sequences."""
         if self.kind != "none":
             raise ShardingError(
-                f"packed documents (a prepared dataset) need dense attention on whole "
-                f"sequences; this plan runs attention={self.kind}, attention_impl="
-                f"{self.local.impl}. Fix: a mesh without a context axis and attention_impl="
-                "dense, or a flat token file."
+                f"packed documents (a prepared dataset) need attention on whole sequences; "
+                f"this plan runs attention={self.kind}, attention_impl={self.local.impl}. "
+                "Fix: a mesh without a context axis, or a flat token file."
             )
         self.local.check_packed()
 
@@ -139,8 +141,10 @@ class ContextParallel:
 
     attention: str = "ring"
     """Attention across the ``context`` axis: ring | all_to_all (Ulysses) | all_gather."""
-    attention_impl: str = "dense"
-    """Attention on each device: dense | chunked (online softmax) | cudnn (GPU only)."""
+    attention_impl: str = "auto"
+    """Attention on each device: auto (chosen by rule, ``choice.py``: cuDNN on a GPU where it
+    can run, else chunked where dense scores would not fit, else dense) | dense | chunked
+    (online softmax) | cudnn (GPU only)."""
     attention_chunk: int = 512
     """Query/key block length of chunked attention (and of ring attention's inner blocks)."""
     load_balance: bool = True
@@ -149,6 +153,29 @@ class ContextParallel:
     def __post_init__(self) -> None:
         # unknown kinds and bad chunks fail when the plan is made, not when it meets a mesh
         ContextAttention(self.attention, LocalAttention(self.attention_impl, self.attention_chunk))
+
+    def choose(
+        self, mesh_axes: Mapping[str, int], rules: Rules, workload: Workload, device: Device
+    ) -> AttentionChoice:
+        """The kernel ``attention_impl`` names on this mesh, model and device, with the reason
+        (``choice.choose``; an explicit kernel is kept as set)."""
+
+        def ways(name: str) -> int:
+            return math.prod(mesh_axes.get(a, 1) for a in rules.activations.get(name, ()))
+
+        size = mesh_axes.get(Axis.CONTEXT)
+        kind = self.attention if size is not None else "none"
+        splits = Splits(batch=ways("batch"), heads=ways("heads"), seq=size or 1)
+        return choose(self.attention_impl, workload, kind, splits, device)
+
+    def for_workload(
+        self, mesh_axes: Mapping[str, int], rules: Rules, workload: Workload, device: Device
+    ) -> ContextParallel:
+        """This section with ``auto`` replaced by the kernel ``choose`` picks."""
+        if self.attention_impl != "auto":
+            return self
+        impl = self.choose(mesh_axes, rules, workload, device).impl
+        return dataclasses.replace(self, attention_impl=impl)
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         return [context_parallel(axis=Axis.CONTEXT)] if Axis.CONTEXT in mesh_axes else []

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import shardlib.planner.cost.throughput as throughput
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
+from shardlib.parallel.context.choice import Device
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost.coefficients import COEFFICIENTS
@@ -171,7 +172,13 @@ def estimate(
     calib: dict | None = None,
     program: Program = SHARDLIB,
 ) -> Estimate:
-    """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time)."""
+    """Predict one plan. ``cluster=None`` predicts memory and bytes only (no time).
+
+    ``attention_impl=auto`` is costed as the trainer would run it on the cluster's devices
+    (``backend="cpu"``: on the CPU backend, as compiled validation runs it); the estimate
+    keeps the plan as given, so a written plan still says ``auto``."""
+    device = Device("cpu") if backend == "cpu" else cluster.device if cluster else Device("gpu")
+    given, plan = plan, plan.with_attention(workload, device)
     view = PlanView(plan)
     check(workload, plan, cluster, view)
     calib = COEFFICIENTS if calib is None else calib
@@ -181,6 +188,8 @@ def estimate(
     comms: list[Comm] = []
     flops = idle_flops = host_s = 0.0
     notes: list[str] = []
+    if given.context.attention_impl == "auto":
+        notes.append(f"costed with {given.attention_choice(workload, device).describe()}")
     for part in parts:
         for k, v in part.memory.items():
             memory[k] += v
@@ -191,7 +200,7 @@ def estimate(
         notes.extend(part.notes)
     memory["runtime"] = step.calib["fixed_bytes"]
     if cluster is None:
-        return Estimate(plan, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
+        return Estimate(given, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
     rate = throughput.compute_rate(step, cluster, program.traffic)
     # a schedule that computes its bubble (the SPMD pipeline: every stage, every iteration)
     # has those FLOPs in ``flops`` (as in the compiled program): reported as bubble time
@@ -216,7 +225,7 @@ def estimate(
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
     total = sum(v for k, v in memory.items() if not k.startswith("host"))
     return Estimate(
-        plan=plan,
+        plan=given,
         memory=dict(memory),
         comms=tuple(comms),
         flops=flops,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR
+from shardlib.parallel.context.choice import Device
 
 CLUSTERS_DIR = MESHES_DIR / "clusters"
 DEFAULT_BUSBW_FRACTION = 0.8
@@ -71,13 +72,20 @@ class Cluster:
     """Bytes/s between a device and its own memory (HBM): the roofline's slope, and the
     rate of elementwise work. Unset: matmuls are never memory-bound, elementwise is free."""
     platform: str | None = None
-    """``"cpu"``: simulated CPU devices; plans written for it can run here."""
+    """``"cpu"``: simulated CPU devices; plans written for it can run here. ``"tpu"``: TPU
+    chips. Unset: GPUs."""
     source: str = "<inline>"
     """The preset file it came from."""
 
     @property
     def num_devices(self) -> int:
         return self.devices_per_host * self.hosts
+
+    @property
+    def device(self) -> Device:
+        """One device as ``attention_impl=auto`` sees it (``parallel.context.choice``). The
+        presets carry no compute capability: head dims above 128 are costed without cuDNN."""
+        return Device(self.platform or "gpu", self.memory_bytes)
 
     def with_hosts(self, hosts: int) -> Cluster:
         """The same hardware with another number of hosts (``--hosts``)."""
