@@ -9,6 +9,7 @@ XLA's propagation fills in the rest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
+from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.train import precision
@@ -122,16 +124,25 @@ class DecoderLoss:
         """(loss, metrics): the cross-entropy (weighted where the batch carries weights)
         plus the router's auxiliary loss where the blocks returned statistics."""
         model = nnx.merge(self.graphdef, params)
-        logits_BLV = model.head(x_BLD, dtype=self.dtype)
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
         tokens = stats_tokens(self.plan.pipeline_spec(), x_BLD.shape[0] * x_BLD.shape[1])
         aux = {} if totals is None else model.aux(totals, tokens)
-        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
-        ce = ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
+        ce = self.cross_entropy(model, x_BLD, targets_BL, weights_BL)
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
             metrics["ce_loss"] = ce
         return (ce + aux["loss"] if "loss" in aux else ce), metrics
+
+    def cross_entropy(self, model, x_BLD, targets_BL, weights_BL) -> jax.Array:
+        """Mean (weighted) cross-entropy of the model's head on ``x_BLD``: whole, or in
+        slices of the sequence with ``parallel.loss.chunk`` (``parallel.loss``)."""
+        chunk = self.plan.loss.chunk
+        if chunk:
+            head = functools.partial(model.head, dtype=self.dtype)
+            return chunked_cross_entropy(head, x_BLD, targets_BL, weights_BL, chunk=chunk)
+        logits_BLV = model.head(x_BLD, dtype=self.dtype)  # [batch, seq, vocab] fp32
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+        return ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
 
 
 def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False, lora: bool = False):
