@@ -154,3 +154,29 @@ def test_a_slice_that_does_not_divide_is_refused(axes, overrides, words):
 def test_a_negative_chunk_is_refused():
     with pytest.raises(Exception, match="loss_chunk=0"):
         parse_overrides(["loss_chunk=-1"])
+
+
+# --- compiled memory -----------------------------------------------------------------------
+
+# logits dominate: embed 64, vocab 32768, 2 x 512 tokens -> 128 MiB of fp32 logits
+MEMORY_CFG = train_config(batch=2, seq=512, **{"model.vocab": 32768, "model.layers": 1})
+
+
+def compiled_temp_bytes(cfg) -> int:
+    """Temp bytes of the train step compiled for one device from abstract shapes."""
+    setup = make_setup(cfg, first_devices_mesh(data=1))
+    exe = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
+    return exe.memory_analysis().temp_size_in_bytes
+
+
+def test_chunks_free_the_logits_in_the_compiled_step():
+    """The step's temp memory falls by more than one whole fp32 logits tensor (b·s·V·4):
+    without slices XLA keeps the logits and their softmax/gradient (~1.7 logits-sized
+    buffers here), with them one slice's [b, 64, V]."""
+    b, s, v = 2, 512, 32768
+    logits = b * s * v * 4
+    whole = compiled_temp_bytes(MEMORY_CFG)
+    chunked = compiled_temp_bytes(parse_overrides(["loss_chunk=64"], MEMORY_CFG))
+    print(f"temp MiB: whole {whole / 2**20:.1f}, loss_chunk=64 {chunked / 2**20:.1f}, "
+          f"fp32 logits {logits / 2**20:.1f}")  # fmt: skip
+    assert whole - chunked >= logits, (whole, chunked, logits)
