@@ -9,7 +9,6 @@ XLA's propagation fills in the rest.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -127,19 +126,25 @@ class DecoderLoss:
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
         tokens = stats_tokens(self.plan.pipeline_spec(), x_BLD.shape[0] * x_BLD.shape[1])
         aux = {} if totals is None else model.aux(totals, tokens)
-        ce = self.cross_entropy(model, x_BLD, targets_BL, weights_BL)
+        ce = self.cross_entropy(params, x_BLD, targets_BL, weights_BL)
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
             metrics["ce_loss"] = ce
         return (ce + aux["loss"] if "loss" in aux else ce), metrics
 
-    def cross_entropy(self, model, x_BLD, targets_BL, weights_BL) -> jax.Array:
-        """Mean (weighted) cross-entropy of the model's head on ``x_BLD``: whole, or in
-        slices of the sequence with ``parallel.loss.chunk`` (``parallel.loss``)."""
+    def cross_entropy(self, params, x_BLD, targets_BL, weights_BL) -> jax.Array:
+        """Mean (weighted) cross-entropy of the model's head on ``x_BLD`` (``params`` in the
+        compute dtype): whole, or in slices of the sequence with ``parallel.loss.chunk``."""
         chunk = self.plan.loss.chunk
-        if chunk:
-            head = functools.partial(model.head, dtype=self.dtype)
-            return chunked_cross_entropy(head, x_BLD, targets_BL, weights_BL, chunk=chunk)
+        if chunk:  # the weights besides the blocks handed over apart (the head's among them)
+            rest = {k: v for k, v in params.items() if k != "blocks"}
+
+            def head(weights, x_BCD):
+                model = nnx.merge(self.graphdef, {**params, **weights})
+                return model.head(x_BCD, dtype=self.dtype)
+
+            return chunked_cross_entropy(head, rest, x_BLD, targets_BL, weights_BL, chunk=chunk)
+        model = nnx.merge(self.graphdef, params)
         logits_BLV = model.head(x_BLD, dtype=self.dtype)  # [batch, seq, vocab] fp32
         ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
         return ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()

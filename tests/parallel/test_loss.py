@@ -11,7 +11,9 @@ import optax
 import pytest
 from layout_cases import assert_parity, assert_refused, first_devices_mesh
 
-from shardlib.parallel.loss import chunked_cross_entropy
+from shardlib.core.layout import use_layout
+from shardlib.parallel.loss import chunked_cross_entropy, replica_axes
+from shardlib.parallel.plan import rules_for_mesh
 from shardlib.tools.parity import FP32_TOLERANCE, random_state
 from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
@@ -34,8 +36,8 @@ def _whole(w_DV, x_BLD, targets_BL, weights_BL):
 
 def _chunked(chunk):
     def loss(w_DV, x_BLD, targets_BL, weights_BL):
-        head = lambda x_BCD: jnp.einsum("bcd,dv->bcv", x_BCD, w_DV)  # noqa: E731
-        return chunked_cross_entropy(head, x_BLD, targets_BL, weights_BL, chunk=chunk)
+        head = lambda w, x_BCD: jnp.einsum("bcd,dv->bcv", x_BCD, w)  # noqa: E731
+        return chunked_cross_entropy(head, w_DV, x_BLD, targets_BL, weights_BL, chunk=chunk)
 
     return loss
 
@@ -53,6 +55,39 @@ def test_chunked_cross_entropy_matches_the_whole_logits(chunk, weighted):
     got, (gw, gx) = jax.jit(grad(_chunked(chunk), (0, 1)))(w_DV, x_BLD, targets_BL, weights_BL)
     assert abs(float(got) - float(want)) <= FP32_TOLERANCE * abs(float(want))
     assert _rel(gw, gw_want) <= FP32_TOLERANCE and _rel(gx, gx_want) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_replica_groups_match_the_whole_logits(weighted):
+    """Under data parallelism each replica group runs its slices with its own copy of the
+    weights (``replica_axes``), the gradients summed after the loop: the same numbers."""
+    mesh = first_devices_mesh(data=4, tensor=2)
+    rules = rules_for_mesh(mesh)
+    rng = np.random.default_rng(2)
+    w_DV = jnp.asarray(rng.normal(0, 0.3, (8, 96)), jnp.float32)  # [embed, vocab]
+    x_BLD = jnp.asarray(rng.normal(0, 1, (8, 16, 8)), jnp.float32)  # [batch, seq, embed]
+    targets_BL = jnp.asarray(rng.integers(0, 96, (8, 16)))
+    weights_BL = jnp.asarray(rng.integers(0, 2, (8, 16)) * 1.7, jnp.float32) if weighted else None
+
+    def under_layout(fn):
+        def run(*args):
+            with use_layout(mesh, rules):
+                assert replica_axes(8) == (("data",), 4)
+                return jax.value_and_grad(fn, (0, 1))(*args)
+
+        return jax.jit(run)
+
+    want, (gw_want, gx_want) = under_layout(_whole)(w_DV, x_BLD, targets_BL, weights_BL)
+    got, (gw, gx) = under_layout(_chunked(4))(w_DV, x_BLD, targets_BL, weights_BL)
+    assert abs(float(got) - float(want)) <= FP32_TOLERANCE * abs(float(want))
+    assert _rel(gw, gw_want) <= FP32_TOLERANCE and _rel(gx, gx_want) <= FP32_TOLERANCE
+
+
+def test_replica_axes_leave_fsdp_and_zero3_shared():
+    for axes in ({"fsdp": 4}, {"data": 2, "fsdp": 2}):
+        mesh = first_devices_mesh(**axes)
+        with use_layout(mesh, rules_for_mesh(mesh)):
+            assert replica_axes(8) == ((), 1)
 
 
 # --- the trainer's loss: packed weights, an MoE model's auxiliary loss ---------------------
@@ -111,16 +146,19 @@ LAYOUTS = {
     "one-device": ({"data": 1}, {}),
     "fsdp8": ({"fsdp": 8}, {}),  # 1-D, vocab-parallel head
     "fsdp2xtp4": ({"fsdp": 2, "tensor": 4}, {}),  # 2-D
+    "dp2xtp4": ({"data": 2, "tensor": 4}, {}),  # 2-D, replica groups
+    "dp8": ({"data": 8}, {}),
     "dp2xfsdp2xtp2": ({"data": 2, "fsdp": 2, "tensor": 2}, {}),
     "fsdp8-no-vocab-parallel": ({"fsdp": 8}, {"vocab_parallel": False}),
     "context4xdp2-ring": ({"context": 4, "data": 2}, {"attention": "ring"}),
     "gpipe-p2xfsdp2xtp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
+    "1f1b-p2xdp4": ({"stage": 2, "data": 4}, {"pipeline_schedule": "1f1b"}),
     "1f1b-p2xfsdp2xtp2": (
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"pipeline_microbatches": 4, "pipeline_schedule": "1f1b"},
     ),
 }
-FAST = {"one-device", "fsdp8", "fsdp2xtp4"}
+FAST = {"one-device", "fsdp8", "fsdp2xtp4", "dp2xtp4"}
 
 
 @pytest.mark.parametrize(

@@ -87,3 +87,21 @@ def test_the_plan_names_the_setting():
     plan = _chunked(candidate(data=1))
     assert plan.tables() == {"loss": {"chunk": CHUNK}}  # a mesh file's [parallel.loss]
     assert "loss.chunk=64" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [  # compiled wire MiB whole -> chunked (jax 0.10.2, CPU, batch 8, 8 slices): data 8
+        # 29.0 -> 29.0 (replica groups), fsdp 8 6.5 -> 7.4 (the head's input gathered again),
+        # data 2 x fsdp 2 x tensor 2 8.5 -> 22.8 (the head's gradient over data per slice),
+        # stage 2 x fsdp 4 40.3 -> 172.3 (the gathered head per slice)
+        dict(data=8),
+        dict(fsdp=8),
+        dict(data=2, fsdp=2, tensor=2),
+        dict(stage=2, fsdp=4, microbatches=2),
+    ],
+)
+def test_the_slices_collectives_are_booked(sizes):
+    w = Workload.from_preset("llama-tiny", 8, SEQ, "fp32", vocab=VOCAB, layers=2)
+    check = validate(w, _chunked(candidate(**sizes)))
+    assert check.wire_ratio == pytest.approx(1.0, abs=0.05), check
