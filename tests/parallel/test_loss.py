@@ -14,7 +14,7 @@ from layout_cases import assert_parity, assert_refused, first_devices_mesh
 from shardlib.core.layout import use_layout
 from shardlib.parallel.loss import chunked_cross_entropy, replica_axes
 from shardlib.parallel.plan import rules_for_mesh
-from shardlib.tools.parity import FP32_TOLERANCE, random_state
+from shardlib.tools.parity import FP32_TOLERANCE, compare, random_state
 from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup
 from shardlib.train.step import make_loss_fn
@@ -167,6 +167,25 @@ FAST = {"one-device", "fsdp8", "fsdp2xtp4", "dp2xtp4"}
 def test_chunked_training_matches_one_device_unchunked(name):
     axes, overrides = LAYOUTS[name]
     assert_parity(CFG, axes, {**overrides, **CHUNKED})
+
+
+# lossy layouts (compressed momentum, quantized weights): chunked against unchunked on the
+# same layout
+LOSSY = {
+    "onebit-dp4": ({"data": 4}, {"optimizer": "onebit_adam"}),
+    "zeropp-dp4": ({"data": 4}, {"zero": 3, "quantized_weights": True}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LOSSY))
+def test_chunked_training_matches_unchunked_on_lossy_layouts(name):
+    axes, overrides = LOSSY[name]
+    cfg = parse_overrides([f"{k}={v}" for k, v in overrides.items()], CFG)
+    mesh = first_devices_mesh(**axes)
+    chunked = make_setup(parse_overrides(["loss_chunk=4"], cfg), mesh)
+    result = compare(chunked, make_setup(cfg, mesh))
+    assert result.ok(), result
 
 
 # --- the setting and its refusals ----------------------------------------------------------
