@@ -50,6 +50,7 @@ from shardlib.parallel.data import DataParallel
 from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
 from shardlib.parallel.layer_loop import layer_loop
+from shardlib.parallel.loss import LossChunks
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.remat import Remat
@@ -80,6 +81,8 @@ class ParallelPlan:
     """Per-block rematerialisation policy."""
     offload: Offload = field(default_factory=Offload)
     """Optimizer state or block weights in host memory."""
+    loss: LossChunks = field(default_factory=LossChunks)
+    """The LM head and loss in slices of the sequence (no whole fp32 logits)."""
 
     def __post_init__(self) -> None:
         known = self.known_axes()

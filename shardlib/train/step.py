@@ -24,6 +24,7 @@ from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
+from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.train import precision
@@ -122,16 +123,31 @@ class DecoderLoss:
         """(loss, metrics): the cross-entropy (weighted where the batch carries weights)
         plus the router's auxiliary loss where the blocks returned statistics."""
         model = nnx.merge(self.graphdef, params)
-        logits_BLV = model.head(x_BLD, dtype=self.dtype)
         # under GPipe/circular ``totals`` are a micro-batch's (their mean over micro-batches)
         tokens = stats_tokens(self.plan.pipeline_spec(), x_BLD.shape[0] * x_BLD.shape[1])
         aux = {} if totals is None else model.aux(totals, tokens)
-        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
-        ce = ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
+        ce = self.cross_entropy(params, x_BLD, targets_BL, weights_BL)
         metrics = {("aux_loss" if k == "loss" else k): v for k, v in aux.items()}
         if aux:
             metrics["ce_loss"] = ce
         return (ce + aux["loss"] if "loss" in aux else ce), metrics
+
+    def cross_entropy(self, params, x_BLD, targets_BL, weights_BL) -> jax.Array:
+        """Mean (weighted) cross-entropy of the model's head on ``x_BLD`` (``params`` in the
+        compute dtype): whole, or in slices of the sequence with ``parallel.loss.chunk``."""
+        chunk = self.plan.loss.chunk
+        if chunk:  # the weights besides the blocks handed over apart (the head's among them)
+            rest = {k: v for k, v in params.items() if k != "blocks"}
+
+            def head(weights, x_BCD):
+                model = nnx.merge(self.graphdef, {**params, **weights})
+                return model.head(x_BCD, dtype=self.dtype)
+
+            return chunked_cross_entropy(head, rest, x_BLD, targets_BL, weights_BL, chunk=chunk)
+        model = nnx.merge(self.graphdef, params)
+        logits_BLV = model.head(x_BLD, dtype=self.dtype)  # [batch, seq, vocab] fp32
+        ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+        return ce_BL.mean() if weights_BL is None else (ce_BL * weights_BL).mean()
 
 
 def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False, lora: bool = False):

@@ -2,7 +2,7 @@
 
 ``state`` (parameters, gradients, optimizer state under every split), ``model`` (FLOPs and
 saved activations), ``dp`` (with ZeRO-1/2), ``fsdp``, ``tensor``, ``context``, ``expert``,
-``pipeline``, ``remat``, ``offload``: each describes what the trainer's compiled program
+``pipeline``, ``remat``, ``offload``, ``loss``: each describes what the trainer's compiled program
 does, and ``benchmarks/planner_validation.py`` checks them against compiled executables.
 
 Each module declares one ``base.Term``: its cost, the mesh axis and search values it owns,
@@ -18,6 +18,7 @@ from shardlib.planner.cost.terms import (
     dp,
     expert,
     fsdp,
+    loss,
     model,
     offload,
     pipeline,
@@ -39,6 +40,7 @@ TERMS = Terms(
         pipeline.TERM,
         remat.TERM,
         offload.TERM,
+        loss.TERM,
     )
 )
 """Every term, in the order their shares are listed (they add, so the order changes no

@@ -282,6 +282,9 @@ class Term:
     """How many sets of its layers' saved activations a device keeps (a pipeline's trips)."""
     head_batch: Callable[[Step], int] | None = None
     """Sequences the loss head runs on at once, where it decides (else one micro-batch)."""
+    logits_share: Callable[[Step], float] | None = None
+    """The share of the head's tokens whose fp32 logits are live at once (a loss computed
+    in slices of the sequence: one slice's); 1 where no term says."""
     working: Callable[[Step, int], float] | None = None
     """``working(step, micro_batch)``: activation bytes live once, for one layer's backward."""
     recomputes_scores: Callable[[Step], bool] | None = None

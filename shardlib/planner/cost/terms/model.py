@@ -21,6 +21,7 @@ trips), the head's batch (``Term.head_batch``) and what is live once (``Term.wor
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from shardlib.planner.cost.terms.base import Contribution, Step, Term
@@ -80,11 +81,19 @@ def layer_activation_bytes(
     return _layer_parts(step, micro_batch, policy, scores)[0]
 
 
+def logits_share(step: Step) -> float:
+    """The share of the head's tokens whose logits are live at once (``Term.logits_share``:
+    a chunked loss keeps one slice's)."""
+    return math.prod(share(step) for share in step.hooks("logits_share"))
+
+
 def head_activation_bytes(step: Step, micro_batch: int) -> float:
-    """Logits (fp32: the model casts them up), their softmax and gradient, and the embedding."""
+    """Logits (fp32: the model casts them up), their softmax and gradient (of the tokens
+    whose logits are live at once: ``logits_share``), and the embedding."""
     w, view, c = step.workload, step.view, step.calib
     tokens = micro_batch * step.local_seq
-    return tokens * (c["head_vocab"] * w.vocab / view["tensor"] * 4 + c["head_h"] * w.embed * 4)
+    logits = c["head_vocab"] * w.vocab / view["tensor"] * 4 * logits_share(step)
+    return tokens * (logits + c["head_h"] * w.embed * 4)
 
 
 def activations(step: Step) -> dict[str, float]:

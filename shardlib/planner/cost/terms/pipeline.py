@@ -63,6 +63,7 @@ from shardlib.planner.cost.terms.base import (
     Step,
     Term,
 )
+from shardlib.planner.cost.terms.model import logits_share
 from shardlib.planner.cost.terms.pipeline_loop import (
     VIRTUAL_SCHEDULES,
     bubble_fraction,
@@ -195,7 +196,7 @@ def pipeline(step: Step) -> Contribution:
         buffers += step.calib["pipe_1f1b_tables"] * tables
     else:
         c = step.calib
-        tokens = head_batch(step) * step.local_seq
+        tokens = head_batch(step) * step.local_seq * logits_share(step)
         buffers = (
             (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.vocab / view["tensor"] * 4
         )
