@@ -73,6 +73,7 @@ section "GPU tests" 150 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE
 section "fp32 precision: GPU against CPU" 60 env JAX_PLATFORMS=cuda,cpu \
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/gpu_precision.py default highest
 section "train: 7B width, 8 layers" 200 "${R[@]}" --only 7b8-none,7b8-selective,7b8-full
+section "train: 7B width, FP8 against bf16" 120 "${R[@]}" --only 7b8-full,7b8-fp8
 section "train: without shardlib's XLA flags" 90 "${R[@]}" --only 1b-selective --no-gpu-flags --tag=-noflags
 section "train: seq 8192" 120 "${R[@]}" --only 1b-cudnn-seq8192,1b-dense-seq8192
 

@@ -39,6 +39,8 @@ RUNS: dict[str, dict[str, str]] = {
     "7b8-none": {**SEVEN_B, "remat": "none"},
     "7b8-selective": {**SEVEN_B, "remat": "selective"},
     "7b8-full": {**SEVEN_B, "remat": "full"},
+    # FP8 projections (e4m3/e5m2, delayed scaling), against 7b8-full: the same but bf16
+    "7b8-fp8": {**SEVEN_B, "remat": "full", "precision": "fp8"},
     "1b-cudnn-seq8192": {
         "model": "llama-1b",
         "remat": "full",
