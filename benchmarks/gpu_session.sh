@@ -73,11 +73,13 @@ run_section() {  # one named section of a lease; SECTIONS lists the ones to run,
   case $1 in
     gputests) section "GPU tests" 150 "${G[@]}" \
       python3 -m pytest tests/tools/test_gpu.py -o addopts="" -q -p no:cacheprovider -rA ;;
-    defaults) section "train: the defaults (attention_impl=auto), 1B and 7B width" 240 \
-      "${R[@]}" --only 1b-auto-none,7b8-auto-none,1b-auto-none-b8,7b8-auto-none-b8 ;;
+    defaults) section "train: the defaults (attention_impl=auto), 1B and 7B width" 150 \
+      "${R[@]}" --only 1b-auto-none,7b8-auto-none ;;
+    defaults_b8) section "train: the defaults, batch 8" 150 \
+      "${R[@]}" --only 1b-auto-none-b8,7b8-auto-none-b8 ;;
     packed) section "attention: packed documents, cuDNN vs dense" 60 \
       python3 benchmarks/gpu_attention.py --packed --json "$OUT/packed.json" "${ATT[@]}" ;;
-    fp8) section "train: FP8 against bf16, 7B width" 150 "${R[@]}" --only "$FP8_RUNS" ;;
+    fp8) section "train: FP8 against bf16, 7B width, 200 steps" 220 "${R[@]}" --only "$FP8_RUNS" ;;
     loss) section "train: chunked loss" 90 "${R[@]}" --only "$LOSS_RUNS" ;;
     activations) section "activation bytes: compiled on the GPU" 90 \
       python3 benchmarks/activation_bytes.py --gpu "${QUICK[@]}" ;;
@@ -100,9 +102,9 @@ run_section() {  # one named section of a lease; SECTIONS lists the ones to run,
     *) say "unknown section $1" ;;
   esac
 }
-FP8_RUNS=${FP8_RUNS:-7b8-bf16-ref,7b8-fp8}
+FP8_RUNS=${FP8_RUNS:-7b8-fp8-200,7b8-bf16-200}
 LOSS_RUNS=${LOSS_RUNS:-1b-auto-none-chunked-loss}
-SECTIONS=${SECTIONS:-gputests defaults packed fp8 loss activations}
+SECTIONS=${SECTIONS:-gputests defaults fp8 packed loss defaults_b8 activations}
 for name in $SECTIONS; do run_section "$name"; done
 
 say "waiting for the CPU suite"

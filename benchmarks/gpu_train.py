@@ -64,6 +64,13 @@ RUNS: dict[str, dict[str, str]] = {
         "batch": "1",
         "seq": "8192",
     },  # fmt: skip
+    # FP8 projections (e4m3/e5m2, delayed scaling) against bf16, 200 steps each: tokens/s
+    # (median step) and the loss curves; the 6-step 7b8-fp8 times the default run's twin
+    "7b8-fp8": {**SEVEN_B, "remat": "none", "precision": "fp8"},
+    "7b8-bf16-200": {**SEVEN_B, "remat": "none", "steps": "200"},
+    "7b8-fp8-200": {**SEVEN_B, "remat": "none", "precision": "fp8", "steps": "200"},
+    # the chunked loss (parallel.loss.chunk) on the 128K vocabulary, against 1b-auto-none
+    "1b-auto-none-chunked-loss": {"model": "llama-1b", "remat": "none", "loss_chunk": "256"},
     "1b-dense-seq8192": {
         "model": "llama-1b",
         "remat": "full",
@@ -95,6 +102,7 @@ def one_run(name: str, settings: dict[str, str], cluster_name: str, extra: dict)
         "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "steps_timed": len(steady), "wall_s": wall, "loss_last": result.records[-1]["loss"],
         "step_s_all": [r["step_time_s"] for r in steady], "peak_flops": result.peak_flops,
+        "losses": [r["loss"] for r in result.records],
         "attention": setup.attention.describe() if setup.attention else "",
     }  # fmt: skip
     for key in (

@@ -24,7 +24,7 @@ from models.llama.rotary import rotary
 from models.llama.swiglu import swiglu
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
-from shardlib.core.ops import attention, lookup, run_blocks
+from shardlib.core.ops import attention, lookup, matmul, run_blocks
 
 init_normal = nnx.initializers.normal
 
@@ -230,7 +230,7 @@ class Attention(nnx.Module):
             [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
             axis=2,
         ).astype(dt)
-        qkv_BLGJK = jnp.einsum("bld,dgjk->blgjk", x_BLD, w_DGJK)
+        qkv_BLGJK = matmul("bld,dgjk->blgjk", x_BLD, w_DGJK, name="qkv")
         # split, not sliced: the gradient is then one concatenation, not a padded copy each
         q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
         q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
@@ -248,7 +248,7 @@ class Attention(nnx.Module):
         out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
-        out_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, wo.astype(dt))
+        out_BLD = matmul("blhk,hkd->bld", out_BLHK, wo.astype(dt), name="o")
         out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
         return constrain(out_BLD, RESIDUAL)
 
@@ -268,14 +268,14 @@ class MLP(nnx.Module):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
         w_DJF = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(dt)  # [embed, 2, mlp]
-        gate_up_BLJF = jnp.einsum("bld,djf->bljf", x_BLD, w_DJF)  # one product, as for q/k/v
+        gate_up_BLJF = matmul("bld,djf->bljf", x_BLD, w_DJF, name="gate_up")  # as q/k/v
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         gate_BLF, up_BLF = (t[:, :, 0] for t in jnp.split(gate_up_BLJF, 2, axis=2))  # as q, k, v
         gate_BLF = gate_BLF + update(self, "gate", x_BLD, 1, s)
         up_BLF = up_BLF + update(self, "up", x_BLD, 1, s)
         h_BLF = constrain(swiglu(gate_BLF, up_BLF), ("batch", "seq", "mlp"))
         h_BLF = checkpoint_name(h_BLF, "mlp_hidden")
-        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_down[...].astype(dt))
+        out_BLD = matmul("blf,fd->bld", h_BLF, self.w_down[...].astype(dt), name="down")
         return constrain(out_BLD + update(self, "down", h_BLF, 1, s), RESIDUAL)
 
 

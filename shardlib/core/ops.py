@@ -4,8 +4,9 @@ A model names logical dims only; it cannot know whether its sequence is split ov
 ``context`` axis or its experts over an ``expert`` axis. So it calls the functions here, and
 the forms installed by ``use_ops`` (the plan's sections fill them: ``ParallelPlan.ops``)
 decide how they run: which attention kernel, whether the MoE exchange is left to XLA or
-written as an explicit all-to-all. Outside ``use_ops`` attention is local and dense and the
-exchange only re-constrains the layout, so a model runs unchanged on one device. ``lookup``
+written as an explicit all-to-all, whether a block's projections run as plain or FP8
+products. Outside ``use_ops`` attention is local and dense, the exchange only re-constrains
+the layout and ``matmul`` is ``jnp.einsum``, so a model runs unchanged on one device. ``lookup``
 reads a vocab-split table; ``scan_blocks`` and ``run_blocks`` are the layer loop every
 model shares. Nothing here knows a strategy: the strategies know these ops.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "batch_sum",
     "exchange",
     "lookup",
+    "matmul",
     "run_blocks",
     "scan_blocks",
     "use_ops",
@@ -48,6 +50,10 @@ ExchangeForm = Callable[[jax.Array, tuple, tuple, str], jax.Array]
 BatchForm = Callable[[jax.Array, str], jax.Array]
 """``form(value, "mean" | "sum") -> value``: a mean or sum over this program's rows of the
 batch, made the whole batch's."""
+MatmulForm = Callable[[str, jax.Array, jax.Array, str, Any], jax.Array]
+"""``form(spec, x, w, name, layer_state) -> einsum(spec, x, w)`` computed the form's way;
+``layer_state`` is this layer's slice of the form's per-layer state (``run_blocks``'
+``layer_extras``; None outside the layer loop), ``name`` the projection's (one per layer)."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +67,16 @@ class OpsSettings:
     batch: BatchForm | None = None
     """Where a program sees only some rows of the batch (a pipeline's per-replica loop,
     ``parallel/pipeline/replicas.py``), how their means become the whole batch's."""
+    matmul: MatmulForm | None = None
+    """How a block's projections multiply; None: ``jnp.einsum`` (an FP8 run installs its
+    quantize-dequantize form, ``train/fp8.py``)."""
 
 
 _DEFAULT = OpsSettings()  # dense local attention, XLA's exchange: one device's forms
 _OPS: contextvars.ContextVar[OpsSettings | None] = contextvars.ContextVar(
     "shardlib_ops", default=None
 )
+_LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("shardlib_layer", default=None)
 
 
 @contextlib.contextmanager
@@ -99,6 +109,30 @@ def batch_rows(form: BatchForm) -> Iterator[None]:
         yield
     finally:
         _OPS.reset(token)
+
+
+@contextlib.contextmanager
+def use_matmul(form: MatmulForm | None) -> Iterator[None]:
+    """Inside: ``matmul`` runs in ``form`` (None: leave the active form as it is); the
+    other forms stay as they are."""
+    if form is None:
+        yield
+        return
+    token = _OPS.set(dataclasses.replace(active_ops(), matmul=form))
+    try:
+        yield
+    finally:
+        _OPS.reset(token)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, *, name: str) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` of activations ``x`` and a weight ``w`` (both in the
+    compute dtype), in the active form: plain, or FP8 with ``name``'s scales in this
+    layer. A block's projections call this; ``name`` is unique within the block."""
+    form = active_ops().matmul
+    if form is None:
+        return jnp.einsum(spec, x, w)
+    return form(spec, x, w, name, _LAYER.get())
 
 
 def batch_mean(x: jax.Array, axis) -> jax.Array:
@@ -166,6 +200,15 @@ def scan_blocks(block_fn: BlockFn, blocks_state, carry):
     return carry
 
 
+@contextlib.contextmanager
+def _in_layer(layer_extras) -> Iterator[None]:
+    token = _LAYER.set(layer_extras)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
 def _first_layer(blocks_state):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), blocks_state)
 
@@ -177,6 +220,7 @@ def run_blocks(
     positions_L=None,
     *,
     layers: Callable[[BlockFn, Any, Any], Any] = scan_blocks,
+    layer_extras=None,
 ):
     """``(x_BLD, totals)``: the residual after every block, and the blocks' summed stats.
 
@@ -184,11 +228,20 @@ def run_blocks(
     ``x_BLD`` or ``(x_BLD, stats)``; which one is read from its abstract output (nothing is
     computed twice). With stats the loop's carry is ``(x_BLD, totals)``, summed from zero;
     without, it is ``x_BLD`` and ``totals`` is None. ``layers`` runs the loop (``scan_blocks``
-    or a strategy's replacement).
+    or a strategy's replacement). ``layer_extras``: the ops' per-layer state (an FP8 run's
+    scales and amax histories), stacked like the blocks; it travels through the loop beside
+    the weights, so every block reads its own layer's slice (``matmul``) and a gradient
+    with respect to it comes back stacked like it.
     """
+    if layer_extras is not None:
+        blocks_state = (blocks_state, layer_extras)
 
     def block(layer_state, x):
-        return nnx.merge(block_graph, layer_state)(x, positions_L)
+        if layer_extras is None:
+            return nnx.merge(block_graph, layer_state)(x, positions_L)
+        weights, extras = layer_state
+        with _in_layer(extras):
+            return nnx.merge(block_graph, weights)(x, positions_L)
 
     out = jax.eval_shape(block, _first_layer(blocks_state), x_BLD)
     if not isinstance(out, tuple):

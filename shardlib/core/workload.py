@@ -242,7 +242,7 @@ class Workload:
     @property
     def compute_bytes(self) -> int:
         """Bytes per activation element (the compute dtype)."""
-        return 2 if self.precision == "bf16" else 4
+        return 2 if self.precision in ("bf16", "fp8") else 4  # fp8: bf16 between products
 
     # --- the step ----------------------------------------------------------------------------
     @property

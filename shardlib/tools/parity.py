@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec, reference_mesh
 from shardlib.dataset.tokens import global_batch, load_tokens
-from shardlib.train import precision
+from shardlib.train import fp8, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup
@@ -60,10 +60,12 @@ def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
     else:
         params = jax.device_put(params, setup.param_shardings)
     grad_fn = grad_function(setup, make_loss_fn(setup))  # the pipeline's own, if any
+    fresh_fp8 = setup.fp8_shardings is not None  # FP8: the initial scales, their update dropped
 
     def grads(p, t):
         with use_layout(setup.mesh, setup.rules):
-            return grad_fn(p, t)[1]
+            meta = setup.init_fp8() if fresh_fp8 else None
+            return fp8.split_meta(grad_fn(fp8.with_meta(p, meta), t)[1])[0]
 
     return jax.device_get(jax.jit(grads)(params, tokens))
 
@@ -92,6 +94,8 @@ def random_state(setup: TrainSetup, seed: int = 0) -> dict:
     state = {"params": params, "opt_state": setup.tx.init(params), "step": np.int32(0)}
     if precision.uses_loss_scale(setup.cfg.precision):
         state["loss_scale"] = precision.init_loss_scale(setup.cfg.precision)
+    if setup.fp8_shardings is not None:
+        state[fp8.KEY] = setup.init_fp8()
     return jax.device_get(state)
 
 

@@ -160,7 +160,9 @@ class Precision:
     """Compute dtype and fp16 dynamic loss scaling (DeepSpeed's rules)."""
 
     compute: str = "fp32"
-    """fp32, or bf16/fp16 with fp32 master weights (fp16: dynamic loss scaling)."""
+    """fp32, or bf16/fp16 with fp32 master weights (fp16: dynamic loss scaling), or fp8:
+    bf16 with the blocks' projections in FP8 (e4m3 forward, e5m2 gradients, delayed
+    scaling; ``shardlib.train.fp8``)."""
     initial_scale_power: int = 16
     """fp16: the loss scale starts at 2**initial_scale_power (DeepSpeed's default 16)."""
     loss_scale_window: int = 1000
@@ -169,6 +171,9 @@ class Precision:
     """fp16: overflowing steps tolerated before the scale is halved (DeepSpeed's delayed shift)."""
     min_loss_scale: float = 1.0
     """fp16: an overflow at this scale (hysteresis spent) stops training with an error."""
+    fp8_amax_history: int = 1024
+    """fp8: steps of amax history per tensor; its maximum sets the next step's scale
+    (delayed scaling; Transformer Engine's and MaxText's default 1024)."""
 
     def __post_init__(self) -> None:
         from shardlib.train.precision import check_precision

@@ -24,6 +24,7 @@ from shardlib.checkpoint.store import jsonable
 from shardlib.core.errors import ShardingError
 from shardlib.dataset.tokens import FlatData, check_vocab, load_tokens
 from shardlib.distributed.preempt import Preemption
+from shardlib.train.fp8 import eval_params
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -267,7 +268,7 @@ def run(
                 goodput.checkpoint_s += time.perf_counter() - t_save
             record.update(goodput.record())
             if evaluation.due(done):
-                record.update(evaluation(state["params"]))
+                record.update(evaluation(eval_params(state)))
                 say(
                     f"step {done}: eval loss {record['eval_loss']:.4f}, perplexity "
                     f"{record['eval_perplexity']:.2f}"

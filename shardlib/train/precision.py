@@ -15,6 +15,8 @@ multiplied by a scale before the backward pass and the gradients divided by it a
   is restored.
 
 The scaler's state is part of the train state, so checkpoints keep it.
+
+fp8: bf16 compute whose block projections run in FP8 with delayed scaling (``train/fp8.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import jax.numpy as jnp
 
 from shardlib.core.errors import ShardingError
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# precision -> compute dtype (fp8: bf16 everywhere but the FP8 projections, ``train/fp8.py``)
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
 
 
 class LossScaleError(ShardingError):
@@ -34,7 +37,12 @@ class LossScaleError(ShardingError):
 def check_precision(cfg) -> None:
     """Unknown dtypes and out-of-range loss-scaling settings fail when the config is made."""
     if cfg.compute not in DTYPES:
-        raise ShardingError(f"config: precision={cfg.compute!r}; use fp32, bf16 or fp16.")
+        raise ShardingError(f"config: precision={cfg.compute!r}; use fp32, bf16, fp16 or fp8.")
+    if cfg.fp8_amax_history < 1:
+        raise ShardingError(
+            f"config: fp8_amax_history={cfg.fp8_amax_history} must be >= 1. Fix: 1024 "
+            "(Transformer Engine's and MaxText's default)."
+        )
     if cfg.initial_scale_power < 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
         raise ShardingError(
             "config: loss-scaling settings out of range; need initial_scale_power >= 0, "

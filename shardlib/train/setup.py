@@ -31,7 +31,7 @@ from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
-from shardlib.train import precision
+from shardlib.train import fp8, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, freeze_base, resolve_optimizer, schedule
 
@@ -152,6 +152,24 @@ class TrainSetup:
         return layouts.shardings(specs, self.mesh, kind)
 
     @cached_property
+    def fp8_names(self) -> tuple[str, ...]:
+        """The projections that run in FP8 (``ops.matmul``'s names in one block)."""
+        return fp8.matmul_names(self.graphdef, self.param_shapes)
+
+    def init_fp8(self) -> dict:
+        """The FP8 scales and amax histories, one set per projection and stacked block."""
+        layers = self.workload.blocks
+        return fp8.init_meta(self.fp8_names, layers, self.cfg.precision.fp8_amax_history)
+
+    @cached_property
+    def fp8_shardings(self) -> dict | None:
+        """Replicated scales and histories (None without FP8)."""
+        if not fp8.enabled(self.cfg.precision):
+            return None
+        replicated = NamedSharding(self.mesh, P())
+        return jax.tree.map(lambda _: replicated, jax.eval_shape(self.init_fp8))
+
+    @cached_property
     def state_shardings(self) -> dict:
         replicated = NamedSharding(self.mesh, P())
         out = {
@@ -163,6 +181,8 @@ class TrainSetup:
             out["loss_scale"] = jax.tree.map(
                 lambda _: replicated, precision.abstract_loss_scale(self.cfg.precision)
             )
+        if self.fp8_shardings is not None:
+            out[fp8.KEY] = self.fp8_shardings
         return out
 
     def abstract_state(self) -> dict:
@@ -174,6 +194,8 @@ class TrainSetup:
         }
         if precision.uses_loss_scale(self.cfg.precision):
             shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
+        if fp8.enabled(self.cfg.precision):
+            shapes[fp8.KEY] = jax.eval_shape(self.init_fp8)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
             shapes,
@@ -199,6 +221,7 @@ class TrainSetup:
     @cached_property
     def _init(self):
         make, tx, prec = self.model.make, self.tx, self.cfg.precision
+        init_fp8 = self.init_fp8 if fp8.enabled(prec) else None
 
         def init(key):
             with nnx.use_eager_sharding(False):
@@ -211,6 +234,8 @@ class TrainSetup:
             }
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
+            if init_fp8 is not None:
+                state[fp8.KEY] = init_fp8()
             return state
 
         return jax.jit(init, out_shardings=self.state_shardings)
@@ -268,6 +293,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     plan = plan.for_workload(workload, device)
     _, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
     plan.check(workload)
+    fp8.check(cfg, plan, workload)  # the layouts FP8 training refuses
     with suggest_presets(batch=workload.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     return TrainSetup(

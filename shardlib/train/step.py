@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from shardlib.core.layout import constrain, use_layout
-from shardlib.core.ops import Packed, run_blocks
+from shardlib.core.ops import Packed, run_blocks, use_matmul
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
@@ -27,7 +27,7 @@ from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.pipeline.stats import stats_tokens
-from shardlib.train import precision
+from shardlib.train import fp8, precision
 from shardlib.train.optim import frozen_base
 
 if TYPE_CHECKING:
@@ -93,17 +93,23 @@ class DecoderLoss:
     with_metrics: bool = False
     lora_rank: int = 0
     """With LoRA, the base weights are constants (``optim.frozen_base``)."""
+    matmul: Callable | None = None
+    """The blocks' projections' form (``ops.MatmulForm``): FP8's, or None (``jnp.einsum``).
+    With FP8 ``params`` carries the scales under ``fp8.KEY`` (``fp8.with_meta``)."""
 
     def __call__(self, params, batch):
+        params, meta = fp8.split_meta(params)
         params = frozen_base(params, self.lora_rank)
         params = cast_params(params, self.dtype, keep_blocks=master_blocks(self.plan))
         inputs_BL, targets_BL, positions_L, weights_BL = self.split(batch)
         block_graph, blocks_state = nnx.split(nnx.merge(self.graphdef, params).blocks)
-        with self.plan.ops():  # the attention kernel and MoE exchange the plan picks
+        # the attention kernel and MoE exchange the plan picks; the precision's products
+        with self.plan.ops(), use_matmul(self.matmul):
             x_BLD = self.embed(params, inputs_BL)
             x_BLD, totals = run_blocks(
-                block_graph, blocks_state, x_BLD, positions_L, layers=self.layers
-            )
+                block_graph, blocks_state, x_BLD, positions_L, layers=self.layers,
+                layer_extras=meta,
+            )  # fmt: skip
             loss, metrics = self.head(params, x_BLD, targets_BL, weights_BL, totals)
         return (loss, metrics) if self.with_metrics else loss
 
@@ -161,6 +167,7 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False, lora: bool = 
         layers=plan.layer_loop(setup.workload, dtype),  # remat, pipeline, param offload
         with_metrics=with_metrics,
         lora_rank=setup.cfg.lora.rank if lora else 0,
+        matmul=fp8.qdq_matmul if fp8.enabled(setup.cfg.precision) else None,
     )
 
 
@@ -194,7 +201,8 @@ def accumulate_grads(
 def build_eval_step(setup: TrainSetup):
     """``eval(params, batch) -> (loss, weight)``: one held-out batch's (masked) mean
     cross-entropy and the weight it carries, so that evaluation combines batches as
-    ``sum(loss * weight) / sum(weight)``, a mean over all held-out tokens that count."""
+    ``sum(loss * weight) / sum(weight)``, a mean over all held-out tokens that count.
+    ``params`` is ``fp8.eval_params(state)``: with FP8, the scales too (used, not updated)."""
     loss_fn = make_loss_fn(setup, with_metrics=True)
 
     def eval_step(params, batch):
@@ -207,7 +215,8 @@ def build_eval_step(setup: TrainSetup):
             loss, metrics = loss_fn(params, normalise_weights(batch))
         return metrics.get("ce_loss", loss), weight  # without a router's auxiliary loss
 
-    return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.batch_sharding))
+    params_shardings = fp8.with_meta(setup.param_shardings, setup.fp8_shardings)
+    return jax.jit(eval_step, in_shardings=(params_shardings, setup.batch_sharding))
 
 
 def build_train_step(setup: TrainSetup):
@@ -229,13 +238,15 @@ def build_train_step(setup: TrainSetup):
 
     def train_step(state, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
-            params = state["params"]
+            params, meta = state["params"], state.get(fp8.KEY)
             tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
             tokens_BL1 = normalise_weights(tokens_BL1)  # packed: one global masked mean
             scale = state["loss_scale"]["scale"] if scaled else None
             # the plan's one gradient path: plain, ZeRO++ or 1F1B, over the micro-batches
             grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale)
-            (loss, extra), grads = grad_fn(params, tokens_BL1)
+            (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), tokens_BL1)
+            # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
+            grads, new_meta = fp8.split_meta(grads)
             if scaled:
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
@@ -250,6 +261,8 @@ def build_train_step(setup: TrainSetup):
         metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
         metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
+        if new_meta is not None:
+            new_state[fp8.KEY] = new_meta
         if scaled:
             finite = precision.all_finite(grads)
             new_state["params"] = precision.keep_if(finite, new_params, params)

@@ -206,7 +206,7 @@ def test_configs_that_do_not_fit_the_mesh(overrides, axes, needles):
     [
         (["steps=many"], "expected int"),
         (["nonsense=1"], "no setting 'nonsense'"),
-        (["precision=fp8"], "precision='fp8'"),
+        (["precision=fp4"], "precision='fp4'.*fp8"),
         (["microbatches=4"], "ambiguous.*parallel.data.microbatches"),
         (["steps"], "not NAME=VALUE"),
     ],
