@@ -67,7 +67,7 @@ class LossChunks:
             return
         seq = workload.seq
         if seq % self.chunk:
-            divisors = [d for d in (128, 256, 512, 1024, 2048) if seq % d == 0 and d < seq]
+            divisors = [d for d in (32, 64, 128, 256, 512, 1024, 2048) if seq % d == 0 and d < seq]
             fix = f"loss_chunk={divisors[-1]}" if divisors else "loss_chunk=0"
             raise ShardingError(
                 f"parallel.loss.chunk={self.chunk} does not divide the sequence length {seq}. "

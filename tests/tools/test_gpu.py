@@ -6,6 +6,8 @@ backend and the CPU backend stays available for the reference run (the suite's c
 keeps ``JAX_PLATFORMS=cpu`` otherwise).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,3 +139,17 @@ def test_offloaded_residuals_go_to_host_and_train_the_same():
     assert parity.compare_traces(offloaded, plain).ok(), parity.compare_traces(offloaded, plain)
     host = _memory(setup, offloaded.state).host_temp_size_in_bytes
     assert host > 0, "the offloaded residuals should live in host memory during the step"
+
+
+def test_fp8_projections_become_fp8_gemms():
+    """``precision=fp8`` puts a quantize-dequantize pattern around each block projection
+    (``train/fp8.py``); on Hopper XLA rewrites it into cuBLAS FP8 GEMMs. The compiled step
+    of a small Llama must call them (the custom call's target names f8), not run the
+    products in bf16 after dequantizing."""
+    cfg = train_config(**CFG, precision="fp8", model="llama-small")
+    setup = make_setup(cfg, _mesh("gpu"))
+    text = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text.as_text())))
+    if float(jax.devices("gpu")[0].compute_capability) < 8.9:
+        pytest.skip(f"FP8 GEMMs need compute capability 8.9+, not on this GPU ({targets})")
+    assert any("f8" in t for t in targets), targets
