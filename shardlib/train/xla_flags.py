@@ -47,6 +47,15 @@ GPU_FLAGS = (
         "double-buffer scan carries so the pipelined collectives above have room to overlap",
         "NVIDIA JAX-Toolbox, GPU performance guide",
     ),
+    (
+        "xla_gpu_enable_triton_gemm",
+        "false",
+        "products through cuBLAS(Lt), not Triton GEMM fusions: on one H200 (jax 0.11.2) bf16 "
+        "steps ran 2-3% faster (7B width 182.3 -> 176.3 ms, 1B 147.6 -> 142.6 ms), and only "
+        "then does precision=fp8's quantize-dequantize become cuBLASLt FP8 GEMMs (Triton "
+        "claimed the products and ran them in bf16: fp8 was 4.6% slower than bf16)",
+        "measured: docs/gpu.md (benchmarks/gpu_fp8.py and gpu_train.py on one H200)",
+    ),
 )
 
 _CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jaxlib-cuda")

@@ -174,3 +174,23 @@ def test_published_layouts_get_a_plan():
     for name, gpus, batch in bench.QUICK:
         row = bench.plan_point(name, gpus, batch, "a100-8")
         assert row["mfu"] is not None, row
+
+
+def test_fp8_runs_the_projections_at_the_fp8_rate_where_they_compile_to_fp8_gemms():
+    """precision=fp8 (measured on an H200, docs/gpu.md): under remat=full every projection
+    product is an FP8 GEMM, twice the bf16 rate; otherwise only the forward third of them.
+    Attention, the head and the elementwise work keep their bf16 seconds."""
+    h200 = load_cluster("h200-1")
+    seven = {"layers": 8}
+    bf16 = Workload.from_preset("llama-7b", 4, 2048, "bf16", **seven)
+    fp8 = Workload.from_preset("llama-7b", 4, 2048, "fp8", **seven)
+    for remat, share in (("full", 1.0), ("none", 1 / 3), ("selective", 1 / 3)):
+        plan = candidate(remat=remat)
+        a, b = estimate(bf16, plan, h200), estimate(fp8, plan, h200)
+        for name in ("qkv", "out", "mlp_in", "mlp_out"):
+            assert b.compute_parts[name] / a.compute_parts[name] == pytest.approx(
+                1 - share / 2, rel=0.02
+            ), (remat, name)
+        for name in ("scores", "values", "head", "elementwise"):
+            assert b.compute_parts[name] == pytest.approx(a.compute_parts[name])
+        assert b.step_s < a.step_s and b.memory_bytes == pytest.approx(a.memory_bytes, rel=0.01)

@@ -175,6 +175,8 @@ class Shape:
     """What the program's elementwise kernels stream per token."""
     fused: bool = False
     """Attention in one fused kernel (``attention_impl=cudnn``): no score matrix in HBM."""
+    fp8_share: float = 0.0
+    """Share of the block projections' FLOPs that run as FP8 GEMMs (``fp8_share``)."""
 
     @classmethod
     def of(cls, step: Step, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
@@ -182,12 +184,30 @@ class Shape:
         return cls(
             step.workload, view["tensor"], view.ways("seq"), step.micro_batch,
             step.layers_per_device, traffic, view.fused_attention,
+            fp8_share(step.workload.precision, view.plan.remat.policy),
         )  # fmt: skip
 
     @property
     def tokens(self) -> int:
         """Rows of the projections: the micro-batch's local tokens."""
         return self.micro_batch * self.workload.seq // self.seq_ways
+
+
+FP8_RATE = 2.0
+"""FP8 tensor-core peak over the bf16 one (H100/H200 data sheet: 1,979 against 989 TFLOP/s
+dense), at the same achieved fraction."""
+
+
+def fp8_share(precision: str, remat: str) -> float:
+    """Share of the projections' FLOPs (forward + two backward products) that XLA compiles to
+    FP8 GEMMs under ``precision=fp8``. Measured on one H200, jax 0.11.2, with Triton GEMMs
+    off (``benchmarks/gpu_fp8.py``, docs/gpu.md): under ``remat=full`` every projection,
+    forward and backward, was a cuBLASLt FP8 GEMM (15 of 15 products); otherwise only the
+    forward ones (4 of 15), since the backward reads the dequantized operands the forward
+    saved, not the quantize-dequantize pattern the rewrite matches."""
+    if precision != "fp8":
+        return 0.0
+    return 1.0 if remat == "full" else 1 / 3
 
 
 def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
@@ -205,13 +225,15 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     moved = (s_q + keys) * d if shape.fused else None
     ceiling = FUSED_ATTENTION if shape.fused else 1.0
     attn = b * heads * passes
+    # projections: a share of their products runs at the FP8 rate (none without fp8)
+    proj = 1 / (1 - shape.fp8_share * (1 - 1 / FP8_RATE))
     return (
-        Matmul("qkv", shape.tokens, w.embed, qkv),  # [b·s, h] x [h, (a+2kv)·d/t]
+        Matmul("qkv", shape.tokens, w.embed, qkv, ceiling=proj),  # [b·s, h] x [h, (a+2kv)·d/t]
         Matmul("scores", s_q, d, keys, attn, moved, ceiling),  # [s, d] x [d, s] per head
         Matmul("values", s_q, keys, d, attn, moved, ceiling),  # [s, s] x [s, d] per head
-        Matmul("out", shape.tokens, heads * d, w.embed),  # [b·s, a·d/t] x [a·d/t, h]
-        Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp),  # SwiGLU gate and up: [h, 2f/t]
-        Matmul("mlp_out", shape.tokens, mlp, w.embed),  # [b·s, f/t] x [f/t, h]
+        Matmul("out", shape.tokens, heads * d, w.embed, ceiling=proj),  # [b·s, a·d/t] x [a·d/t, h]
+        Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp, ceiling=proj),  # gate and up: [h, 2f/t]
+        Matmul("mlp_out", shape.tokens, mlp, w.embed, ceiling=proj),  # [b·s, f/t] x [f/t, h]
     )
 
 
