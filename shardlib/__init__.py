@@ -6,68 +6,56 @@ names to mesh axes), and let XLA's sharding propagation complete the layout.
 Everything a training loop of one's own needs is a top-level name here (``__all__``): the
 mesh, the rules and the strategies that fill them, building a model on one device or in its
 shards, the shardings of the batch and of optax's state, ``explain`` and ``show_sharding``.
+
+The names load on first use (PEP 562 ``__getattr__``): ``import shardlib`` itself imports
+nothing heavy, so the command line can take SIGTERM/SIGINT before JAX starts
+(``shardlib.tools.entry``).
 """
 
-from shardlib import parallel
-from shardlib.analysis import explain
-from shardlib.analysis.picture import ShardingPicture, sharding_picture, show_sharding
-from shardlib.analysis.report import LayoutReport, format_bytes
-from shardlib.core.errors import ShardingError
-from shardlib.core.layout import constrain, named_shardings, param_layout, shard_model, use_layout
-from shardlib.core.mesh import (
-    Axis,
-    MeshSpec,
-    load_mesh,
-    mesh_spec,
-    reference_mesh,
-    simulate_cpu_devices,
-)
-from shardlib.core.rules import LOGICAL_NAMES, Rules, base_rules, compose, resolve_spec
-from shardlib.dataset.tokens import embedded_corpus, global_batch
-from shardlib.parallel import *  # noqa: F403 - every strategy's rule function (parallel.__all__)
-from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
-from shardlib.parallel.state import (
-    abstract_optimizer_state,
-    abstract_params,
-    batch_sharding,
-    build_model,
-    init_optimizer,
-    optimizer_shardings,
-)
+from __future__ import annotations
 
-__all__ = [
-    *parallel.__all__,
-    "LOGICAL_NAMES",
-    "Axis",
-    "LayoutReport",
-    "MeshSpec",
-    "ParallelPlan",
-    "Rules",
-    "ShardingError",
-    "ShardingPicture",
-    "abstract_optimizer_state",
-    "abstract_params",
-    "base_rules",
-    "batch_sharding",
-    "build_model",
-    "compose",
-    "constrain",
-    "embedded_corpus",
-    "explain",
-    "format_bytes",
-    "global_batch",
-    "init_optimizer",
-    "load_mesh",
-    "mesh_spec",
-    "named_shardings",
-    "optimizer_shardings",
-    "param_layout",
-    "reference_mesh",
-    "resolve_spec",
-    "rules_for_mesh",
-    "shard_model",
-    "sharding_picture",
-    "show_sharding",
-    "simulate_cpu_devices",
-    "use_layout",
-]
+import importlib
+import importlib.util
+
+_FROM = {
+    "shardlib.analysis": ("explain",),
+    "shardlib.analysis.picture": ("ShardingPicture", "sharding_picture", "show_sharding"),
+    "shardlib.analysis.report": ("LayoutReport", "format_bytes"),
+    "shardlib.core.errors": ("ShardingError",),
+    "shardlib.core.layout": (
+        "constrain", "named_shardings", "param_layout", "shard_model", "use_layout",
+    ),
+    "shardlib.core.mesh": (
+        "Axis", "MeshSpec", "load_mesh", "mesh_spec", "reference_mesh", "simulate_cpu_devices",
+    ),
+    "shardlib.core.rules": ("LOGICAL_NAMES", "Rules", "base_rules", "compose", "resolve_spec"),
+    "shardlib.dataset.tokens": ("embedded_corpus", "global_batch"),
+    "shardlib.parallel": (  # every strategy's rule function (``parallel.__all__``)
+        "context_parallel", "data_parallel", "expert_parallel", "fsdp", "sequence_parallel",
+        "tensor_2d", "tensor_3d", "tensor_parallel",
+    ),
+    "shardlib.parallel.plan": ("ParallelPlan", "rules_for_mesh"),
+    "shardlib.parallel.state": (
+        "abstract_optimizer_state", "abstract_params", "batch_sharding", "build_model",
+        "init_optimizer", "optimizer_shardings",
+    ),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _FROM.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    """A top-level name, imported from its module the first time it is asked for."""
+    module = _WHERE.get(name)
+    if module is None:  # a subpackage (``shardlib.parallel``), as an eager import made it
+        if importlib.util.find_spec(f"shardlib.{name}") is None:
+            raise AttributeError(f"module 'shardlib' has no attribute {name!r}")
+        return importlib.import_module(f"shardlib.{name}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -44,7 +44,7 @@ def train_command(tmp_path: Path, *settings: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "shardlib.tools.cli",
+        "shardlib.tools.entry",  # the console script's entry point
         "train",
         "--mesh",
         str(mesh),

@@ -45,6 +45,35 @@ def _changed_settings(saved: dict, setup: TrainSetup) -> list[str]:
     ]
 
 
+def _check_schedule(saved: dict, setup: TrainSetup, step: int) -> None:
+    """Refuse a resume whose new ``run.steps`` would move the learning-rate schedule.
+
+    ``run.steps`` may change on resume (train longer, or stop earlier), but warmup_cosine
+    and warmup_linear decay to their final rate at the schedule's last step, and every
+    schedule clips its warm-up to it: a resumed run on another length would continue on
+    another trajectory while saying it continues. Both schedules are evaluated with today's
+    optimizer settings (their own changes are reported as changed settings) and compared
+    over the steps still to run: a difference before the checkpoint's step is history."""
+    flat = {setup.cfg.current_key(k): v for k, v in flatten_table(saved).items()}
+    opt = setup.cfg.optimizer
+    was = flat.get("optimizer.schedule_steps") or flat.get("run.steps")
+    now = opt.schedule_steps or setup.cfg.run.steps
+    if not was or was == now:
+        return
+    old, new = setup.schedule_of_length(was), setup.schedule_of_length(now)
+    differ = [t for t in range(step, max(was, now) + 1) if float(old(t)) != float(new(t))]
+    if differ:
+        t = differ[0]
+        raise ShardingError(
+            f"run.steps {flat.get('run.steps')} -> {setup.cfg.run.steps} changes the "
+            f"learning-rate schedule ({opt.schedule} over {was} -> {now} steps: lr at step "
+            f"{t} {float(old(t)):.3g} -> {float(new(t)):.3g}), so the resumed run would not "
+            f"continue the checkpoint's trajectory. Fix: schedule_steps={was} to keep its "
+            "schedule (the final rate after its last step), or a new checkpoint_dir to start "
+            "over on this one."
+        )
+
+
 class RunCheckpoints:
     """Resume, then save: used by ``loop.run`` as a context manager around the steps."""
 
@@ -91,6 +120,7 @@ class RunCheckpoints:
         self.saved_loader = (saved_data.get("identity") or {}).get("loader")
         restored = restore(self.directory, self.setup)
         self.say(f"resumed from {restored.path} (step {restored.step})")
+        _check_schedule(restored.meta.get("config", {}), self.setup, restored.step)
         changed = _changed_settings(restored.meta.get("config", {}), self.setup)
         if changed:
             self.say("settings changed since that checkpoint: " + ", ".join(changed))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 from shardlib.distributed.runtime import coordination_client
@@ -46,14 +47,20 @@ def _early(signum: int, frame: FrameType | None) -> None:
     _EARLY.setdefault("name", name)
 
 
-def install_early() -> None:
-    """From here on a SIGTERM/SIGINT is kept for the next run (main thread only)."""
+def install_early(originals: dict | None = None, seen: Sequence[str] = ()) -> None:
+    """From here on a SIGTERM/SIGINT is kept for the next run (main thread only).
+
+    ``seen``: signals already received before this (the entry point's list, which it keeps
+    filling until the handlers here replace its own: read after they do); ``originals``:
+    the process's own handlers from before that entry point's, restored after the run."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in SIGNALS:
         previous = signal.signal(sig, _early)
         if previous is not _early:
-            _ORIGINAL[sig] = previous
+            _ORIGINAL[sig] = previous if originals is None else originals[sig]
+    for name in seen[:1]:
+        _EARLY.setdefault("name", name)
 
 
 def restore_early() -> None:

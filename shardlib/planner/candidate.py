@@ -25,6 +25,7 @@ from typing import Any
 from shardlib.core.mesh import Axis, MeshSpec
 from shardlib.parallel.context import ContextParallel
 from shardlib.parallel.data import DataParallel
+from shardlib.parallel.loss import LossChunks
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.plan import ParallelPlan
@@ -55,6 +56,7 @@ def candidate(
     remat: str = "none",
     offload: bool = False,
     attention: str = "auto",
+    loss_chunk: int = 0,
     **sizes: int,
 ) -> ParallelPlan:
     """The ``ParallelPlan`` of one point of the search space.
@@ -65,7 +67,8 @@ def candidate(
     ``schedule``, ``virtual`` and ``split_saved`` are ``PipelineParallel``'s (gpipe, 1f1b,
     circular = interleaved; ``split_saved_inputs``); ``offload`` keeps the optimizer state
     on the host. ``attention`` is ``attention_impl`` (``auto``: costed as the trainer picks on
-    the cluster's devices; the published 2021 programs pin ``dense``).
+    the cluster's devices; the published 2021 programs pin ``dense``); ``loss_chunk`` is
+    ``parallel.loss.chunk`` (the head and loss in slices of that many positions; 0: whole).
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
     if unknown:
@@ -80,12 +83,14 @@ def candidate(
         remat=_remat(remat),
         offload=_offload(offload),
         context=_context(attention),
+        loss=_loss(loss_chunk),
     )
 
 
 # sections are frozen: the search's thousands of candidates share them
 _mesh = functools.lru_cache(maxsize=4096)(MeshSpec)
 _data = functools.lru_cache(maxsize=256)(DataParallel)
+_loss = functools.lru_cache(maxsize=16)(lambda chunk: LossChunks(chunk=chunk))
 _context = functools.lru_cache(maxsize=8)(
     lambda attention: ContextParallel(attention_impl=attention)
 )

@@ -296,3 +296,5 @@ def render_estimate(est: Estimate, workload: Workload, cluster: Cluster, console
         f"memory {fits}.",
         highlight=False,
     )
+    for note in est.notes:  # what the terms and the estimate add (the attention kernel costed)
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -333,21 +334,23 @@ def cmd_data(args, console: Console) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, early: Sequence[str] = (), originals=None) -> int:
+    """The command line; ``early``/``originals``: the signals ``tools.entry`` kept while this
+    module loaded, and the handlers it replaced (``preempt.install_early``)."""
     try:
-        return _main(argv)
+        return _main(argv, early, originals)
     finally:  # the signal handlers installed for the run, if no run took them over
         from shardlib.distributed.preempt import restore_early
 
         restore_early()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, early: Sequence[str] = (), originals=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":  # a signal from now on stops the run after its first step
         from shardlib.distributed.preempt import install_early
 
-        install_early()
+        install_early(originals, early)
     errors = Console(stderr=True)
     # the planner's results go to stdout (tools read them); training logs stay on stderr
     # (a console of its own: process 0 alone logs, but every process prints its errors)

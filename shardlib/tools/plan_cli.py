@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from shardlib.core.attention import IMPLS
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
@@ -30,7 +31,10 @@ from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
 SCHEDULES = ("gpipe", "1f1b", "circular")
-KNOBS = ("zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload")
+KNOBS = (
+    "zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload",
+    "attention", "loss_chunk",
+)  # fmt: skip
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
 
@@ -97,12 +101,16 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
             if value not in allowed:
                 raise ShardingError(f"{flag} {word}: {key} is one of {', '.join(allowed)}.")
             out[key] = value
+        elif key == "attention":
+            if value not in IMPLS:
+                raise ShardingError(f"{flag} {word}: attention is one of {', '.join(IMPLS)}.")
+            out[key] = value
         elif key in ("offload", "split_saved"):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ShardingError(f"{flag} {word}: {key} is true or false.")
             out[key] = value.lower() in ("true", "1", "yes")
-        elif key in (*axes, "zero", "microbatches", "virtual"):
-            least = 0 if key == "zero" else 1
+        elif key in (*axes, "zero", "microbatches", "virtual", "loss_chunk"):
+            least = 0 if key in ("zero", "loss_chunk") else 1
             if not value.isdigit() or int(value) < least:
                 raise ShardingError(f"{flag} {word}: {key} is a whole number >= {least}.")
             out[key] = int(value)

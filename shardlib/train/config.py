@@ -129,6 +129,11 @@ class Optimizer:
     """Warm-up shape: linear from 0, or log (DeepSpeed's WarmupLR default)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
+    schedule_steps: int = 0
+    """Steps the schedule spans (warm-up clipped to it, the decay ending at its last step,
+    the final rate after it); 0: ``run.steps``. A resumed run whose ``run.steps`` changed is
+    refused where that would change the schedule: set this to the checkpoint's length to
+    train on with its schedule (``checkpoint.resume``)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW); norms and biases are exempt."""
     b1: float = 0.9

@@ -40,6 +40,10 @@ def check_optimizer(opt) -> None:
         raise ShardingError(
             f"config: schedule={opt.schedule!r}. Fix: use one of {', '.join(SCHEDULES)}."
         )
+    if opt.schedule_steps < 0:
+        raise ShardingError(
+            f"config: schedule_steps={opt.schedule_steps} must be >= 0 (0: the run's steps)."
+        )
     if opt.warmup_type not in WARMUPS:
         raise ShardingError(
             f"config: warmup_type={opt.warmup_type!r}. Fix: use one of {', '.join(WARMUPS)}."
@@ -56,7 +60,9 @@ def schedule(cfg, steps: int) -> optax.Schedule:
 
     warmup_cosine / warmup_linear decay to ``lr * min_lr_ratio`` at the last step;
     inverse_sqrt decays as ``lr * sqrt(warmup / step)`` after the warm-up (Vaswani et al.).
+    ``cfg.schedule_steps``, where set, is the schedule's length instead of the run's ``steps``.
     """
+    steps = cfg.schedule_steps or steps
     warmup = min(cfg.warmup, max(steps - 1, 0))
     end = cfg.lr * cfg.min_lr_ratio
     ramp = _warmup_ramp(cfg.warmup_type, cfg.lr, warmup)

@@ -10,6 +10,7 @@ Order of work, so that mistakes surface before anything is compiled or allocated
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -257,6 +258,10 @@ class TrainSetup:
     @cached_property
     def schedule(self) -> optax.Schedule:
         return schedule(self.cfg.optimizer, self.cfg.run.steps)
+
+    def schedule_of_length(self, steps: int) -> optax.Schedule:
+        """This run's schedule stretched over ``steps`` (checked on resume)."""
+        return schedule(dataclasses.replace(self.cfg.optimizer, schedule_steps=steps), steps)
 
     @cached_property
     def train_step(self):

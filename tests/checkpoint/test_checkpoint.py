@@ -189,6 +189,28 @@ def test_missing_or_empty_directory(tmp_path):
         run(never, show=False)
 
 
+def test_a_resume_that_would_move_the_schedule_is_refused_and_schedule_steps_keeps_it(tmp_path):
+    """The cube run saved at step 30 of 40 (warmup_cosine): resuming with steps=50 would
+    decay over 50 steps instead, so it is refused before anything is written; with
+    schedule_steps=40 the resumed run follows the uninterrupted run exactly, then trains on
+    at the final rate. A shorter run that ends where it is resumed changes nothing."""
+    from shardlib.train.config import override
+    from shardlib.train.setup import make_setup
+
+    directory = _copy_of_cube_checkpoints(tmp_path)
+    shutil.rmtree(directory / "40")  # resume from step 30
+    base = setup(CUBE, str(directory))
+    longer = make_setup(override(base.cfg, {"steps": 50}), base.mesh)
+    before = _snapshot(directory)
+    with pytest.raises(ShardingError, match=r"run.steps 40 -> 50 changes the learning-rate "
+                       r"schedule .*lr at step 30 .*Fix: schedule_steps=40"):  # fmt: skip
+        run(longer, show=False)
+    assert _snapshot(directory) == before
+    kept = make_setup(override(base.cfg, {"steps": 50, "schedule_steps": 40}), base.mesh)
+    losses = run(kept, show=False, stop_after=40).losses
+    assert list(losses) == list(cube_runs().uninterrupted[30:40])
+
+
 def test_an_unfinished_save_is_ignored(tmp_path):
     directory = _copy_of_cube_checkpoints(tmp_path)
     shutil.copytree(directory / "40", directory / f"50{TMP_MARK}")  # looks like a crash

@@ -9,6 +9,7 @@ directory), so only the first of them compiles the step.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -231,3 +232,31 @@ def test_sigterm_during_start_up_stops_after_the_first_step_with_a_checkpoint(tm
     assert f"stopped by SIGTERM after step 1: checkpoint saved to {directory / '1'}" in text
     assert complete_steps(directory) == [1]
     print(f"\nSIGTERM at start-up -> stopped after step 1, exit 0 in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.5, 2.0, 4.0])
+def test_sigterm_at_a_fixed_time_after_start_exits_0_with_nothing_partial(tmp_path, cache, delay):
+    """TERM 0.5, 2 and 4 s after the process starts (while JAX loads, while the model is
+    built, while the step compiles: ``shardlib.tools.entry`` keeps it from the first line):
+    exit 0, no traceback, the step it stopped after saved whole, nothing unfinished."""
+    from shardlib.checkpoint.store import TMP_MARK, complete_steps
+
+    directory = tmp_path / "run"
+    command = train_command(tmp_path, f"checkpoint_dir={directory}", "steps=100000")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(cache)
+    )
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    text = out.decode()
+    assert proc.returncode == 0 and "Traceback" not in text, text
+    stopped = re.search(r"stopped by SIGTERM after step (\d+)", text)
+    assert stopped, text  # the step it stopped after was saved, complete
+    assert complete_steps(directory)[-1] == int(stopped.group(1))
+    unfinished = list(directory.rglob(f"*{TMP_MARK}*")) if directory.exists() else []
+    assert not unfinished, unfinished

@@ -130,3 +130,18 @@ def test_packed_rows_refuse_only_the_chunked_kernel():
     LocalAttention("cudnn").check_packed()
     with pytest.raises(ShardingError, match="chunked.*Fix: attention_impl=dense"):
         dataclasses.replace(LocalAttention(), impl="chunked").check_packed()
+
+
+def test_estimate_names_the_kernel_it_costed_and_takes_it_as_a_setting(capsys):
+    from shardlib.tools.cli import main
+
+    args = ["estimate", "--model", "llama-1b", "--cluster", "h200-1", "--global-batch", "4"]
+    args += ["--seq", "2048", "--set"]
+    assert main([*args, "remat=none"]) == 0
+    auto = " ".join(capsys.readouterr().out.split())
+    assert "note: costed with attention cudnn: cuDNN fused kernel" in auto
+    assert main([*args, "remat=none,attention=dense,loss_chunk=256"]) == 0
+    pinned = " ".join(capsys.readouterr().out.split())
+    assert "costed with attention" not in pinned and "MFU" in pinned
+    assert main([*args, "attention=flash"]) == 2
+    assert "attention is one of auto, dense, chunked, cudnn" in capsys.readouterr().err
