@@ -106,6 +106,14 @@ class PeerWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def await_verdict(self) -> None:
+        """Give the watcher its bound to name a lost or failed process before the caller
+        reports its own error: a collective whose peer died (gloo's "Connection closed by
+        peer") fails at once, while the watcher names the process within ``lost_after_s``
+        and ends this one itself (``_end``). Returns if it names nobody in that time."""
+        if self._thread.is_alive():
+            self._thread.join(self._lost_after_s + 2 * POLL_S)
+
     def _end(self, why: str) -> None:
         if not self._stop.is_set():
             print(f"process {self._me}: stopping: {why}", file=sys.stderr, flush=True)

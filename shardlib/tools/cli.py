@@ -378,6 +378,9 @@ def _main(argv: list[str] | None, early: Sequence[str] = (), originals=None) -> 
 
         if not multi_process():
             raise
+        peers, words = getattr(args, "peers", None), str(err).lower()
+        if peers is not None and any(w in words for w in ("peer", "gloo", "nccl", "connection")):
+            peers.await_verdict()  # a collective lost its peer: name it, not gloo's words
         # a collective that lost its peers (gloo), an orbax error...: one line, then stop
         first = (str(err).strip().splitlines() or [""])[0][:300]
         return _fail(errors, f"{type(err).__name__}: {first}", 1)
