@@ -204,6 +204,12 @@ def cmd_train(args, console: Console) -> int:
         f"{setup.attention.describe()}",
         soft_wrap=True,
     )
+    from shardlib.train.fp8 import advice
+
+    platform = mesh.devices.flat[0].platform
+    hint = advice(cfg.precision, setup.plan.remat.policy, platform)
+    if hint:
+        console.print(f"note: {hint}", highlight=False, soft_wrap=True)
     result = run(setup, console=console)
     if args.peers is not None:  # every process finished: a peer exiting now is no failure
         args.peers.stop()

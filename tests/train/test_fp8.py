@@ -277,3 +277,12 @@ def test_layouts_match_one_device(axes, settings):
                 np.testing.assert_allclose(got, ref, rtol=2e-2, err_msg=f"{name}/{leaf}")  # 1 ulp
             else:
                 np.testing.assert_allclose(got, ref, rtol=0.1, err_msg=f"{name}/{leaf}")
+
+
+def test_a_gpu_run_is_told_that_fp8_needs_full_recompute_for_its_backward_gemms():
+    from shardlib.train.config import override, train_config
+
+    prec = override(train_config(), {"precision": "fp8"}).precision
+    assert "remat=full makes the backward ones FP8" in fp8.advice(prec, "none", "gpu")
+    assert fp8.advice(prec, "full", "gpu") == "" and fp8.advice(prec, "none", "cpu") == ""
+    assert fp8.advice(train_config().precision, "none", "gpu") == ""
