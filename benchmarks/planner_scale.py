@@ -4,8 +4,8 @@
     python benchmarks/planner_scale.py --cluster h100-8
     python benchmarks/planner_scale.py --quick         # two points (what the test runs)
 
-Issue 15's first "done means": for every model from 1B to 1T on 8 to 3072 GPUs of an A100
-or H100 preset, ``shardlib plan`` answers in under 10 s, and whenever a published layout
+What it checks: for every model from 1B to 1T on 8 to 3072 GPUs of an A100 or H100
+preset, ``shardlib plan`` answers in under 10 s, and whenever a published layout
 fits (Narayanan et al. 2021 Table 1: 310B on 1920 GPUs, 530B on 2520, 1T on 3072), a plan
 is found. Prints, per point, the search time, the plan (or why none fits) and its MFU.
 The bound is checked on CPU time (one core: what the command takes on an idle machine);

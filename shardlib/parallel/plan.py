@@ -45,7 +45,7 @@ from shardlib.core.values import replace_path
 from shardlib.core.workload import Workload
 from shardlib.parallel import gradients
 from shardlib.parallel.context import ContextParallel, choice
-from shardlib.parallel.context.choice import Device
+from shardlib.parallel.context.choice import AttentionChoice, Device
 from shardlib.parallel.data import DataParallel
 from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
@@ -171,23 +171,23 @@ class ParallelPlan:
         data = self.data
         if data.vocab_parallel and not self._vocab_parallel_pays(workload):
             data = dataclasses.replace(data, vocab_parallel=False)
-        context = self.with_attention(workload, device).context
+        context = self.with_attention(self.attention_choice(workload, device)).context
         if (pipeline, data, context) == (self.pipeline, self.data, self.context):
             return self
         return dataclasses.replace(self, pipeline=pipeline, data=data, context=context)
 
-    def with_attention(self, workload: Workload, device: Device | None = None) -> ParallelPlan:
-        """This plan with ``attention_impl=auto`` replaced by its pick for these devices."""
-        if self.context.attention_impl != "auto":
-            return self
-        device = choice.local_device() if device is None else device
-        context = self.context.for_workload(self.mesh_axes, self.rules, workload, device)
-        return dataclasses.replace(self, context=context)
-
-    def attention_choice(self, workload: Workload, device: Device | None = None):
-        """Which attention kernel this plan runs for ``workload`` and why (``AttentionChoice``)."""
+    def attention_choice(self, workload: Workload, device: Device | None = None) -> AttentionChoice:
+        """Which attention kernel this plan runs for ``workload`` and why."""
         device = choice.local_device() if device is None else device
         return self.context.choose(self.mesh_axes, self.rules, workload, device)
+
+    def with_attention(self, picked: AttentionChoice) -> ParallelPlan:
+        """This plan with ``attention_impl=auto`` replaced by ``picked``'s kernel (an explicit
+        kernel stays as set)."""
+        if self.context.attention_impl != "auto":
+            return self
+        context = dataclasses.replace(self.context, attention_impl=picked.impl)
+        return dataclasses.replace(self, context=context)
 
     def _vocab_parallel_pays(self, workload: Workload) -> bool:
         """Under a pipeline, never: the head runs outside the stage loop on the whole data

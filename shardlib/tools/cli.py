@@ -198,15 +198,14 @@ def cmd_train(args, console: Console) -> int:
     console.quiet = jax.process_index() != 0  # one voice in multi-host runs: process 0
     setup = make_setup(cfg, mesh)
     shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    platform = mesh.devices.flat[0].platform
     console.print(
-        f"[bold]shardlib train[/] {cfg.model} on {shape} "
-        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices); "
-        f"{setup.attention.describe()}",
+        f"[bold]shardlib train[/] {cfg.model} on {shape} ({mesh.devices.size} {platform} "
+        f"devices); {setup.attention.describe()}",
         soft_wrap=True,
     )
     from shardlib.train.fp8 import advice
 
-    platform = mesh.devices.flat[0].platform
     hint = advice(cfg.precision, setup.plan.remat.policy, platform)
     if hint:
         console.print(f"note: {hint}", highlight=False, soft_wrap=True)

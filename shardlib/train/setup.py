@@ -294,8 +294,8 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         microbatches=plan.data.microbatches,
     )
     device = choice.device_of(mesh.devices.flat[0])  # the mesh's, not the default backend's
-    attention = plan.attention_choice(workload, device)  # before ``auto`` is replaced
-    plan = plan.for_workload(workload, device)
+    attention = plan.attention_choice(workload, device)  # ``auto``'s pick, with its reason
+    plan = plan.with_attention(attention).for_workload(workload, device)
     _, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
     plan.check(workload)
     fp8.check(cfg, plan, workload)  # the layouts FP8 training refuses

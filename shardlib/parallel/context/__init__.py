@@ -21,7 +21,6 @@ each device's slice of the sequence are in ``kernels.py`` beside it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -158,7 +157,9 @@ class ContextParallel:
         self, mesh_axes: Mapping[str, int], rules: Rules, workload: Workload, device: Device
     ) -> AttentionChoice:
         """The kernel ``attention_impl`` names on this mesh, model and device, with the reason
-        (``choice.choose``; an explicit kernel is kept as set)."""
+        (``choice.choose``; an explicit kernel is kept as set, without looking further)."""
+        if self.attention_impl != "auto":
+            return choose(self.attention_impl, workload, "none", Splits(), device)
 
         def ways(name: str) -> int:
             return math.prod(mesh_axes.get(a, 1) for a in rules.activations.get(name, ()))
@@ -167,15 +168,6 @@ class ContextParallel:
         kind = self.attention if size is not None else "none"
         splits = Splits(batch=ways("batch"), heads=ways("heads"), seq=size or 1)
         return choose(self.attention_impl, workload, kind, splits, device)
-
-    def for_workload(
-        self, mesh_axes: Mapping[str, int], rules: Rules, workload: Workload, device: Device
-    ) -> ContextParallel:
-        """This section with ``auto`` replaced by the kernel ``choose`` picks."""
-        if self.attention_impl != "auto":
-            return self
-        impl = self.choose(mesh_axes, rules, workload, device).impl
-        return dataclasses.replace(self, attention_impl=impl)
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         return [context_parallel(axis=Axis.CONTEXT)] if Axis.CONTEXT in mesh_axes else []

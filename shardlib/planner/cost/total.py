@@ -178,7 +178,8 @@ def estimate(
     (``backend="cpu"``: on the CPU backend, as compiled validation runs it); the estimate
     keeps the plan as given, so a written plan still says ``auto``."""
     device = Device("cpu") if backend == "cpu" else cluster.device if cluster else Device("gpu")
-    given, plan = plan, plan.with_attention(workload, device)
+    picked = plan.attention_choice(workload, device)
+    given, plan = plan, plan.with_attention(picked)
     view = PlanView(plan)
     check(workload, plan, cluster, view)
     calib = COEFFICIENTS if calib is None else calib
@@ -189,7 +190,7 @@ def estimate(
     flops = idle_flops = host_s = 0.0
     notes: list[str] = []
     if given.context.attention_impl == "auto":
-        notes.append(f"costed with {given.attention_choice(workload, device).describe()}")
+        notes.append(f"costed with {picked.describe()}")
     for part in parts:
         for k, v in part.memory.items():
             memory[k] += v
