@@ -218,9 +218,9 @@ def main() -> None:
     console.print(part1(names, [1] if args.quick else [1, 2]))
     console.print(part2())
     console.print(
-        "stage: the hand-overs only (the regrouping of the weights of an interleaved v > 1 "
-        "schedule from the stored contiguous order is the rest, an all-to-all per step); "
-        "the embedding and head gradients of the stages are summed with the data-parallel "
+        "stage: every collective over the stage axis alone (the hand-overs: with v > 1 the "
+        "trainer stores the stacked layers in stage order, so no weight moves); the "
+        "embedding and head gradients of the stages are summed with the data-parallel "
         "reduction, in one all-reduce over (data, stage), not counted here."
     )
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardlib.core.errors import ShardingError
+from shardlib.parallel.pipeline.storage import LayerOrder
 
 FORMAT = "shardlib-checkpoint/1"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -138,6 +139,7 @@ def build_meta(setup, state: dict, step: int, data: dict | None = None) -> dict:
             "identity": data,
         },
         "rng": {"seed": setup.cfg.run.seed, "impl": str(jax.config.jax_default_prng_impl)},
+        "layer_order": setup.layer_order.meta(),  # stacked rows as the step holds them
         "tensors": {
             name: {"shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": fp}
             for name, x, fp in zip(names, leaves, fingerprints(state), strict=True)
@@ -279,4 +281,5 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
                 f"{fp}, but {saved[name]['fingerprint']} was saved. Fix: restore an earlier "
                 f"step (complete steps: {complete_steps(path)}), or delete this step directory."
             )
+    state = setup.stored(state, LayerOrder.from_meta(meta))  # saved under another plan
     return Restored(state=state, step=step, path=path / str(step), meta=meta)

@@ -30,6 +30,7 @@ from shardlib.checkpoint.store import (
     load_orbax,
     read_meta,
 )
+from shardlib.parallel.pipeline.storage import BLOCKS, LayerOrder
 
 SAFETENSORS_DTYPES = {
     "float32": "F32",
@@ -82,7 +83,7 @@ def read_params(directory: str | Path, step: int | None = None) -> tuple[int, di
         raise CheckpointError(
             f"checkpoint {where} cannot be read ({type(err).__name__}: {error_summary(err)})."
         ) from None
-    flat = {}
+    flat, order = {}, LayerOrder.from_meta(meta)  # stacked rows back in layer order
     for name in names:
         node = tree
         for part in name.split("/"):
@@ -94,7 +95,7 @@ def read_params(directory: str | Path, step: int | None = None) -> tuple[int, di
                 f"checkpoint {where} is damaged: tensor params/{name} does not read back as "
                 "saved (shape or fingerprint differs). Fix: export an earlier step."
             )
-        flat[name] = node
+        flat[name] = order.natural_rows(node, name) if name.startswith(BLOCKS + "/") else node
     return step, flat, meta
 
 

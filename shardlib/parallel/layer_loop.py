@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.core.ops import scan_blocks
 from shardlib.parallel.pipeline.gpipe import pipeline_layers
+from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.remat import partition_saved_inputs, remat_block
 
 FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
@@ -74,9 +75,23 @@ def layer_loop(plan, workload, dtype):
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()
-    if spec is None or spec.schedule == "1f1b":
+    if spec is None:
         return stage_layers
+    if spec.schedule == "1f1b":  # evaluation: a plain scan, over the rows in layer order
+        return in_layer_order(LayerOrder.of_spec(spec), stage_layers)
     return pipeline_layers(spec, stage_layers)
+
+
+def in_layer_order(order: LayerOrder, stage_layers):
+    """``stage_layers`` reading stage-ordered rows (``pipeline.storage``) in layer order: one
+    regrouping per call, which only 1F1B's evaluation pays (its training loop is its own)."""
+    if order.natural:
+        return stage_layers
+
+    def ordered(block_fn, blocks_state, x):
+        return stage_layers(block_fn, jax.tree.map(order.natural_rows, blocks_state), x)
+
+    return ordered
 
 
 def cast_params(params, dtype, *, keep_blocks: bool = False):

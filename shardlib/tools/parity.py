@@ -56,7 +56,7 @@ def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
         setup.batch_sharding,
     )
     if params is None:
-        params = setup.init_state()["params"]
+        params = setup.natural(setup.init_state()["params"])
     else:
         params = jax.device_put(params, setup.param_shardings)
     grad_fn = grad_function(setup, make_loss_fn(setup))  # the pipeline's own, if any
@@ -82,7 +82,8 @@ def _random_params(shapes_key: tuple, seed: int) -> dict:
 
 
 def random_state(setup: TrainSetup, seed: int = 0) -> dict:
-    """A training state drawn with numpy (host arrays): N(0, 0.05) weights, unit norm scales.
+    """A training state drawn with numpy (host arrays): N(0, 0.05) weights, unit norm scales,
+    the stacked rows in the model's layer order (``trace`` stores them as the trainer does).
 
     Compiling a model's own initialiser (threefry per tensor) costs more than a few parity
     steps, so a sweep of many layouts starts every run, and its reference, from this state.
@@ -120,7 +121,8 @@ class Trace:
     grads: dict | None = None
     params: dict | None = None
     state: dict | None = None
-    """The final training state as the run left it (on its devices, in its layout)."""
+    """The final training state as the run left it (on its devices, in its layout and
+    layer order)."""
 
     @property
     def losses(self) -> list[float]:
@@ -145,12 +147,12 @@ def trace(
     test sweeping many layouts can initialise once and place that state on each of them.
     ``grads`` records the first step's gradients leaf by leaf, ``params`` the final ones.
     """
-    start = None if state is None else jax.device_put(state, setup.state_shardings)
+    start = None if state is None else jax.device_put(setup.stored(state), setup.state_shardings)
     result = run(setup, state=start, show=False)
     first = None
     if grads:
         first = first_grads(setup, None if state is None else state["params"])
-    final = jax.device_get(result.state["params"]) if params else None
+    final = jax.device_get(setup.natural(result.state["params"])) if params else None
     return Trace(result.records, first, final, result.state)
 
 

@@ -28,6 +28,7 @@ from shardlib.checkpoint.store import (
 )
 from shardlib.core.model import hf_adapter
 from shardlib.interop.hf_io import flatten, load_params, unflatten
+from shardlib.parallel.pipeline.storage import LayerOrder, reorder
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -95,7 +96,7 @@ def load_checkpoint_params(directory: str | Path, abstract: dict) -> dict:
                 f"init_from {where} is damaged: tensor params/{path} does not read back as "
                 "saved (fingerprint differs). Fix: use an earlier step."
             )
-    return params
+    return reorder(params, LayerOrder.from_meta(meta), LayerOrder())  # rows in layer order
 
 
 def load_initial_params(source: str | Path, abstract: dict, model_cfg) -> dict:

@@ -45,6 +45,7 @@ class RunResult:
 
     records: list[dict] = field(default_factory=list)
     state: dict | None = None
+    """As the step holds it: stacked rows in ``setup.layer_order`` (``setup.natural``)."""
     stopped_by: str | None = None
     """Why the run stopped before ``cfg.run.steps`` (a signal, or ``stop_after``); None if not."""
     checkpoint: Path | None = None
@@ -160,7 +161,9 @@ def run(
     stop_after: int | None = None,
 ) -> RunResult:
     """Train for ``setup.cfg.run.steps`` steps from ``state`` (None: the latest checkpoint in
-    ``cfg.checkpoint.dir`` if there is one, else a fresh initialisation).
+    ``cfg.checkpoint.dir`` if there is one, else a fresh initialisation). A given ``state``
+    is in the trainer's layer order, as ``init_state`` and a previous run return it
+    (``setup.stored`` converts one in the model's natural order).
 
     The step is compiled before step 1 (through the persistent cache, ``run.compile_cache``);
     step times are execution only. Only process 0 prints and writes metrics. SIGTERM/SIGINT,

@@ -31,6 +31,7 @@ from shardlib.parallel.context import choice
 from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
+from shardlib.parallel.pipeline.storage import LayerOrder, map_blocks, reorder
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
 from shardlib.train import fp8, precision
 from shardlib.train.config import TrainConfig
@@ -237,13 +238,15 @@ class TrainSetup:
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
                 state[fp8.KEY] = init_fp8()
-            return state
+            return map_blocks(order.store_rows, state, rows)  # the trainer's layer order
 
+        order, rows = self.layer_order, self.workload.blocks
         return jax.jit(init, out_shardings=self.state_shardings)
 
     def init_state(self) -> dict:
         """Parameters initialised straight into their shards (jit with out_shardings), or
-        read from ``checkpoint.init_from`` (parameters only; adapters stay fresh)."""
+        read from ``checkpoint.init_from`` (parameters only; adapters stay fresh); the
+        stacked rows in the trainer's ``layer_order``."""
         with jax.set_mesh(self.mesh):
             state = self._init(jax.random.key(self.cfg.run.seed))
         source = self.cfg.checkpoint.init_from
@@ -251,9 +254,24 @@ class TrainSetup:
             from shardlib.train.init_from import load_initial_params, overlay
 
             abstract = self.abstract_state()["params"]
-            loaded = load_initial_params(source, abstract, self.model_cfg)
+            loaded = self.stored(load_initial_params(source, abstract, self.model_cfg))
             state["params"] = overlay(state["params"], loaded)
         return state
+
+    @cached_property
+    def layer_order(self) -> LayerOrder:
+        """How the train state keeps the stacked layers' rows: stage order under an
+        interleaved pipeline (no weight moves per step), else natural (``pipeline.storage``)."""
+        return LayerOrder.of_spec(self.plan.pipeline_spec())
+
+    def stored(self, tree, source: LayerOrder | None = None):
+        """A state, parameters or gradients from ``source``'s layer order (default natural)
+        into the trainer's."""
+        return reorder(tree, source or LayerOrder(), self.layer_order, self.workload.blocks)
+
+    def natural(self, tree):
+        """Inverse of ``stored``: the trainer's rows back in the model's layer order."""
+        return reorder(tree, self.layer_order, LayerOrder(), self.workload.blocks)
 
     @cached_property
     def schedule(self) -> optax.Schedule:

@@ -27,6 +27,7 @@ from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.pipeline.stats import stats_tokens
+from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
 from shardlib.train.optim import frozen_base
 
@@ -171,14 +172,28 @@ def make_loss_fn(setup: TrainSetup, *, with_metrics: bool = False, lora: bool = 
     )
 
 
-def grad_function(setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None):
+def grad_function(
+    setup: TrainSetup, loss_fn, *, has_aux: bool = False, loss_scale=None, stored: bool = False
+):
     """The plan's ``(params, batch) -> (loss, grads)`` for this setup's model and layout
     (``ParallelPlan.value_and_grad``), averaged over ``parallel.data.microbatches``.
 
-    ``loss_scale``: the fp16 scale; the loss and gradients come back scaled by it."""
-    return setup.plan.value_and_grad(
+    ``loss_scale``: the fp16 scale; the loss and gradients come back scaled by it.
+    ``stored``: parameters and gradients in the trainer's layer order (``setup.layer_order``,
+    as the train state holds them); by default in the model's natural order, regrouped
+    around the step where an interleaved pipeline stores them in stage order."""
+    grad_fn = setup.plan.value_and_grad(
         loss_fn, setup.step_layout, has_aux=has_aux, loss_scale=loss_scale
     )
+    order, rows = setup.layer_order, setup.workload.blocks
+    if stored or order.natural:
+        return grad_fn
+
+    def natural_in_and_out(params, batch):
+        out, grads = grad_fn(map_blocks(order.store_rows, params, rows), batch)
+        return out, map_blocks(order.natural_rows, grads, rows)
+
+    return natural_in_and_out
 
 
 def accumulate_grads(
@@ -202,7 +217,8 @@ def build_eval_step(setup: TrainSetup):
     """``eval(params, batch) -> (loss, weight)``: one held-out batch's (masked) mean
     cross-entropy and the weight it carries, so that evaluation combines batches as
     ``sum(loss * weight) / sum(weight)``, a mean over all held-out tokens that count.
-    ``params`` is ``fp8.eval_params(state)``: with FP8, the scales too (used, not updated)."""
+    ``params`` is ``fp8.eval_params(state)``: with FP8, the scales too (used, not updated);
+    the stacked rows in the trainer's ``setup.layer_order``, as the state holds them."""
     loss_fn = make_loss_fn(setup, with_metrics=True)
 
     def eval_step(params, batch):
@@ -243,7 +259,7 @@ def build_train_step(setup: TrainSetup):
             tokens_BL1 = normalise_weights(tokens_BL1)  # packed: one global masked mean
             scale = state["loss_scale"]["scale"] if scaled else None
             # the plan's one gradient path: plain, ZeRO++ or 1F1B, over the micro-batches
-            grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale)
+            grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale, stored=True)
             (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), tokens_BL1)
             # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
             grads, new_meta = fp8.split_meta(grads)

@@ -82,12 +82,13 @@ _INITIAL = {}
 
 
 def initial_state(setup):
-    """The one-device initial state of this model config, placed on ``setup``'s shardings."""
+    """The one-device initial state of this model config, placed on ``setup``'s shardings
+    (and its stacked rows in ``setup``'s layer order)."""
     key = (setup.model_cfg, setup.cfg.run.seed)
     if key not in _INITIAL:
         one = make_setup(setup.cfg, single_device_mesh())
         _INITIAL[key] = jax.device_get(one.init_state())
-    return jax.device_put(_INITIAL[key], setup.state_shardings)
+    return jax.device_put(setup.stored(_INITIAL[key]), setup.state_shardings)
 
 
 class Compiled:

@@ -17,9 +17,9 @@ virtual stage, L = p·v·k) and the pipeline runs as one ``lax.scan``:
 GPipe (v = 1) runs m + p - 1 iterations: the bubble is (p-1)/m of the ideal compute and
 shows up as extra FLOPs. Circular (v > 1, layers assigned round-robin: virtual stage j =
 r·p + s runs on device s) runs v·m + p - 1 iterations of L/v layers: bubble (p-1)/(m·v).
-It needs m >= p so that a micro-batch is back in the buffer before stage 0 reads it; and
-because device s then needs layers that are not contiguous in the stacked order, the
-weights are regrouped once per step (an all-to-all over ``stage``, measured by explain).
+It needs m >= p so that a micro-batch is back in the buffer before stage 0 reads it.
+Device s then needs layers that are not contiguous in the model's order, so the trainer
+stores the stacked rows in stage order (``pipeline/storage.py``) and no weight moves.
 
 The backward pass is ``jax.grad`` of the scan: GPipe keeps the residuals of every
 iteration, so activation memory grows with m. ``pipeline/one_f_one_b.py`` has the schedule whose
@@ -60,6 +60,7 @@ from shardlib.parallel.pipeline.stats import (
     stats_mean,
     stats_slots,
 )
+from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.views import (
     merge_microbatches,
     split_microbatches,
@@ -245,7 +246,8 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
     def run(block_fn, blocks_state, carry):
         x_BLD, stats = split_carry(carry)
         blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)
-        staged = stage_state(blocks_state, p, v)  # every leaf [p, v, k, ...]
+        # every leaf [p, v, k, ...]: a local reshape of the trainer's stage-ordered rows
+        staged = stage_state(blocks_state, p, v, stored=not LayerOrder.of_spec(spec).natural)
         if keep is not None:  # uneven stages: (weights, keep) slots
             staged, block_fn = (staged, to_stages(keep, None, p, v)), masked(block_fn)
 

@@ -42,9 +42,10 @@ differentiating the loop. Device s holds v virtual stages (chunks) r·p + s, r =
 
 Needs m % p == 0 when v > 1 (Megatron's rule); v = 1 takes any m. Costs one recomputed
 forward per layer and micro-batch (~1.33x the FLOPs of the step without remat), whatever
-the remat policy: the schedule decides what is saved. With v > 1 the weights are regrouped
-from the stored contiguous order to the round-robin one once per step (``to_stages``: an
-all-to-all over ``stage``); Megatron stores them per virtual stage and moves none.
+the remat policy: the schedule decides what is saved. With v > 1 the trainer keeps the
+stacked rows in stage order (``pipeline.storage``), so each device already holds its
+chunks and no weight moves, as in Megatron; from natural order (``to_stages`` with
+``stored=False``) the view would regroup them over ``stage`` every step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from shardlib.parallel.pipeline.stage_work import (
     one_trip,
     split,
 )
+from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.parallel.pipeline.views import (
     constrain_param,
@@ -116,6 +118,7 @@ def one_f_one_b_value_and_grad(
     split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
     sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
     p, m, v = sched.p, sched.m, sched.v
+    stored = not LayerOrder.of_spec(spec).natural  # rows in stage order (``storage``)
 
     def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None):
         """Per data replica (one gradient reduction per step, after the loop), then the mean."""
@@ -148,7 +151,7 @@ def one_f_one_b_value_and_grad(
         keep_pvk = None if keep is None else to_stages(keep, None, p, v)
         names = variable_names(blocks_state)
         leaves, treedef = jax.tree.flatten(blocks_state)
-        w_pvk = [to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)]
+        w_pvk = [to_stages(w, n, p, v, stored) for w, n in zip(leaves, names, strict=True)]
         pvk_names = [staged_names(n) for n in names]
         pk_names = [None if n is None else (n[0], *n[2:]) for n in pvk_names]
         axes = stage_axes()
@@ -367,7 +370,7 @@ def one_f_one_b_value_and_grad(
         _, _, _, g_w, g_rest_P, loss_sum = carry
         g_w = [g[:, None] if v == 1 else g for g in g_w]  # [p, v, k, ...]
         g_blocks = [
-            constrain_param(unpad_stages(from_stages(g, n), spec.stage_layers), n, "grad")
+            constrain_param(unpad_stages(from_stages(g, n, stored), spec.stage_layers), n, "grad")
             for g, n in zip(g_w, names, strict=True)
         ]
         g_rest = g_rest_P

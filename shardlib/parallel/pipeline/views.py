@@ -1,7 +1,7 @@
 """Views of the stacked ``[layers, ...]`` parameters and the batch that pipeline schedules use.
 
 Both schedules (``pipeline.py``: GPipe and circular; ``pipeline/one_f_one_b.py``: (interleaved)
-1F1B) regroup the same stack as ``[p, v, k, ...]`` (virtual stage r·p + s on device s),
+1F1B) view the same stack as ``[p, v, k, ...]`` (virtual stage r·p + s on device s),
 copy it per data replica, and cut the batch into micro-batches the same way; keeping these
 views in one place keeps the two schedules' layouts identical, which their parity tests and
 the planner's memory terms assume.
@@ -47,17 +47,24 @@ def staged_names(names: tuple | None) -> tuple | None:
     return ("stage", None, None, *names[1:])
 
 
-def to_stages(w_L: jax.Array, names, p: int, v: int) -> jax.Array:
-    """[L, ...] -> [p, v, k, ...]: virtual stage r·p + s (layers in order) on device s."""
+def to_stages(w_L: jax.Array, names, p: int, v: int, stored: bool = False) -> jax.Array:
+    """[L, ...] -> [p, v, k, ...]: virtual stage r·p + s (layers in order) on device s.
+
+    ``stored``: the rows are in stage order already (``pipeline.storage``), so the view is a
+    local reshape; from natural order it is a regrouping over ``stage`` (an all-to-all)."""
     k = w_L.shape[0] // (p * v)
-    w = jnp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
+    if stored:
+        w = w_L.reshape(p, v, k, *w_L.shape[1:])
+    else:
+        w = jnp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
     return constrain_param(w, staged_names(names), "staged parameter")
 
 
-def from_stages(w_pvk: jax.Array, names) -> jax.Array:
+def from_stages(w_pvk: jax.Array, names, stored: bool = False) -> jax.Array:
     """Inverse of ``to_stages``: [p, v, k, ...] -> [L, ...] in the stored layout."""
     p, v, k = w_pvk.shape[:3]
-    w = jnp.swapaxes(w_pvk, 0, 1).reshape(p * v * k, *w_pvk.shape[3:])
+    w = w_pvk if stored else jnp.swapaxes(w_pvk, 0, 1)
+    w = w.reshape(p * v * k, *w_pvk.shape[3:])
     return constrain_param(w, names, "stacked parameter")
 
 
@@ -78,11 +85,12 @@ def to_replicas(reps, blocks_state):
     return treedef.unflatten(out)
 
 
-def stage_state(blocks_state, p: int, v: int):
+def stage_state(blocks_state, p: int, v: int, stored: bool = False):
     """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
     names = variable_names(blocks_state)
     leaves, treedef = jax.tree.flatten(blocks_state)
-    return treedef.unflatten([to_stages(w, n, p, v) for w, n in zip(leaves, names, strict=True)])
+    staged = [to_stages(w, n, p, v, stored) for w, n in zip(leaves, names, strict=True)]
+    return treedef.unflatten(staged)
 
 
 def split_microbatches(x_B: jax.Array, m: int) -> jax.Array:

@@ -30,8 +30,6 @@ COEFFICIENTS: dict[str, float] = {
     "moe_dense_mlp": 6.514,  # MoE models: extra elements of width mlp per dense block
     "pipe_logits": 0.744,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
     "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
-    "pipe_circular_weights": 0.13,  # circular: weight-sized buffers of the regrouping's way
-    # back, per regrouped copy (itself counted by definition: terms.pipeline)
     "pipe_1f1b_tables": 0.908,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
 }
 # Refitted on all 99 probes (``calibrate.fit.PROBES``) after the memory changes of 2026-11 (RMSNorm
@@ -84,6 +82,13 @@ COEFFICIENTS: dict[str, float] = {
 # 0.744, pipe_circular_weights 0.101 -> 0.13, pipe_1f1b_tables 0.782 -> 0.908); worst probe
 # 9.0%. Freeing all layer_* counts moved layer_h to 0 and put qkv at 5.3 (the probes cannot
 # tell the widths apart), and a full refit missed 4 held-out plans: neither kept.
+# Interleaved pipelines (circular, 1F1B with v > 1) store the stacked layers in stage order
+# (``parallel.pipeline.storage``): no regrouped copy and no all-to-all of the weights, so
+# ``pipe_circular_weights`` (its way back) is gone. The small group re-measured and the
+# 70B-width circular record with it (memory unchanged there, 1.00; its stage wire 6.9 ->
+# 5.3 GB): with the other coefficients as they were, the pipeline probes read 0.917-1.041
+# and the worst of all 122 records is 9.0%, as before; a ``--free pipeline`` refit moved
+# pipe_logits to 0.817 and pipe_tables to 0.363 for no gain in the worst case: not kept.
 # benchmarks/planner_validation.py --devices 8: 27 of 28 within 10%; over is llama-7b
 # layers=4 fsdp=4 x context=2 remat=none (1.102: ring attention's saved set is the fitted
 # dense-attention counts', which the non-negative ring_saved_qkv cannot lower).

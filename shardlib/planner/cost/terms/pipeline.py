@@ -26,10 +26,8 @@ v virtual stages, L layers, b = B/(m·replicas) sequences per micro-batch on a d
   all-gathered over it on arrival: ``handover_split``). Measured on jax 0.10.2, CPU, p = 2,
   4, 8, with data, FSDP and tensor axes (``tests/planner/test_planner_pipeline.py``;
   1F1B v = 1, 2 on data 2 x stage 4; ``benchmarks/ptdp_bytes.py`` at 39B and 146B);
-* circular and interleaved 1F1B regroup their weights once forward (compute dtype) and
-  once backward (fp32 gradients) from the stored contiguous layout to the round-robin one:
-  an all-to-all over min(v, p) devices of the device's L/p blocks, and when v < p a
-  collective-permute of them;
+* circular and interleaved 1F1B move no weights: the trainer stores the stacked rows in
+  stage order (``parallel/pipeline/storage.py``), so each device holds its chunks r·p + s;
 * 1F1B keeps each layer's input from its forward to its backward (``stage_inputs_saved``),
   split over ``tensor`` where the plan says so (``split_saved``, a search knob: 1/t of the
   memory for an all-gather per layer and micro-batch).
@@ -75,7 +73,6 @@ from shardlib.planner.cost.terms.pipeline_loop import (
     iterations,
     layer_runs,
     layer_sets_saved,
-    regrouped_weights,
     stage_inputs_saved,
     trips,
 )
@@ -102,10 +99,9 @@ STAGE_ALL_REDUCES = 2
 # so its fp32 logits and their gradient do not share buffers with anything
 # (``pipe_logits``: extra fp32 logits-sized buffers, vocab / tensor, beyond ``head_vocab``),
 # and the embedding/head tables' gradients are live there too (``pipe_tables``: extra fp32
-# vocab x embed / tensor tables). Circular keeps the regrouped [p, v, k] copy of the
-# device's weights (``regrouped_weights``, by definition) and, fitted, the weight-sized
-# buffers of its way back (``pipe_circular_weights``: the gradients' regrouping and
-# all-to-all). Per-trip copies of a round's weights are not saved (``pipeline._round_policy``).
+# vocab x embed / tensor tables). Circular's [p, v, k] view of the stage-ordered weights
+# is a reshape, not a copy; per-trip copies of a round's weights are not saved
+# (``pipeline._round_policy``).
 
 
 MAX_STAGES = 64
@@ -169,21 +165,6 @@ def pipeline(step: Step) -> Contribution:
             Comm("pipeline", "activations", "collective-permute", axes, n, bsh, permutes, True),
             Comm("pipeline", "activations", "all-reduce", axes, n, bsh, all_reduces, True),
         ]
-    if view.schedule in VIRTUAL_SCHEDULES and view.virtual > 1:
-        layer = step.layer_elements
-        held = layer * step.layers_per_device
-        group = min(view.virtual, view["stage"])
-        for nbytes in (w.compute_bytes, MASTER_BYTES):  # weights forward, gradients back
-            # explain's all-to-all M is the device's own share (wire (g-1)/g of it)
-            comms.append(
-                Comm("pipeline", "weights", "all-to-all", axes, group, held * nbytes, 1, True)
-            )
-            if view.virtual < view["stage"]:
-                comms.append(
-                    Comm(
-                        "pipeline", "weights", "collective-permute", axes, 2, held * nbytes, 1, True
-                    )
-                )
     bubble, recompute = extra_flops(step)
     # 1F1B keeps its ring of saved layer inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
@@ -192,17 +173,13 @@ def pipeline(step: Step) -> Contribution:
         # own: the embedding's count on stage 0, the head's on p-1, no hand-over to them),
         # beside the accumulator the state term counts (fitted: ``pipe_1f1b_tables``)
         tables = 2 * w.vocab * w.embed / view["tensor"] * MASTER_BYTES
-        buffers = stage_inputs_saved(step) * bsh + regrouped_weights(step)
-        buffers += step.calib["pipe_1f1b_tables"] * tables
+        buffers = stage_inputs_saved(step) * bsh + step.calib["pipe_1f1b_tables"] * tables
     else:
         c = step.calib
         tokens = head_batch(step) * step.local_seq * logits_share(step)
         buffers = (
             (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.vocab / view["tensor"] * 4
         )
-        if view.schedule == "circular":  # the regrouped copy, and what moves it back (fitted)
-            regrouped = regrouped_weights(step)
-            buffers += (1 + c["pipe_circular_weights"]) * regrouped
     return Contribution(
         memory={"pipeline buffers": buffers},
         comms=tuple(comms),

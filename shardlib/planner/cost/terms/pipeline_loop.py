@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.spec import PipelineSpec
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Step, per_step
+from shardlib.planner.cost.terms.base import Step, per_step
 
 VIRTUAL_SCHEDULES = ("circular", "1f1b")  # schedules with v virtual stages per device
 
@@ -105,22 +105,6 @@ def handover_split(step: Step) -> int:
     (SC21 section 4.1's scatter/gather; the residual stream is replicated over ``tensor``,
     ``stage_work.handover``)."""
     return step.view["tensor"]
-
-
-def regrouped_weights(step: Step) -> float:
-    """Bytes of the interleaved schedule's round-robin copy of a device's stage weights.
-
-    With v > 1 the device's L/p blocks are regrouped once per step from the stored
-    contiguous order to chunks r·p + s ([p, v, k, ...], ``to_stages``); the loop picks its
-    chunk from that copy, so it stays live through the loop beside the stored weights: one
-    more set of the device's fp32 master weights (the cast to compute dtype is per chunk).
-    Seen in the peak live set of the compiled 39B layout (tensor 8 x stage 2, v = 2, fp32):
-    9.4 GiB per device, the regrouped copy (a concatenate) beside the stored weights.
-    """
-    view = step.view
-    if view.virtual <= 1 or view["stage"] == 1:
-        return 0.0
-    return step.layer_elements * step.layers_per_device * MASTER_BYTES
 
 
 def gradient_reductions(step: Step, axes: tuple[str, ...]) -> tuple[float, float]:
