@@ -70,6 +70,8 @@ class MeshSpec:
     """The preset's ``[parallel.*]`` strategy tables (read by ``ParallelPlan``)."""
     distributed: dict[str, Any] = field(default_factory=dict, compare=False)
     """``[distributed]``: timeouts and job id of a multi-process run (``ProcessGroup``)."""
+    rules: dict[str, Any] = field(default_factory=dict, compare=False)
+    """``[rules]``: the model's own logical names -> mesh axes (``ParallelPlan.custom_names``)."""
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.axes]
@@ -176,6 +178,7 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         platform=doc.get("platform"),
         parallel=doc.get("parallel", {}),
         distributed=doc.get("distributed", {}),
+        rules=doc.get("rules", {}),
     )
 
 
