@@ -10,7 +10,7 @@ in one table only fails later, on the first tensor of the other kind.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shardlib.core.errors import ShardingError
@@ -34,6 +34,15 @@ def axes_of(name: str, value: Any) -> tuple[str, ...]:
         f"rules.{name}=fsdp,tensor, or rules.{name}= (replicated); in a mesh file "
         f'[rules] {name} = ["tensor"].'
     )
+
+
+def rules_table(table: Any, where: str) -> Mapping[str, Any]:
+    """A mesh file's ``[rules]``, checked to be a table (``rules = "x"`` is not one)."""
+    if not isinstance(table, Mapping):
+        raise ShardingError(
+            f"{where}: rules = {table!r} is not a table. Fix: [rules] NAME = [AXIS, ...]."
+        )
+    return table
 
 
 def with_custom_names(rules: Rules, names: Iterable[tuple[str, tuple[str, ...]]]) -> Rules:

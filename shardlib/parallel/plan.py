@@ -51,7 +51,7 @@ from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
 from shardlib.parallel.layer_loop import layer_loop
 from shardlib.parallel.loss import LossChunks
-from shardlib.parallel.names import axes_of, with_custom_names
+from shardlib.parallel.names import axes_of, rules_table, with_custom_names
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.remat import Remat
@@ -87,12 +87,8 @@ class ParallelPlan:
     custom_names: tuple[tuple[str, tuple[str, ...]], ...] = field(
         default=(), metadata={"setting": "rules.NAME"}
     )
-    """The model's own logical names (``"patches"``, ``"classes"``) and the mesh axes each
-    is split over, in the parameter and the activation table alike (``Rules.with_name``;
-    ``()``: replicated). Not a strategy: a model outside shardlib's vocabulary needs them
-    before any rule can resolve its tensors. A mesh file's ``[rules]`` table
-    (``classes = ["tensor"]``), ``rules.NAME=AXIS,...`` on the command line, ``with_names``
-    in Python."""
+    """The model's own logical names (``classes``) -> mesh axes, in both tables (no strategy
+    knows them; ``parallel.names``): ``[rules]`` in a mesh file, ``rules.NAME=AXIS,...``."""
 
     def __post_init__(self) -> None:
         names = tuple((str(n), axes_of(n, a)) for n, a in dict(self.custom_names).items())
@@ -280,12 +276,7 @@ class ParallelPlan:
     @classmethod
     def from_mesh_spec(cls, spec: MeshSpec) -> ParallelPlan:
         """A mesh file's ``[mesh]`` and ``[parallel.*]`` tables as a plan."""
-        plan = cls(mesh=spec)
-        if not isinstance(spec.rules, Mapping):
-            raise ShardingError(
-                f"mesh {spec.source}: rules must be a table, [rules] NAME = [AXIS, ...]."
-            )
-        plan = plan.with_names(spec.rules)
+        plan = cls(mesh=spec).with_names(rules_table(spec.rules, f"mesh {spec.source}"))
         for name, table in spec.parallel.items():
             if name not in _section_names():
                 raise ShardingError(

@@ -110,6 +110,9 @@ def test_rules_refuses_shardlib_names_missing_axes_and_odd_values(tmp_path):
     path.write_text("[mesh]\ntensor = 8\n\n[rules]\nffn = 4\n")
     with pytest.raises(ShardingError, match=r"rules.ffn=4: expected mesh axes. Fix: rules.ffn"):
         ParallelPlan.from_mesh_spec(load_mesh(path))
+    path.write_text('rules = "tensor"\n\n[mesh]\ntensor = 8\n')
+    with pytest.raises(ShardingError, match=r"is not a table. Fix: \[rules\] NAME = "):
+        ParallelPlan.from_mesh_spec(load_mesh(path))
 
 
 def test_an_unknown_name_error_names_with_name_and_the_settings():
