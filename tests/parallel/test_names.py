@@ -156,3 +156,16 @@ def test_cli_reads_the_rules_table_of_a_mesh_file(capsys, tmp_path):
     assert code == 0, err
     specs = {t["path"]: t["spec"] for t in json.loads(out.read_text())["tensors"]}
     assert specs["state.params.blocks.w_out"] == "P(None, 'tensor')", specs
+
+
+def test_deepspeed_config_keeps_the_mesh_files_rules(tmp_path):
+    """``--deepspeed`` replaces the mesh file's layout, not the model's own names."""
+    from shardlib.tools.cli import _deepspeed_base
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}))
+    mesh = tmp_path / "mine.toml"
+    mesh.write_text('[mesh]\ndata = -1\n\n[rules]\nffn = ["data"]\n')
+    cfg = _deepspeed_base(str(ds), 8, load_mesh(mesh))
+    assert cfg.parallel.custom_names == (("ffn", ("data",)),)
+    assert cfg.parallel.with_devices(8).rules.params["ffn"] == ("data",)
