@@ -16,6 +16,7 @@ the weight an all-gather fetches. The optimized HLO holds two better clues:
 from __future__ import annotations
 
 import re
+import sysconfig
 from pathlib import Path
 
 import shardlib.analysis.hlo as hlo
@@ -65,9 +66,15 @@ def _elements(inst: hlo.Instruction) -> int:
 
 _INSTALLED = re.compile(r"[/\\](site-packages|dist-packages)[/\\]")
 _SHARDLIB = str(Path(__file__).resolve().parents[1])  # shardlib's own ops are library too
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _library(path: str) -> bool:
+    """Not the user's code: installed packages, shardlib, Python's standard library and
+    frozen modules (``<frozen runpy>``: the frame that ran ``python -m``, which would
+    otherwise be the "user" line of everything the CLI compiles outside the model)."""
+    if path.startswith("<") or path.startswith(_STDLIB):
+        return True
     return bool(_INSTALLED.search(path)) or path.startswith(_SHARDLIB)
 
 
@@ -76,7 +83,8 @@ def stack_frames(text: str) -> dict[int, str]:
 
     The innermost frame is often inside a library (``linear.py:431 in Linear.__call__``);
     the frames are walked outwards to the first one in the user's own code, which says
-    which of their layers asked for the op.
+    which of their layers asked for the op; without one, the innermost in shardlib (the
+    trainer's step: ``step.py:88 in loss``), else the innermost of all.
     """
     tables: dict[str, dict[int, str]] = {}
     current = None
@@ -107,18 +115,21 @@ def stack_frames(text: str) -> dict[int, str]:
     frames = {k: (loc, parent - shift) for k, (loc, parent) in frames.items()}
     out = {}
     for k in frames:
-        chosen, frame, seen = None, k, set()
+        chosen, ours, frame, seen = None, None, k, set()
         while frame in frames and frame not in seen:
             seen.add(frame)
             location, parent = frames[frame]
             if location in places:
-                chosen = chosen or places[location][1]  # innermost, the fallback
-                if not _library(places[location][0]):
-                    chosen = places[location][1]
+                path, where = places[location]
+                chosen = chosen or where  # innermost, the last fallback
+                if path.startswith(_SHARDLIB):
+                    ours = ours or where  # shardlib's own step (a CLI run has no user frame)
+                if not _library(path):
+                    chosen = ours = where
                     break
             frame = parent
-        if chosen:
-            out[k] = chosen
+        if ours or chosen:
+            out[k] = ours or chosen
     return out
 
 

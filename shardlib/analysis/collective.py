@@ -1,6 +1,12 @@
 """From a collective in the HLO to a row of the report: mesh axes, group, wire bytes, and
 what it moves (``attribute``). Shared by ``explain`` and the GPU-form recount
 (``reduce_scatter.gpu_collectives``), so that both describe a collective one way.
+
+XLA's all-reduce combiner fuses the data-parallel gradient reductions into one tuple
+all-reduce (every gradient of a layer, or of the whole model, at once). Its metadata then
+points at one of the many lines involved (an attention projection, say), which reads as if
+that line alone asked for it; such a collective is labelled a fused gradient sync with the
+number of tensors it carries instead (``fused_tensors``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def collective_op(
     else:
         axes = _mesh_axes([list(g) for g in raw.groups], mesh_shape, names)
         group_size = max((len(g) for g in raw.groups), default=1)
+    inst = _instruction(module, raw) if module else None
     return CollectiveOp(
         name=raw.name,
         kind=raw.kind,
@@ -55,15 +62,27 @@ def collective_op(
         wire_bytes=ring_wire_bytes(raw.kind, raw.buffer_bytes, group_size),
         op_name=raw.op_name,
         tensor=attribute.moved_input(module, raw.computation, raw.name) if module else "",
-        source=attribute.source(_attrs(module, raw), frames or {}) if module else "",
+        source=attribute.source(inst.attrs, frames or {}) if inst else "",
+        fused_tensors=fused_gradients(raw.kind, raw.op_name, inst.arrays) if inst else 0,
     )
 
 
-def _attrs(module: hlo.HloModule, raw: hlo.RawCollective) -> str:
+def fused_gradients(kind: str, op_name: str, arrays: tuple) -> int:
+    """How many gradients (arrays of more than one element) a fused reduction carries, or 0
+    when it is not one: a tuple all-reduce (or reduce-scatter) of two or more of them, made
+    by the backward pass (JAX names its ops ``transpose(jvp(...))``). Scalars riding along
+    (the loss, a norm) are not counted."""
+    if kind not in ("all-reduce", "reduce-scatter") or "transpose(" not in op_name:
+        return 0
+    tensors = sum(1 for a in arrays if a.elements > 1)
+    return tensors if tensors >= 2 else 0
+
+
+def _instruction(module: hlo.HloModule, raw: hlo.RawCollective) -> hlo.Instruction | None:
     for inst in module.computations[raw.computation].instructions:
         if inst.name == raw.name:
-            return inst.attrs
-    return ""
+            return inst
+    return None
 
 
 def _largest_cycle(pairs: tuple[tuple[int, int], ...]) -> int:

@@ -8,8 +8,9 @@ finds those pairs in the optimized HLO so that reports can show what a GPU would
 ``gpu_collectives(hlo_text, mesh)`` lists a program's collectives (as ``explain`` does)
 with those pairs relabelled as reduce-scatters.
 
-The test is structural: every use of the all-reduce's result (through get-tuple-element)
-is a dynamic-slice, or a fusion that dynamic-slices it, keeping 1/N of the elements.
+The test is structural and per result (tuple element): every use of it (through
+get-tuple-element) is a dynamic-slice, or a fusion that dynamic-slices it, keeping 1/N of
+its elements.
 """
 
 from __future__ import annotations
@@ -59,10 +60,17 @@ def _group_size(inst: hlo.Instruction, num_devices: int) -> int:
     return max(len(g) for g in groups)
 
 
-def cpu_reduce_scatters(text: str) -> set[str]:
-    """Names of the all-reduces whose every use keeps only this device's 1/N slice."""
+def cpu_reduce_scatters(text: str) -> dict[str, tuple[hlo.ArrayType, ...]]:
+    """The all-reduces some of whose results each device keeps only 1/N of: name -> those
+    results (tuple elements), the part a GPU runs as a reduce-scatter.
+
+    Judged element by element: XLA's combiner fuses a gradient that FSDP slices with values
+    every device keeps whole (the loss scalar, a replicated bias) into one tuple all-reduce,
+    and on GPU the reduce-scatter is formed before that fusion, so the gradient is still
+    scattered there; only the whole-kept elements stay an all-reduce.
+    """
     module = hlo.parse_module(text)
-    found = set()
+    found = {}
     for computation in module.computations.values():
         users = _users(computation)
         for inst in computation.instructions:
@@ -75,26 +83,60 @@ def cpu_reduce_scatters(text: str) -> set[str]:
             if inst.opcode == "all-reduce-start":  # async pair: the done op carries the value
                 direct = [u for d in direct for u in users.get(d.name, [])]
             arrays = inst.arrays
-            uses = []  # (user, elements of the value it receives)
+            uses: dict[int, list] = {i: [] for i in range(len(arrays))}  # element -> its users
+            whole = False  # the tuple itself is used: no element is known to be sliced
             for user in direct:
                 if user.opcode == "get-tuple-element":
                     index = int(re.search(r"index=(\d+)", user.attrs).group(1))
-                    uses += [(u, arrays[index].elements) for u in users.get(user.name, [])]
+                    uses[index] += users.get(user.name, [])
+                elif len(arrays) == 1:
+                    uses[0].append(user)
                 else:
-                    uses.append((user, arrays[0].elements))
-            if uses and all(_slices_to(u, el, n, module) for u, el in uses):
-                found.add(inst.name)
+                    whole = True
+            sliced = tuple(
+                arrays[i]
+                for i, its in uses.items()
+                if its and all(_slices_to(u, arrays[i].elements, n, module) for u in its)
+            )
+            if sliced and not whole:
+                found[inst.name] = sliced
     return found
 
 
-def as_gpu_runs(ops: list[CollectiveOp], scatters: set[str]) -> list[CollectiveOp]:
-    """``ops`` with the all-reduces named in ``scatters`` relabelled as reduce-scatters."""
+def as_gpu_runs(
+    ops: list[CollectiveOp], scatters: dict[str, tuple[hlo.ArrayType, ...]]
+) -> list[CollectiveOp]:
+    """``ops`` with the sliced part of each all-reduce in ``scatters`` as a reduce-scatter;
+    the rest of a partly sliced one (a fused scalar, a replicated bias) stays an all-reduce,
+    a row of its own with the same name."""
     out = []
     for op in ops:
-        if op.kind == "all-reduce" and op.name in scatters:
-            wire = ring_wire_bytes("reduce-scatter", op.buffer_bytes, op.group_size)
-            op = dataclasses.replace(op, kind="reduce-scatter", wire_bytes=wire)
-        out.append(op)
+        sliced = scatters.get(op.name, ()) if op.kind == "all-reduce" else ()
+        if not sliced:
+            out.append(op)
+            continue
+        part = min(sum(a.bytes for a in sliced), op.buffer_bytes)
+        tensors = sum(1 for a in sliced if a.elements > 1)
+        out.append(
+            dataclasses.replace(
+                op,
+                kind="reduce-scatter",
+                buffer_bytes=part,
+                wire_bytes=ring_wire_bytes("reduce-scatter", part, op.group_size),
+                fused_tensors=tensors if op.fused_tensors and tensors >= 2 else 0,
+            )
+        )
+        rest = op.buffer_bytes - part
+        if rest > 0:
+            left = op.fused_tensors - tensors if op.fused_tensors else 0
+            out.append(
+                dataclasses.replace(
+                    op,
+                    buffer_bytes=rest,
+                    wire_bytes=ring_wire_bytes("all-reduce", rest, op.group_size),
+                    fused_tensors=left if left >= 2 else 0,
+                )
+            )
     return out
 
 

@@ -116,10 +116,14 @@ class CollectiveOp:
     op_name: str = ""  # the JAX op it came from (HLO metadata)
     tensor: str = ""  # the input it moves (an argument path), where the HLO traces it back
     source: str = ""  # where in the user's code: "model.py:42 in Block.__call__"
+    fused_tensors: int = 0  # gradients one fused (tuple) reduction carries; 0: not one
 
     @property
     def moves(self) -> str:
-        """What to show for "what is this": the input moved, else the line, else the op."""
+        """What to show for "what is this": the input moved, else a fused gradient sync (its
+        metadata names one of many lines), else the line, else the op."""
+        if not self.tensor and self.fused_tensors:
+            return f"fused gradient sync ({self.fused_tensors} tensors)"
         return self.tensor or self.source or self.op_name
 
     @property

@@ -70,6 +70,8 @@ class MeshSpec:
     """The preset's ``[parallel.*]`` strategy tables (read by ``ParallelPlan``)."""
     distributed: dict[str, Any] = field(default_factory=dict, compare=False)
     """``[distributed]``: timeouts and job id of a multi-process run (``ProcessGroup``)."""
+    rules: dict[str, Any] = field(default_factory=dict, compare=False)
+    """``[rules]``: the model's own logical names -> mesh axes (``ParallelPlan.custom_names``)."""
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.axes]
@@ -150,9 +152,16 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
     path = Path(path_or_name)
     if not path.exists() and not path.suffix:
         path = MESHES_DIR / f"{path_or_name}.toml"
+    known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.toml")))
     if not path.exists():
-        known = ", ".join(sorted(p.stem for p in MESHES_DIR.glob("*.toml")))
         raise ShardingError(f"mesh preset {str(path_or_name)!r} not found. Presets: {known}.")
+    if path.is_dir():  # opening it would be an IsADirectoryError traceback
+        inside = sorted(p.name for p in path.glob("*.toml"))
+        example = path / inside[0] if inside else path / "NAME.toml"
+        raise ShardingError(
+            f"mesh {str(path_or_name)!r} is a directory, not a mesh file ({len(inside)} TOML "
+            f"files in it). Fix: name a file, e.g. --mesh {example}, or a preset: {known}."
+        )
     with path.open("rb") as f:
         doc = tomllib.load(f)
     if "mesh" not in doc and "cluster" in doc:  # hardware, not a layout
@@ -169,6 +178,7 @@ def load_mesh(path_or_name: str | os.PathLike) -> MeshSpec:
         platform=doc.get("platform"),
         parallel=doc.get("parallel", {}),
         distributed=doc.get("distributed", {}),
+        rules=doc.get("rules", {}),
     )
 
 

@@ -251,6 +251,9 @@ class Inventory:
     """The blocks return ``(x, stats)``: statistics the layer loop sums (an MoE router's)."""
     routing: ExpertRouting | None = None
     """The model's mixture-of-experts routing (``Routed``); None for a dense model."""
+    max_positions: int | None = None
+    """Positions the model attends over (its ``max_positions``, as ``Generator`` declares
+    it), which a training sequence must fit; None: the model declares no limit."""
 
 
 def inventory(factory: ModelFactory) -> Inventory:
@@ -259,7 +262,8 @@ def inventory(factory: ModelFactory) -> Inventory:
 
     def make():
         model = factory.make(nnx.Rngs(0))
-        built.append((type(model), model.routing() if isinstance(model, Routed) else None))
+        routing = model.routing() if isinstance(model, Routed) else None
+        built.append((type(model), routing, getattr(model, "max_positions", None)))
         return model
 
     graphdef, shapes, names = abstract_state(make)
@@ -286,6 +290,7 @@ def inventory(factory: ModelFactory) -> Inventory:
         checkpoint_names=_class_checkpoint_names(built[0][0]),
         block_stats=_returns_stats(graphdef, shapes),
         routing=built[0][1],
+        max_positions=built[0][2] if isinstance(built[0][2], int) else None,
     )
 
 

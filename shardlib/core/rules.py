@@ -272,8 +272,10 @@ def resolve_spec(
         if name is not None and name not in table:
             raise ShardingError(
                 f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
-                f"know (known: {', '.join(sorted(table))}). Fix: add an entry, e.g. "
-                f"rules.replace({kind}={{{name!r}: ()}}), or correct the annotation."
+                f"know (known: {', '.join(sorted(table))}). Fix: add the name to both tables: "
+                f"rules.with_name({name!r}) (replicated; params=/activations= split it), on the "
+                f"command line rules.{name}=AXIS,... (empty: replicated), in a mesh file "
+                f"[rules] {name} = [...]; or correct the annotation."
             )
     shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
     used: dict[str, int] = {}

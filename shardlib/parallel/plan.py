@@ -51,6 +51,7 @@ from shardlib.parallel.expert import ExpertParallel
 from shardlib.parallel.fsdp import vocab_parallel_pays
 from shardlib.parallel.layer_loop import layer_loop
 from shardlib.parallel.loss import LossChunks
+from shardlib.parallel.names import axes_of, rules_table, with_custom_names
 from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.remat import Remat
@@ -83,8 +84,15 @@ class ParallelPlan:
     """Optimizer state or block weights in host memory."""
     loss: LossChunks = field(default_factory=LossChunks)
     """The LM head and loss in slices of the sequence (no whole fp32 logits)."""
+    custom_names: tuple[tuple[str, tuple[str, ...]], ...] = field(
+        default=(), metadata={"setting": "rules.NAME"}
+    )
+    """The model's own logical names (``classes``) -> mesh axes, in both tables (no strategy
+    knows them; ``parallel.names``): ``[rules]`` in a mesh file, ``rules.NAME=AXIS,...``."""
 
     def __post_init__(self) -> None:
+        names = tuple((str(n), axes_of(n, a)) for n, a in dict(self.custom_names).items())
+        object.__setattr__(self, "custom_names", names)
         known = self.known_axes()
         unknown = [n for n, _ in self.mesh.axes if n not in known]
         if unknown:
@@ -96,7 +104,7 @@ class ParallelPlan:
 
     @property
     def sections(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh")
+        return tuple(getattr(self, name) for name in _section_names())
 
     @classmethod
     def known_axes(cls) -> dict[str, str]:
@@ -154,8 +162,16 @@ class ParallelPlan:
         for section in order:
             refine = getattr(section, "refine", None)
             rules = refine(rules) if refine is not None else rules
+        rules = with_custom_names(rules, self.custom_names)  # the model's own, last
         rules.check_mesh(axes, where="plan")
         return rules
+
+    def with_names(self, table: Mapping[str, Any]) -> ParallelPlan:
+        """This plan knowing more of the model's own logical names: ``{"classes": "tensor",
+        "patches": ()}`` (an axis, axes, ``"fsdp,tensor"``, or empty/``none``: replicated).
+        A name given again takes the new axes."""
+        merged = {**dict(self.custom_names), **table}
+        return dataclasses.replace(self, custom_names=tuple(merged.items()))
 
     @cached_property
     def state_rules(self) -> StateRules:
@@ -260,7 +276,7 @@ class ParallelPlan:
     @classmethod
     def from_mesh_spec(cls, spec: MeshSpec) -> ParallelPlan:
         """A mesh file's ``[mesh]`` and ``[parallel.*]`` tables as a plan."""
-        plan = cls(mesh=spec)
+        plan = cls(mesh=spec).with_names(rules_table(spec.rules, f"mesh {spec.source}"))
         for name, table in spec.parallel.items():
             if name not in _section_names():
                 raise ShardingError(
@@ -293,11 +309,15 @@ class ParallelPlan:
         """``stage=2 x fsdp=2 x tensor=2; pipeline.schedule=1f1b`` (one line)."""
         shape = " x ".join(f"{n}={s}" for n, s in self.mesh.axes)
         knobs = [f"{s}.{k}={v}" for s, t in self.tables().items() for k, v in t.items()]
+        knobs += [f"rules.{n}={','.join(a) or 'none'}" for n, a in self.custom_names]
         return "; ".join([shape, *knobs]) if knobs else shape
 
 
 def _section_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(ParallelPlan) if f.name != "mesh")
+    """The strategy sections: every field but the mesh and the model's own names."""
+    return tuple(
+        f.name for f in dataclasses.fields(ParallelPlan) if f.name not in ("mesh", "custom_names")
+    )
 
 
 @functools.cache

@@ -170,8 +170,9 @@ def _prepare(args) -> tuple:
 
 
 def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
-    """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
-    command and what needed no counterpart."""
+    """The config a ds_config.json describes on ``devices`` devices (the mesh file adds its
+    device count and its ``[rules]``); prints the equivalent command and what needed no
+    counterpart."""
     import dataclasses
 
     from shardlib.core.mesh import mesh_spec
@@ -185,7 +186,8 @@ def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
     console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
     for note in ds.notes:
         console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
-    return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
+    plan = ParallelPlan(mesh=mesh).with_names(spec.rules)  # the model's own names stay
+    return override(TrainConfig(parallel=plan), ds.settings)
 
 
 def cmd_train(args, console: Console) -> int:

@@ -19,6 +19,10 @@ Settings renamed since users first typed them keep their old spelling as an alia
 ``parallel.data`` section).
 
 An ambiguous short form is refused with the full names to choose from.
+
+Two families of settings are open-ended: ``model.NAME=VALUE`` (any field of the model's
+config or keyword of its factory) and ``rules.NAME=AXIS,...`` (a logical name of the
+model's own and the mesh axes it splits over: ``ParallelPlan.custom_names``).
 """
 
 from __future__ import annotations
@@ -260,8 +264,14 @@ def _sections(obj, prefix: str = "") -> dict[str, Any]:
 
 
 def _leaves(section) -> list[str]:
+    """A section's settings: its plain fields, less those set in a form of their own
+    (``metadata["setting"]``: the plan's ``custom_names`` are ``rules.NAME=AXES``)."""
     fields = dataclasses.fields(section)
-    return [f.name for f in fields if not dataclasses.is_dataclass(getattr(section, f.name))]
+    return [
+        f.name
+        for f in fields
+        if not dataclasses.is_dataclass(getattr(section, f.name)) and "setting" not in f.metadata
+    ]
 
 
 def _unique(candidates: list[str]) -> str | None:
@@ -309,19 +319,32 @@ def canonical_key(key: str, cfg: TrainConfig) -> str:
         known = ", ".join(_leaves(sections[section]))
         raise ShardingError(f"config has no setting {key!r}. Fix: {section} has {known}.")
     raise ShardingError(
-        f"config has no setting {key!r}. Settings: model, model.NAME, {', '.join(sorted(leaves))}."
+        f"config has no setting {key!r}. Settings: model, model.NAME, rules.NAME, "
+        f"{', '.join(sorted(leaves))}."
     )
 
 
 def override(cfg: TrainConfig, settings: Mapping[str, Any]) -> TrainConfig:
     """``cfg`` with settings applied; keys in any accepted form, values typed or strings.
 
-    ``model.NAME`` keys collect into ``model_overrides`` (checked when the model is built).
+    ``model.NAME`` keys collect into ``model_overrides`` (checked when the model is built);
+    ``rules.NAME`` keys give a logical name of the model's own its mesh axes
+    (``ParallelPlan.custom_names``).
     """
     model = dict(cfg.model_overrides)
     for key, value in settings.items():
         if key.startswith("model."):
             model[key.removeprefix("model.")] = value
+            continue
+        if key.startswith("rules."):
+            name = key.removeprefix("rules.")
+            if not name or "." in name:
+                raise ShardingError(
+                    f"setting {key!r}: rules.NAME takes one logical name. Fix: e.g. "
+                    "rules.classes=tensor (or rules.classes= for replicated)."
+                )
+            parallel = cfg.parallel.with_names({name: value})
+            cfg = dataclasses.replace(cfg, parallel=parallel)
             continue
         cfg = replace_path(cfg, canonical_key(key, cfg).split("."), value)
     return dataclasses.replace(cfg, model_overrides=tuple(model.items()))

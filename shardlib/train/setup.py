@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardlib.core.errors import ShardingError
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
 from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_model
 from shardlib.core.rules import Rules
@@ -302,6 +303,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
     model = resolve_model(cfg.model, dict(cfg.model_overrides) | cfg.lora.model_settings())
     inv = inventory(model)
+    check_positions(cfg, inv.max_positions)
     workload = Workload.from_factory(
         model,
         cfg.dataset.batch,
@@ -333,3 +335,16 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         ),
         attention=attention,
     )
+
+
+def check_positions(cfg: TrainConfig, max_positions: int | None) -> None:
+    """A training sequence longer than the positions the model covers (``max_positions``:
+    its rotary tables, its position embeddings) would train on positions it was never built
+    for, silently; refuse it before anything is compiled."""
+    seq = cfg.dataset.seq
+    if max_positions is not None and seq > max_positions:
+        raise ShardingError(
+            f"config: dataset.seq={seq} is longer than model {cfg.model}'s max_positions="
+            f"{max_positions} (the positions it covers). Fix: seq={max_positions} or less, or "
+            f"raise the model's limit (model.max_positions={seq})."
+        )

@@ -232,3 +232,36 @@ def test_ring_wire_bytes():
     assert ring_wire_bytes("reduce-scatter", 800, 2) == pytest.approx(400)
     assert ring_wire_bytes("collective-permute", 800, 4) == 800
     assert ring_wire_bytes("all-reduce", 800, 1) == 0
+
+
+def test_a_collective_without_user_code_is_credited_to_shardlibs_step_not_runpy():
+    """Under ``python -m shardlib...`` the outermost frame is ``<frozen runpy>``, which is
+    not a library path: it was once named as the "user" line of the optimizer's sums."""
+    from pathlib import Path
+
+    from shardlib.analysis import attribute
+
+    step = Path(attribute.__file__).resolve().parents[1] / "train" / "step.py"
+    text = f"""FileNames
+1 "<frozen runpy>"
+2 "{step}"
+3 "/venv/lib/python3.11/site-packages/optax/tree_utils/_tree_math.py"
+
+FunctionNames
+1 "_run_code"
+2 "train_step"
+3 "tree_sum"
+
+FileLocations
+1 {{file_name_id=1 function_name_id=1 line=88 end_line=88 column=4 end_column=4}}
+2 {{file_name_id=2 function_name_id=2 line=259 end_line=259 column=4 end_column=4}}
+3 {{file_name_id=3 function_name_id=3 line=187 end_line=187 column=4 end_column=4}}
+
+StackFrames
+1 {{file_location_id=1 parent_frame_id=1}}
+2 {{file_location_id=2 parent_frame_id=2}}
+3 {{file_location_id=3 parent_frame_id=3}}
+"""
+    frames = attribute.stack_frames(text)  # 3 (optax) <- 2 (shardlib's step) <- 1 (runpy)
+    assert frames[3] == "step.py:259 in train_step"
+    assert frames[1] == "<frozen runpy>:88 in _run_code"  # nothing else to name: itself

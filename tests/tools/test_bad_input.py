@@ -131,6 +131,27 @@ def test_cli_reports_an_odd_token_file_before_any_progress(capsys, tmp_path):
     assert "81 bytes" in line and "uint16" in line and "Fix:" in line
 
 
+@pytest.mark.parametrize("lr", ["-1", "0", "nan", "inf"])
+def test_cli_refuses_a_learning_rate_that_is_not_positive_and_finite(capsys, lr):
+    """lr=-1 once trained on, the loss climbing from 6.6 to 699 in 6 steps, exit 0."""
+    line = _cli_error(capsys, ["train", "--mesh", "cpu-8-dp", f"lr={lr}", "steps=1"])
+    assert f"optimizer.lr={float(lr)}" in line and "> 0" in line and "Fix: " in line
+
+
+def test_cli_refuses_a_training_seq_longer_than_the_models_positions(capsys):
+    words = ["seq=64", "model.max_positions=32", "batch=8", "steps=1"]
+    line = _cli_error(capsys, ["train", "--mesh", "cpu-8-dp", *words])
+    assert "dataset.seq=64" in line and "max_positions=32" in line
+    assert "Fix: seq=32 or less" in line and "model.max_positions=64" in line
+
+
+def test_cli_names_a_mesh_that_is_a_directory(capsys, tmp_path):
+    (tmp_path / "mine.toml").write_text("[mesh]\ndata = 8\n")
+    line = _cli_error(capsys, ["train", "--mesh", str(tmp_path), "steps=1"])
+    assert f"mesh {str(tmp_path)!r} is a directory" in line
+    assert f"--mesh {tmp_path / 'mine.toml'}" in line and "cpu-8-dp" in line  # the fix
+
+
 # --- 1, 2. a one-device build, and the optimizer's scalars on the whole mesh ------------------
 class _Annotated(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
