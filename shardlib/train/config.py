@@ -162,12 +162,15 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Precision:
-    """Compute dtype and fp16 dynamic loss scaling (DeepSpeed's rules)."""
+    """Compute dtype and fp16 loss scaling, dynamic or static (DeepSpeed's rules)."""
 
     compute: str = "fp32"
-    """fp32, or bf16/fp16 with fp32 master weights (fp16: dynamic loss scaling), or fp8:
+    """fp32, or bf16/fp16 with fp32 master weights (fp16: loss scaling), or fp8:
     bf16 with the blocks' projections in FP8 (e4m3 forward, e5m2 gradients, delayed
     scaling; ``shardlib.train.fp8``)."""
+    loss_scale: float = 0.0
+    """fp16: 0 scales dynamically (the settings below); a positive value is a static scale,
+    used every step and never changed (DeepSpeed's ``fp16.loss_scale``)."""
     initial_scale_power: int = 16
     """fp16: the loss scale starts at 2**initial_scale_power (DeepSpeed's default 16)."""
     loss_scale_window: int = 1000
