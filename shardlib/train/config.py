@@ -146,7 +146,13 @@ class Optimizer:
     """onebit_adam: full-precision Adam steps before the variance freezes and the momentum
     is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
     bias_correction: bool = True
-    """onebit_adam: Adam's bias correction (DeepSpeed's 1-bit Adam examples turn it off)."""
+    """onebit_adam and lamb: Adam's bias correction (DeepSpeed's 1-bit Adam and LAMB examples
+    turn it off)."""
+    trust_ratio_min: float = 0.0
+    """lamb: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's ``min_coeff``);
+    0: unbounded."""
+    trust_ratio_max: float = 0.0
+    """lamb: upper bound of the trust ratio (DeepSpeed's ``max_coeff``); 0: unbounded."""
     clip_norm: float = 1.0
     """Global gradient-norm clipping threshold (0 disables it)."""
     momentum: float = 0.9

@@ -16,6 +16,7 @@ import optax
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
+from shardlib.train.lamb import lamb
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -47,6 +48,17 @@ def check_optimizer(opt) -> None:
     if opt.warmup_type not in WARMUPS:
         raise ShardingError(
             f"config: warmup_type={opt.warmup_type!r}. Fix: use one of {', '.join(WARMUPS)}."
+        )
+    lo, hi = opt.trust_ratio_min, opt.trust_ratio_max
+    if (lo or hi) and opt.name != "lamb":
+        raise ShardingError(
+            f"config: trust_ratio_min={lo}, trust_ratio_max={hi} bound LAMB's trust ratio, "
+            f"but optimizer={opt.name}. Fix: optimizer=lamb, or leave both at 0."
+        )
+    if lo < 0 or hi < 0 or (hi and lo > hi):
+        raise ShardingError(
+            f"config: trust_ratio_min={lo}, trust_ratio_max={hi}: need 0 <= min <= max "
+            "(0: unbounded). Fix: e.g. DeepSpeed's defaults 0.01 and 10."
         )
     if opt.freeze_step < 0 or opt.eps < 0:
         raise ShardingError(
@@ -155,8 +167,12 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     if cfg.name == "sgd":
         sgd = optax.sgd(lr, momentum=cfg.momentum)
         return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
-    if cfg.name == "lamb":
-        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
+    if cfg.name == "lamb":  # optax.lamb's chain, with DeepSpeed's switches (train/lamb.py)
+        return lamb(
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-6, weight_decay=wd, mask=mask,
+            bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
+            trust_ratio_max=cfg.trust_ratio_max,
+        )  # fmt: skip
     if cfg.name == "lars":
         # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
         return optax.lars(
