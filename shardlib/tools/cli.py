@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--mesh", default=DEFAULT_MESH, help="mesh preset file or name")
+        c.add_argument(
+            "--mesh", default=None, help=f"mesh preset file or name (default {DEFAULT_MESH})"
+        )
         c.add_argument(
             "--cpu-devices",
             type=int,
@@ -74,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DS_CONFIG_JSON",
         help="a DeepSpeed config: its batch, ZeRO, precision, optimizer and scheduler become "
-        "settings (NAME=VALUE words still override); --mesh then only sets the device count",
+        "settings (NAME=VALUE words still override); --mesh then only sets the device count, "
+        "and without --mesh or --cpu-devices shardlib simulates the CPU devices the config's "
+        "batch identity implies (train_batch_size / (micro batch x accumulation))",
     )
     g = command("generate", "continue a prompt with a KV cache on the mesh")
     source = g.add_mutually_exclusive_group(required=True)
@@ -129,7 +133,9 @@ def _prepare(args) -> tuple:
     from shardlib.distributed.preempt import install_early
     from shardlib.distributed.runtime import initialize, process_group
 
-    spec: MeshSpec = load_mesh(args.mesh)
+    spec: MeshSpec = load_mesh(args.mesh or DEFAULT_MESH)
+    if getattr(args, "deepspeed", None) and args.mesh is None and args.cpu_devices is None:
+        args.cpu_devices = _deepspeed_devices(args.deepspeed)
     group = process_group(args, spec.distributed)
     cpu = spec.platform == "cpu" or args.cpu_devices is not None
     processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
@@ -169,22 +175,39 @@ def _prepare(args) -> tuple:
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
 
 
+def _deepspeed_devices(path: str) -> int:
+    """The CPU devices to simulate for a ds_config given without a mesh: those its batch
+    identity implies, else the default preset's."""
+    from shardlib.interop.deepspeed import implied_devices, read_deepspeed
+
+    n = implied_devices(read_deepspeed(path))
+    why = "train_batch_size / (micro batch x accumulation)" if n else f"the {DEFAULT_MESH} preset's"
+    n = n or load_mesh(DEFAULT_MESH).fixed_size
+    Console(stderr=True).print(f"--deepspeed without --mesh: {n} simulated CPU devices ({why})")
+    return n
+
+
 def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
     """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
-    command and what needed no counterpart."""
-    import dataclasses
-
-    from shardlib.core.mesh import mesh_spec
+    command and the notes."""
     from shardlib.interop.deepspeed import load_deepspeed
-    from shardlib.parallel.plan import ParallelPlan
-    from shardlib.train.config import TrainConfig, override
 
     ds = load_deepspeed(path, devices)
-    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=spec.platform, source=path)
     console = Console(stderr=True)
     console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
     for note in ds.notes:
-        console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
+        console.print(f"  note: {escape(note)}", soft_wrap=True)
+    return deepspeed_train_config(ds, platform=spec.platform, source=path)
+
+
+def deepspeed_train_config(ds, *, platform: str | None = None, source: str = "ds_config"):
+    """The TrainConfig a mapped ds_config (``DeepSpeedPlan``) describes: its settings on its
+    mesh axes, shardlib's defaults for the rest."""
+    from shardlib.core.mesh import mesh_spec
+    from shardlib.parallel.plan import ParallelPlan
+    from shardlib.train.config import TrainConfig, override
+
+    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=platform, source=source)
     return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
 
 
@@ -262,7 +285,7 @@ def cmd_parity(args, console: Console) -> int:
 
     mesh, cfg = _prepare(args)
     result = check_parity(cfg, mesh)
-    table = Table(title=f"parity: {args.mesh} vs one device, {cfg.run.steps} steps")
+    table = Table(title=f"parity: {args.mesh or DEFAULT_MESH} vs one device, {cfg.run.steps} steps")
     for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
         table.add_column(col, justify="right")
     for i, (a, b) in enumerate(zip(result.losses, result.reference_losses, strict=True), 1):
