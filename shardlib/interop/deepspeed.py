@@ -36,18 +36,14 @@ from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR, load_mesh
+from shardlib.interop import deepspeed_sections as sections
 from shardlib.interop.deepspeed_keys import (
+    AUTO_SETTINGS,
     DEFAULTS_ONLY,
-    LAMB_DEFAULTS,
     NO_COUNTERPART,
     NOTES,
     NVME,
-    OPTIMIZERS,
-    WHY_NOT,
 )
-
-REMAT_OFFLOAD = "offload:attn_residual"
-"""``cpu_checkpointing``: the residual stream each block keeps goes to host memory."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,7 @@ class _Reader:
     """Walks the config, recording what each key became; collects refusals."""
 
     def __init__(self, config: Mapping):
-        self.config, self.used = config, set()
+        self.config, self.used, self.auto = config, set(), set()
         self.refused: list[Refusal] = []
         self.notes: list[str] = []
 
@@ -122,6 +118,7 @@ class _Reader:
             node = node[part]
         self.used.add(path)
         if node == "auto":  # a Hugging Face placeholder: the value shardlib would choose
+            self.auto.add(path)
             self.notes.append(f"{path}: 'auto', so shardlib's own setting (NAME=VALUE sets it)")
             return default
         return node
@@ -223,106 +220,6 @@ def _batch(r: _Reader, dp: int) -> dict[str, Any]:
     return {"dataset.batch": total, "parallel.data.microbatches": accum}
 
 
-def _precision(r: _Reader) -> dict[str, Any]:
-    fp16 = bool(r.get("fp16.enabled", False))
-    bf16 = bool(r.get("bf16.enabled", False) or r.get("bfloat16.enabled", False))
-    if fp16 and bf16:
-        r.refuse("bf16.enabled", "fp16 and bf16 both enabled; pick one")
-    keys = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-            "min_loss_scale")  # fmt: skip
-    if not fp16:
-        for key in keys:
-            r.get(f"fp16.{key}")  # inert while fp16 is off, as in DeepSpeed
-        return {"precision.compute": "bf16" if bf16 else "fp32"}
-    out = {"precision.compute": "fp16"}
-    for key in keys:
-        value = r.get(f"fp16.{key}")
-        if value is not None:
-            out[f"precision.{key}"] = value  # loss_scale: 0 dynamic, else static
-    return out
-
-
-def _optimizer(r: _Reader) -> dict[str, Any]:
-    kind = r.get("optimizer.type")
-    if kind is None:
-        r.notes.append("optimizer: none given (DeepSpeed would use the script's); adamw")
-        return {}
-    name = OPTIMIZERS.get(str(kind).lower())
-    if name is None:
-        why = WHY_NOT.get(str(kind).lower())
-        why = why or "use one of Adam, AdamW, OneBitAdam, Lamb"
-        r.refuse("optimizer.type", f"{kind!r}: {why}", listed=str(kind).lower() in WHY_NOT)
-        r.used.add("optimizer")  # its params mean nothing without it
-        return {}
-    p = lambda key, default=None: r.get(f"optimizer.params.{key}", default)  # noqa: E731
-    wd = p("weight_decay", 0.0)
-    if name == "adam" and wd and p("adam_w_mode", True):
-        name = "adamw"  # DeepSpeed's Adam decouples weight decay unless adam_w_mode=false
-    elif name == "adam" and wd:
-        r.refuse("optimizer.params.adam_w_mode", "false (L2-in-gradient Adam) with decay")
-    b1, b2 = p("betas", [0.9, 0.999])
-    out = {"optimizer.name": name, "optimizer.b1": b1, "optimizer.b2": b2,
-           "optimizer.weight_decay": wd, "optimizer.eps": p("eps", 1e-8)}  # fmt: skip
-    if p("lr") is not None:
-        out["optimizer.lr"] = p("lr")
-    if name == "onebit_adam":
-        out["optimizer.freeze_step"] = p("freeze_step", 100000)
-    if name in ("onebit_adam", "lamb"):
-        out["optimizer.bias_correction"] = p("bias_correction", True)
-    elif not p("bias_correction", True):
-        r.refuse("optimizer.params.bias_correction", f"false with {kind} (always corrected)")
-    if name == "lamb":  # DeepSpeed's FusedLamb always bounds the trust ratio
-        out["optimizer.trust_ratio_max"] = p("max_coeff", LAMB_DEFAULTS["max_coeff"])
-        out["optimizer.trust_ratio_min"] = p("min_coeff", LAMB_DEFAULTS["min_coeff"])
-    return out
-
-
-def _scheduler(r: _Reader) -> dict[str, Any]:
-    kind = r.get("scheduler.type")
-    if kind is None:
-        return {"optimizer.schedule": "constant"}
-    s = lambda key, default=None: r.get(f"scheduler.params.{key}", default)  # noqa: E731
-    out = {"optimizer.warmup": s("warmup_num_steps", 1000),
-           "optimizer.warmup_type": s("warmup_type", "log")}  # fmt: skip
-    if kind in ("WarmupLR", "WarmupDecayLR"):
-        if s("warmup_min_lr", 0.0):
-            r.refuse("scheduler.params.warmup_min_lr", "warm-up starts at 0 in shardlib")
-        out["optimizer.lr"] = s("warmup_max_lr", 0.001)
-        out["optimizer.schedule"] = "warmup_linear"
-        out["optimizer.min_lr_ratio"] = 1.0 if kind == "WarmupLR" else 0.0
-        if kind == "WarmupDecayLR":
-            out["run.steps"] = s("total_num_steps")
-    elif kind == "WarmupCosineLR":
-        if s("warmup_min_ratio", 0.0):
-            r.refuse("scheduler.params.warmup_min_ratio", "warm-up starts at 0 in shardlib")
-        out["optimizer.schedule"] = "warmup_cosine"
-        out["optimizer.min_lr_ratio"] = s("cos_min_ratio", 0.0001)
-        out["run.steps"] = s("total_num_steps")
-    else:
-        r.refuse("scheduler.type", f"{kind!r}: use WarmupLR, WarmupDecayLR or WarmupCosineLR")
-        r.used.add("scheduler")
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _activation_checkpointing(r: _Reader) -> dict[str, Any]:
-    """DeepSpeed's checkpointing of each layer's input, partitioned and/or on the CPU."""
-    section = "activation_checkpointing"
-    partition = r.get(f"{section}.partition_activations", False)
-    cpu = r.get(f"{section}.cpu_checkpointing", False)
-    if cpu:
-        r.notes.append(f"{section}.cpu_checkpointing: remat={REMAT_OFFLOAD} (each block's "
-                       "residual stream in host memory, the rest recomputed)"
-                       + ("; partition_activations applies under remat=full only" if partition
-                          else ""))  # fmt: skip
-        return {"parallel.remat.policy": REMAT_OFFLOAD}
-    if partition:
-        r.notes.append(f"{section}.partition_activations: remat=full, each block's saved "
-                       "input split over the tensor axis where it is replicated "
-                       "(partition_saved_inputs)")  # fmt: skip
-        return {"parallel.remat.policy": "full"}
-    return {}
-
-
 def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
     device = r.get(f"zero_optimization.{part}.device", "none")
     if device == "cpu":
@@ -365,10 +262,12 @@ def from_deepspeed(config: Mapping, devices: int) -> DeepSpeedPlan:
     zero, mesh = _zero(r, devices)
     settings = {**_batch(r, devices), **zero}
     settings["optimizer.clip_norm"] = r.get("gradient_clipping", 0.0)
-    settings.update(_precision(r))
-    settings.update(_optimizer(r))
-    settings.update(_scheduler(r))
-    settings.update(_activation_checkpointing(r))
+    for section in (sections.precision, sections.optimizer, sections.scheduler,
+                    sections.activation_checkpointing, sections.monitors):  # fmt: skip
+        settings.update(section(r))
+    for path in r.auto:
+        for setting in AUTO_SETTINGS.get(path, ()):
+            settings.pop(setting, None)
     r.leftovers()
     if r.refused:
         raise DeepSpeedRefusal(

@@ -102,5 +102,25 @@ WHY_NOT = {  # optimizer.type values with no counterpart, and why
     "shardlib's one-array-per-parameter state cannot hold (shardlib/train/onebit.py)",
     "onebitlamb": "1-bit LAMB has no counterpart yet (OneBitAdam and Lamb do)",
 }
+SCHEDULERS_WHY_NOT = {  # scheduler.type values with no counterpart
+    "OneCycle": "the 1Cycle learning-rate and momentum schedule has no counterpart",
+    "LRRangeTest": "the learning-rate range test has no counterpart",
+}
 LAMB_DEFAULTS = {"max_coeff": 10.0, "min_coeff": 0.01}
 """DeepSpeed's FusedLamb trust-ratio bounds when a config leaves them out."""
+AUTO_SETTINGS = {
+    "train_batch_size": ("dataset.batch",),
+    "gradient_accumulation_steps": ("parallel.data.microbatches",),
+    "gradient_clipping": ("optimizer.clip_norm",),
+    "fp16.enabled": ("precision.compute",),
+    "bf16.enabled": ("precision.compute",),
+    "optimizer.params.lr": ("optimizer.lr",),
+    "optimizer.params.betas": ("optimizer.b1", "optimizer.b2"),
+    "optimizer.params.eps": ("optimizer.eps",),
+    "optimizer.params.weight_decay": ("optimizer.weight_decay",),
+    "scheduler.params.warmup_max_lr": ("optimizer.lr",),
+    "scheduler.params.warmup_num_steps": ("optimizer.warmup",),
+    "scheduler.params.total_num_steps": ("run.steps",),
+}
+"""Keys Hugging Face's Trainer fills in when they say ``"auto"``: left so, the settings they
+map to stay shardlib's own (its defaults, or NAME=VALUE words)."""

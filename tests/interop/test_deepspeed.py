@@ -298,3 +298,49 @@ def test_cli_simulates_the_devices_a_config_is_written_for(tmp_path):
     text = out.stdout + out.stderr
     assert "without --mesh: 10 simulated CPU devices" in text
     assert "on data=10 (10 cpu devices)" in text and "over 1 steps" in text
+
+
+def test_hugging_face_auto_values_leave_shardlibs_settings():
+    """The Trainer's ZeRO-3 template (transformers' DeepSpeed docs): every 'auto' key maps to
+    nothing, so shardlib's own defaults (or NAME=VALUE words) stand."""
+    auto = "auto"
+    config = {
+        "fp16": {"enabled": auto, "loss_scale": 0, "initial_scale_power": 16},
+        "bf16": {"enabled": auto},
+        "optimizer": {"type": "AdamW", "params": {"lr": auto, "betas": auto, "eps": auto,
+                                                  "weight_decay": auto}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": auto,
+                                                     "warmup_max_lr": auto,
+                                                     "warmup_num_steps": auto}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": auto,
+                              "stage3_prefetch_bucket_size": auto,
+                              "stage3_param_persistence_threshold": auto,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": auto, "gradient_clipping": auto,
+        "train_batch_size": auto, "train_micro_batch_size_per_gpu": auto,
+    }  # fmt: skip
+    ds = from_deepspeed(config, devices=8)
+    for setting in ("dataset.batch", "parallel.data.microbatches", "optimizer.clip_norm",
+                    "precision.compute", "optimizer.lr", "optimizer.b1", "optimizer.eps",
+                    "optimizer.weight_decay", "optimizer.warmup"):  # fmt: skip
+        assert setting not in ds.settings, setting
+    cfg = override(TrainConfig(), ds.settings)
+    assert cfg.optimizer.name == "adamw" and cfg.parallel.data.zero == 3
+    assert cfg.optimizer.lr == TrainConfig().optimizer.lr  # shardlib's default
+
+
+def test_monitors_become_metric_writers():
+    config = {"train_batch_size": 8,
+              "tensorboard": {"enabled": True, "output_path": "logs/", "job_name": "bert"},
+              "csv_monitor": {"enabled": False, "output_path": "csv/"},
+              "wandb": {"enabled": True, "team": "t", "project": "p"}}  # fmt: skip
+    ds = from_deepspeed(config, devices=8)
+    assert ds.settings["metrics.tensorboard"] == "logs/bert" and "metrics.jsonl" not in ds.settings
+    assert ds.settings["metrics.wandb"] == "p" and any("wandb.team" in n for n in ds.notes)
+
+
+def test_schedules_without_a_counterpart_are_listed_refusals():
+    config = {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {}}}
+    with pytest.raises(DeepSpeedRefusal, match="scheduler.type: 'OneCycle'") as err:
+        from_deepspeed(config, devices=8)
+    assert err.value.unlisted == ()
