@@ -205,16 +205,14 @@ def _batch(r: _Reader, dp: int) -> dict[str, Any]:
         micro_given = given.get("train_micro_batch_size_per_gpu")
         fits = fitting_devices(total, micro_given, given.get("gradient_accumulation_steps"))
         written = " or ".join(map(str, fits[-4:])).replace(" or ", ", ", len(fits[-4:]) - 2)
-        fix = (f"try it on the {fits[-1]} devices it is written for: leave out --mesh (shardlib "
-               f"then simulates them on CPU), or --cpu-devices {fits[-1]}" if fits else
-               "give two of the three, or values whose product holds")  # fmt: skip
+        fix = (f": to try it as written, leave out --mesh (shardlib then simulates {fits[-1]} "
+               f"CPU devices) or pass --cpu-devices {fits[-1]}" if fits else
+               "; give two of the three, or values whose product holds")  # fmt: skip
         r.refuse(
             "train_batch_size",
             f"{named} break DeepSpeed's identity train_batch_size = "
             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel "
-            f"size on {dp} devices"
-            + (f"; it holds on {written} GPUs" if fits else "")
-            + f". Fix: {fix}",
+            f"size on {dp} devices" + (f"; it holds on {written} GPUs" if fits else "") + fix,
         )
         return {}
     return {"dataset.batch": total, "parallel.data.microbatches": accum}
@@ -273,7 +271,8 @@ def from_deepspeed(config: Mapping, devices: int) -> DeepSpeedPlan:
         raise DeepSpeedRefusal(
             f"ds_config: {len(r.refused)} unsupported setting(s): "
             + "; ".join(f"{x.key}: {x.why}" for x in r.refused)
-            + ". Fix: remove or change them (shardlib README, 'DeepSpeed users').",
+            + ". Fix: remove or change them as each reason says (shardlib README, 'DeepSpeed "
+            "users').",
             tuple(r.refused),
         )
     return DeepSpeedPlan(settings=settings, mesh=mesh, notes=tuple(r.notes))

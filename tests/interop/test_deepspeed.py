@@ -270,7 +270,8 @@ def test_a_config_for_other_gpu_counts_says_which_and_how_to_try_it():
         from_deepspeed(config, devices=8)
     text = str(err.value)
     assert "on 8 devices; it holds on 1, 2, 5 or 10 GPUs" in text
-    assert "leave out --mesh" in text and "--cpu-devices 10" in text
+    assert "leave out --mesh (shardlib then simulates 10 CPU devices)" in text
+    assert "--cpu-devices 10" in text
     assert implied_devices(config) == 10
     assert implied_devices({**config, "train_micro_batch_size_per_gpu": 5}) == 2
     assert implied_devices({"train_micro_batch_size_per_gpu": 4}) is None
