@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MeshSpec, load_mesh, simulate_cpu_devices
+from shardlib.tools.deepspeed_cli import deepspeed_base, deepspeed_devices
 
 DEFAULT_MESH = "cpu-8-3d"
 
@@ -135,7 +136,7 @@ def _prepare(args) -> tuple:
 
     spec: MeshSpec = load_mesh(args.mesh or DEFAULT_MESH)
     if getattr(args, "deepspeed", None) and args.mesh is None and args.cpu_devices is None:
-        args.cpu_devices = _deepspeed_devices(args.deepspeed)
+        args.cpu_devices = deepspeed_devices(args.deepspeed, DEFAULT_MESH)
     group = process_group(args, spec.distributed)
     cpu = spec.platform == "cpu" or args.cpu_devices is not None
     processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
@@ -164,7 +165,7 @@ def _prepare(args) -> tuple:
     plan = ParallelPlan.from_mesh_spec(spec)
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
     if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
-        base = _deepspeed_base(args.deepspeed, len(jax.devices()), spec)
+        base = deepspeed_base(args.deepspeed, len(jax.devices()), spec.platform)
     overrides = list(args.overrides)
     if getattr(args, "load_params", None):
         overrides.append(f"checkpoint.init_from={args.load_params}")
@@ -173,42 +174,6 @@ def _prepare(args) -> tuple:
     cfg = with_source_model(parse_overrides(overrides, base))  # --load-params HF_DIR: its shapes
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
-
-
-def _deepspeed_devices(path: str) -> int:
-    """The CPU devices to simulate for a ds_config given without a mesh: those its batch
-    identity implies, else the default preset's."""
-    from shardlib.interop.deepspeed import implied_devices, read_deepspeed
-
-    n = implied_devices(read_deepspeed(path))
-    why = "train_batch_size / (micro batch x accumulation)" if n else f"the {DEFAULT_MESH} preset's"
-    n = n or load_mesh(DEFAULT_MESH).fixed_size
-    Console(stderr=True).print(f"--deepspeed without --mesh: {n} simulated CPU devices ({why})")
-    return n
-
-
-def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
-    """The config a ds_config.json describes on ``devices`` devices; prints the equivalent
-    command and the notes."""
-    from shardlib.interop.deepspeed import load_deepspeed
-
-    ds = load_deepspeed(path, devices)
-    console = Console(stderr=True)
-    console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
-    for note in ds.notes:
-        console.print(f"  note: {escape(note)}", soft_wrap=True)
-    return deepspeed_train_config(ds, platform=spec.platform, source=path)
-
-
-def deepspeed_train_config(ds, *, platform: str | None = None, source: str = "ds_config"):
-    """The TrainConfig a mapped ds_config (``DeepSpeedPlan``) describes: its settings on its
-    mesh axes, shardlib's defaults for the rest."""
-    from shardlib.core.mesh import mesh_spec
-    from shardlib.parallel.plan import ParallelPlan
-    from shardlib.train.config import TrainConfig, override
-
-    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=platform, source=source)
-    return override(TrainConfig(parallel=ParallelPlan(mesh=mesh)), ds.settings)
 
 
 def cmd_train(args, console: Console) -> int:

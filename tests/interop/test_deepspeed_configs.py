@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from shardlib.interop.deepspeed import DeepSpeedRefusal, from_deepspeed
-from shardlib.tools.cli import deepspeed_train_config
+from shardlib.tools.deepspeed_cli import deepspeed_train_config
 from shardlib.train.config import parse_overrides
 from shardlib.train.loop import run
 from shardlib.train.setup import make_setup
