@@ -39,6 +39,7 @@ from shardlib.core.mesh import MESHES_DIR, load_mesh
 from shardlib.interop import deepspeed_sections as sections
 from shardlib.interop.deepspeed_keys import (
     AUTO_SETTINGS,
+    AUTOTUNED,
     DEFAULTS_ONLY,
     NO_COUNTERPART,
     NOTES,
@@ -117,6 +118,10 @@ class _Reader:
                 return default
             node = node[part]
         self.used.add(path)
+        if isinstance(node, list) and node and path in AUTOTUNED:
+            self.notes.append(f"{path}: {node} is a search space for DeepSpeed's autotuner, "
+                              f"which is not run; the first, {node[0]}")  # fmt: skip
+            node = node[0]
         if node == "auto":  # a Hugging Face placeholder: the value shardlib would choose
             self.auto.add(path)
             self.notes.append(f"{path}: 'auto', so shardlib's own setting (NAME=VALUE sets it)")

@@ -24,6 +24,10 @@ NOTES = {
     "zero_allow_untested_optimizer": "shardlib's ZeRO lays out any optimizer's state",
     "memory_breakpoint": "logging only",
     "communication_data_type": "collectives carry the compute dtype (or ZeRO++ codes)",
+    "prescale_gradients": "where DeepSpeed divides fp16 gradients around the all-reduce; the "
+    "mean is the same, XLA reduces it",
+    "gradient_predivide_factor": "where DeepSpeed divides fp16 gradients around the "
+    "all-reduce; the mean is the same, XLA reduces it",
     "flops_profiler": "shardlib prints MFU every step; `shardlib explain` counts the FLOPs",
     "autotuning": "DeepSpeed's autotuner is not run; `shardlib plan` searches layouts",
     "aio": "asynchronous NVMe I/O tuning",
@@ -79,8 +83,6 @@ NOTES = {
     "fp16.auto_cast": "the model casts to the compute dtype itself",
 }
 DEFAULTS_ONLY = {  # accepted at DeepSpeed's default value, refused otherwise
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
     "sparse_gradients": False,
     "fp16.consecutive_hysteresis": False,
     "optimizer.params.amsgrad": False,
@@ -127,3 +129,11 @@ AUTO_SETTINGS = {
 }
 """Keys Hugging Face's Trainer fills in when they say ``"auto"``: left so, the settings they
 map to stay shardlib's own (its defaults, or NAME=VALUE words)."""
+AUTOTUNED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization.stage",
+)
+"""Keys DeepSpeed's autotuner accepts a list of values to search for; shardlib takes the
+first."""

@@ -65,10 +65,13 @@ def optimizer(r: Reader) -> dict[str, Any]:
         out["optimizer.lr"] = p("lr")
     if name == "onebit_adam":
         out["optimizer.freeze_step"] = p("freeze_step", 100000)
-    if name in ("onebit_adam", "lamb"):
-        out["optimizer.bias_correction"] = p("bias_correction", True)
-    elif not p("bias_correction", True):
-        r.refuse("optimizer.params.bias_correction", f"false with {kind} (always corrected)")
+    out["optimizer.bias_correction"] = p("bias_correction", True)
+    clip = p("max_grad_norm")  # apex FusedAdam's clipping, from before gradient_clipping
+    if clip is not None and r.config.get("gradient_clipping") is None:
+        out["optimizer.clip_norm"] = clip
+        r.notes.append("optimizer.params.max_grad_norm: the global-norm clipping threshold")
+    elif clip is not None:
+        r.notes.append("optimizer.params.max_grad_norm: gradient_clipping clips instead")
     if name == "lamb":  # DeepSpeed's FusedLamb always bounds the trust ratio
         out["optimizer.trust_ratio_max"] = p("max_coeff", LAMB_DEFAULTS["max_coeff"])
         out["optimizer.trust_ratio_min"] = p("min_coeff", LAMB_DEFAULTS["min_coeff"])

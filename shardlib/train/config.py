@@ -146,8 +146,8 @@ class Optimizer:
     """onebit_adam: full-precision Adam steps before the variance freezes and the momentum
     is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
     bias_correction: bool = True
-    """onebit_adam and lamb: Adam's bias correction (DeepSpeed's 1-bit Adam and LAMB examples
-    turn it off)."""
+    """adamw, adam, onebit_adam and lamb: Adam's bias correction (DeepSpeed's BERT examples,
+    1-bit Adam's and LAMB's, turn it off)."""
     trust_ratio_min: float = 0.0
     """lamb: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's ``min_coeff``);
     0: unbounded."""

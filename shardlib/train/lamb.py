@@ -7,7 +7,8 @@ trust ratio ``||w|| / ||u||`` (1 where either norm is 0). DeepSpeed's FusedLamb
 
 * ``bias_correction: false``: the moments are used as they stand, ``m / (sqrt(v) + eps)``;
   optax's ``scale_by_adam`` always corrects, so this direction keeps the same state
-  (``ScaleByAdamState``) and updates it with optax's own moment functions;
+  (``ScaleByAdamState``) and updates it with optax's own moment functions (Adam(W) with
+  ``bias_correction=false`` uses it too, ``train/optim.py``);
 * ``max_coeff`` / ``min_coeff``: the trust ratio is clipped into ``[min_coeff, max_coeff]``
   where both norms are nonzero (DeepSpeed's ``lamb_coeff``; 1 elsewhere, as in optax).
 

@@ -141,7 +141,7 @@ def test_every_unsupported_key_is_named_in_one_error():
         "sparse_attention": {"mode": "fixed"},
         "fp16": {"enabled": True, "consecutive_hysteresis": True},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
-        "prescale_gradients": True,
+        "sparse_gradients": True,
         "train_micro_batch_size_per_gpu": 3,
         "gradient_clippin": 1.0,
     }
@@ -152,7 +152,7 @@ def test_every_unsupported_key_is_named_in_one_error():
         "optimizer.type",
         "sparse_attention",
         "fp16.consecutive_hysteresis",
-        "prescale_gradients",
+        "sparse_gradients",
         "zero_optimization.offload_param.device",
         "train_batch_size",
         "gradient_clippin",
@@ -160,7 +160,7 @@ def test_every_unsupported_key_is_named_in_one_error():
         assert key in text, key
     assert "0/1 Adam" in text and "7 unsupported" in text
     assert {r.key for r in err.value.unlisted} == {
-        "fp16.consecutive_hysteresis", "prescale_gradients", "train_batch_size",
+        "fp16.consecutive_hysteresis", "sparse_gradients", "train_batch_size",
         "gradient_clippin",
     }  # fmt: skip
 
@@ -302,3 +302,22 @@ def test_cli_simulates_the_devices_a_config_is_written_for():
     assert "without --mesh: 10 simulated CPU devices" in text
     assert "on data=10 (10 cpu devices)" in text and "over 2 steps" in text
     assert "precision.loss_scale=4096" in text and "remat.policy=offload:" in text
+
+
+def test_bert_examples_adam_switches_and_autotuning_lists():
+    """BingBertSquad's Adam (bias_correction false, apex's max_grad_norm), the PLD example's
+    prescaling (a note: the mean is the same), the autotuner's list of micro batches."""
+    adam = {"type": "Adam", "params": {"lr": 3e-5, "max_grad_norm": 1.0, "weight_decay": 0.0,
+            "bias_correction": False}}  # fmt: skip
+    ds = from_deepspeed({"train_batch_size": 24, "optimizer": adam,
+                         "prescale_gradients": True, "gradient_predivide_factor": 8},
+                        devices=4)  # fmt: skip
+    opt = override(TrainConfig(), ds.settings).optimizer
+    assert (opt.name, opt.bias_correction, opt.clip_norm) == ("adam", False, 1.0)
+    assert {"prescale_gradients", "gradient_predivide_factor"} <= {
+        n.split(":")[0] for n in ds.notes
+    }
+    ds = from_deepspeed({"train_micro_batch_size_per_gpu": [8, 16],
+                         "zero_optimization": {"stage": [1, 2]}}, devices=2)  # fmt: skip
+    assert (ds.settings["dataset.batch"], ds.settings["parallel.data.zero"]) == (16, 1)
+    assert any("search space for DeepSpeed's autotuner" in n for n in ds.notes)

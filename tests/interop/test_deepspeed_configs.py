@@ -22,7 +22,7 @@ SOURCES = tomllib.loads((CONFIGS / "SOURCES.toml").read_text())
 TRAINS = [name for name, entry in SOURCES.items() if not entry["refused"]]
 REFUSED = [name for name, entry in SOURCES.items() if entry["refused"]]
 # the tiny model, two steps; the batch stays the config's (4096 rows for 1-bit Adam: short rows)
-WORDS = ["model=llama-tiny", "model.layers=1", "steps=2", "seq=4", "eval_every=0"]
+WORDS = ["model=llama-tiny", "model.layers=1", "steps=2", "seq=2", "eval_every=0"]
 
 
 def _config(name: str) -> dict:

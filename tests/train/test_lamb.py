@@ -104,5 +104,17 @@ def test_trust_ratio_bounds_are_checked():
 
     with pytest.raises(ShardingError, match="optimizer=adamw.*Fix: optimizer=lamb"):
         train_config(trust_ratio_max=0.3)
+    with pytest.raises(ShardingError, match="optimizer=sgd keeps none"):
+        train_config(optimizer="sgd", bias_correction=False)
     with pytest.raises(ShardingError, match="0 <= min <= max"):
         train_config(optimizer="lamb", trust_ratio_min=0.5, trust_ratio_max=0.3)
+
+
+def test_adamw_without_bias_correction_matches_the_formula():
+    """DeepSpeed's BERT examples' Adam(W): the same direction, decay, no trust ratio (the
+    hand computation with the ratio pinned to 1)."""
+    cfg = train_config(b1=B1, b2=B2, eps=EPS, weight_decay=WD, bias_correction=False)
+    got = _run(_optimizer(cfg.optimizer, optax.constant_schedule(LR)), 3)
+    want, _ = _by_hand(3, bias_correction=False, lo=1.0, hi=1.0)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
