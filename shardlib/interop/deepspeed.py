@@ -192,11 +192,13 @@ def _batch(r: _Reader, dp: int) -> dict[str, Any]:
     given = {k: v for k, v in (("train_batch_size", total),
              ("train_micro_batch_size_per_gpu", micro),
              ("gradient_accumulation_steps", accum)) if v is not None}  # fmt: skip
-    if not given:
-        if not any(p in r.used for p in BATCH_KEYS):  # present but 'auto': shardlib's
-            r.refuse("train_batch_size", "missing: give two of train_batch_size, "
-                     "train_micro_batch_size_per_gpu, gradient_accumulation_steps")  # fmt: skip
-        return {}  # all 'auto': shardlib's batch and micro-batches
+    if not given:  # absent or 'auto' (the Hugging Face Trainer's to fill): shardlib's batch
+        if not any(p in r.used for p in BATCH_KEYS):
+            r.notes.append(
+                "train_batch_size: not given (DeepSpeed needs it, the Hugging Face Trainer "
+                "fills it in); shardlib's batch (batch=, microbatches=)"
+            )
+        return {}
     if total is None:
         accum = accum or 1
         total = (micro or 1) * accum * dp
@@ -236,6 +238,10 @@ def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
 
 
 def _zero(r: _Reader, devices: int) -> tuple[dict[str, Any], dict[str, int]]:
+    if isinstance(r.config.get("zero_optimization"), bool):  # DeepSpeed's first form
+        on = r.get("zero_optimization")
+        r.notes.append(f"zero_optimization: {str(on).lower()}, the old form of stage {int(on)}")
+        return {"parallel.data.zero": int(on)}, {"data": devices}
     z = lambda key, default=None: r.get(f"zero_optimization.{key}", default)  # noqa: E731
     out: dict[str, Any] = {"parallel.data.zero": z("stage", 0)}
     out.update(_offload(r, "offload_optimizer", "optimizer"))

@@ -321,3 +321,14 @@ def test_bert_examples_adam_switches_and_autotuning_lists():
                          "zero_optimization": {"stage": [1, 2]}}, devices=2)  # fmt: skip
     assert (ds.settings["dataset.batch"], ds.settings["parallel.data.zero"]) == (16, 1)
     assert any("search space for DeepSpeed's autotuner" in n for n in ds.notes)
+
+
+def test_old_forms_and_a_config_without_batch_keys():
+    """Megatron-LM/scripts/ds_config.json's ``"zero_optimization": true`` (stage 1); MoQ's
+    example gives no batch at all (its Hugging Face script does): shardlib's batch."""
+    ds = from_deepspeed({"train_batch_size": 16, "zero_optimization": True}, devices=8)
+    assert ds.settings["parallel.data.zero"] == 1
+    assert any(n.startswith("zero_optimization: true, the old form") for n in ds.notes)
+    ds = from_deepspeed({"gradient_clipping": 1.0, "fp16": {"enabled": True}}, devices=8)
+    assert "dataset.batch" not in ds.settings
+    assert any(n.startswith("train_batch_size: not given") for n in ds.notes)
