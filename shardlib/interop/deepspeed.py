@@ -3,16 +3,27 @@
 Every key is accounted for, one of three ways:
 
 * mapped to a setting (``train_batch_size`` -> ``dataset.batch``, ``zero_optimization.stage``
-  -> ``zero``, ``optimizer`` -> ``optimizer.*``, ...);
-* a *note*: a key that tunes how DeepSpeed's runtime does something XLA decides by itself
-  (bucket sizes, overlap, contiguous buffers) or only logs; the note says so, and nothing
-  changes;
-* refused: a key or value shardlib cannot honour. All of them are named in one error, with
-  the reason for each, before anything is built: nothing is silently ignored.
+  -> ``zero``, ``optimizer`` -> ``optimizer.*``, a static ``fp16.loss_scale`` ->
+  ``precision.loss_scale``, LAMB's ``max_coeff``/``min_coeff`` -> ``trust_ratio_max/min``,
+  ``activation_checkpointing`` -> ``remat``, ...);
+* a *note* (``deepspeed_keys.NOTES``): a key that tunes how DeepSpeed's runtime does
+  something XLA decides by itself (bucket and prefetch sizes, overlap, persistence
+  thresholds, ``sub_group_size``, ``aio``), only logs, or that DeepSpeed itself ignores; the
+  note says so, and nothing changes. ``"auto"`` (Hugging Face's placeholder) leaves
+  shardlib's own setting;
+* refused: a feature shardlib does not have (``deepspeed_keys.NO_COUNTERPART``, NVMe
+  offload, 1-bit LAMB, 0/1 Adam), or a value it cannot honour. All of them are named in one
+  error (``DeepSpeedRefusal``), with the reason for each, before anything is built: nothing is
+  silently ignored.
 
 DeepSpeed's defaults differ from shardlib's in places, and the DeepSpeed meaning wins: no
 ``gradient_clipping`` means no clipping; no ``scheduler`` means a constant learning rate;
-optimizer parameters left out take DeepSpeed's defaults (weight decay 0, betas 0.9/0.999).
+optimizer parameters left out take DeepSpeed's defaults (weight decay 0, betas 0.9/0.999,
+LAMB's trust ratio bounded to [0.01, 10]).
+
+The batch identity ``train_batch_size = micro x accumulation x data-parallel size`` is checked
+on the devices given; ``implied_devices`` is the count a config is written for, which the CLI
+simulates when no mesh is given.
 """
 
 from __future__ import annotations
@@ -25,52 +36,41 @@ from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR, load_mesh
+from shardlib.interop import deepspeed_sections as sections
+from shardlib.interop.deepspeed_keys import (
+    AUTO_SETTINGS,
+    AUTOTUNED,
+    DEFAULTS_ONLY,
+    NO_COUNTERPART,
+    NOTES,
+    NVME,
+)
 
-# keys of DeepSpeed's runtime that XLA's compiler and scheduler take care of, or logging
-NOTES = {
-    "steps_per_print": "shardlib logs every step (metrics=...)",
-    "wall_clock_breakdown": "per-step times are in the metrics; profile_steps traces",
-    "dump_state": "logging only",
-    "zero_allow_untested_optimizer": "shardlib's ZeRO lays out any optimizer's state",
-    "memory_breakpoint": "logging only",
-    "communication_data_type": "collectives carry the compute dtype (or ZeRO++ codes)",
-    "zero_optimization.allgather_partitions": "XLA derives the gathers",
-    "zero_optimization.allgather_bucket_size": "XLA fuses and schedules collectives",
-    "zero_optimization.overlap_comm": "XLA's scheduler overlaps communication",
-    "zero_optimization.reduce_scatter": "XLA picks reduce-scatter or all-reduce",
-    "zero_optimization.reduce_bucket_size": "XLA fuses and schedules collectives",
-    "zero_optimization.contiguous_gradients": "XLA allocates the gradient buffers",
-    "zero_optimization.stage3_prefetch_bucket_size": "XLA schedules the weight gathers",
-    "zero_optimization.stage3_param_persistence_threshold": "every weight is sharded",
-    "zero_optimization.stage3_max_live_parameters": "XLA's buffer assignment decides",
-    "zero_optimization.stage3_max_reuse_distance": "XLA's buffer assignment decides",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "`shardlib export` "
-    "writes full weights from any layout",
-    "zero_optimization.sub_group_size": "the update is one fused XLA program",
-    "zero_optimization.round_robin_gradients": "XLA schedules the reductions",
-    "zero_optimization.elastic_checkpoint": "checkpoints restore onto any mesh",
-    "zero_optimization.ignore_unused_parameters": "every parameter has a gradient",
-    "zero_optimization.offload_optimizer.pin_memory": "host offload uses pinned memory",
-    "zero_optimization.offload_param.pin_memory": "host offload uses pinned memory",
-    "optimizer.params.cuda_aware": "transport choice: XLA's collectives",
-    "optimizer.params.comm_backend_name": "transport choice: XLA's collectives",
-    "optimizer.params.torch_adam": "kernel choice: XLA compiles the update",
-    "fp16.auto_cast": "the model casts to the compute dtype itself",
-}
-DEFAULTS_ONLY = {  # accepted at DeepSpeed's default value, refused otherwise
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
-    "fp16.consecutive_hysteresis": False,
-    "optimizer.params.amsgrad": False,
-    "zero_optimization.zero_quantized_nontrainable_weights": False,
-}
-OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "onebitadam": "onebit_adam", "lamb": "lamb"}
-WHY_NOT = {
-    "zerooneadam": "0/1 Adam's local steps let workers' parameters drift apart, which "
-    "shardlib's one-array-per-parameter state cannot hold (shardlib/train/onebit.py)",
-    "onebitlamb": "1-bit LAMB is not implemented; OneBitAdam is",
-}
+
+@dataclass(frozen=True)
+class Refusal:
+    """One key the config sets that shardlib cannot honour."""
+
+    key: str
+    """The dotted ds_config key."""
+    why: str
+    """The reason, and the fix where there is one."""
+    listed: bool = False
+    """A feature listed as having no counterpart (``NO_COUNTERPART``, NVMe, ``WHY_NOT``),
+    rather than a value out of range or a key shardlib does not know."""
+
+
+class DeepSpeedRefusal(ShardingError):
+    """A ds_config with settings shardlib cannot honour; ``refused`` names each one."""
+
+    def __init__(self, message: str, refused: tuple[Refusal, ...]):
+        super().__init__(message)
+        self.refused = refused
+
+    @property
+    def unlisted(self) -> tuple[Refusal, ...]:
+        """Refusals not for a feature listed as having no counterpart."""
+        return tuple(r for r in self.refused if not r.listed)
 
 
 @dataclass(frozen=True)
@@ -106,22 +106,30 @@ class _Reader:
     """Walks the config, recording what each key became; collects refusals."""
 
     def __init__(self, config: Mapping):
-        self.config, self.refused, self.notes, self.used = config, [], [], set()
+        self.config, self.used, self.auto = config, set(), set()
+        self.refused: list[Refusal] = []
+        self.notes: list[str] = []
 
     def get(self, path: str, default: Any = None) -> Any:
+        """The value at ``path``; ``default`` where absent or ``"auto"``."""
         node: Any = self.config
         for part in path.split("."):
             if not isinstance(node, Mapping) or part not in node:
                 return default
             node = node[part]
         self.used.add(path)
-        if node == "auto":
-            self.refused.append(f"{path}: 'auto' (a Hugging Face placeholder); give a value")
+        if isinstance(node, list) and node and path in AUTOTUNED:
+            self.notes.append(f"{path}: {node} is a search space for DeepSpeed's autotuner, "
+                              f"which is not run; the first, {node[0]}")  # fmt: skip
+            node = node[0]
+        if node == "auto":  # a Hugging Face placeholder: the value shardlib would choose
+            self.auto.add(path)
+            self.notes.append(f"{path}: 'auto', so shardlib's own setting (NAME=VALUE sets it)")
             return default
         return node
 
-    def refuse(self, path: str, why: str) -> None:
-        self.refused.append(f"{path}: {why}")
+    def refuse(self, path: str, why: str, *, listed: bool = False) -> None:
+        self.refused.append(Refusal(path, why, listed))
 
     def leftovers(self) -> None:
         """Every key neither read nor noted is refused; noted keys become notes."""
@@ -131,28 +139,65 @@ class _Reader:
                 path = prefix + key
                 if path in NOTES:
                     self.notes.append(f"{path}: {NOTES[path]}")
+                elif path in NO_COUNTERPART:
+                    if isinstance(value, Mapping) and value.get("enabled") is False:
+                        self.notes.append(f"{path}: disabled")
+                    else:
+                        self.refuse(path, NO_COUNTERPART[path], listed=True)
                 elif path in DEFAULTS_ONLY:
                     if value != DEFAULTS_ONLY[path]:
                         self.refuse(path, f"only {DEFAULTS_ONLY[path]!r} is supported")
                 elif isinstance(value, Mapping) and path not in self.used:
                     walk(value, path + ".")
                 elif path not in self.used and not any(u.startswith(path + ".") for u in self.used):
-                    self.refuse(path, "not supported")
+                    self.refuse(path, "not a key shardlib knows (a misspelling?)")
 
         walk(self.config, "")
 
 
-def _batch(r: _Reader, devices: int, dp: int) -> dict[str, Any]:
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _batch_keys(r: _Reader) -> tuple[int | None, int | None, int | None]:
+    total, micro, accum = (r.get(key) for key in BATCH_KEYS)
+    return total, micro, accum
+
+
+def fitting_devices(total: int, micro: int | None, accum: int | None) -> list[int]:
+    """Data-parallel sizes for which DeepSpeed's identity ``total = micro x accum x N`` can
+    hold, a missing ``micro`` or ``accum`` being DeepSpeed's to derive."""
+    known = (micro or 1) * (accum or 1)
+    if total % known:
+        return []
+    rest = total // known
+    if micro and accum:
+        return [rest]
+    return [n for n in range(1, rest + 1) if rest % n == 0]
+
+
+def implied_devices(config: Mapping) -> int | None:
+    """The devices a ds_config is written for, from its batch identity: ``train_batch_size /
+    (micro x accumulation)``, a missing one taken as 1 (None without ``train_batch_size``)."""
+    r = _Reader(config)
+    total, micro, accum = _batch_keys(r)
+    if not isinstance(total, int) or total < 1:
+        return None
+    fits = fitting_devices(total, micro, accum)
+    return fits[-1] if fits else None
+
+
+def _batch(r: _Reader, dp: int) -> dict[str, Any]:
     """DeepSpeed's identity train_batch_size = micro x accumulation x data-parallel size."""
-    total = r.get("train_batch_size")
-    micro = r.get("train_micro_batch_size_per_gpu")
-    accum = r.get("gradient_accumulation_steps")
+    total, micro, accum = _batch_keys(r)
     given = {k: v for k, v in (("train_batch_size", total),
              ("train_micro_batch_size_per_gpu", micro),
              ("gradient_accumulation_steps", accum)) if v is not None}  # fmt: skip
-    if not given:
-        r.refuse("train_batch_size", "missing: give two of train_batch_size, "
-                 "train_micro_batch_size_per_gpu, gradient_accumulation_steps")  # fmt: skip
+    if not given:  # absent or 'auto' (the Hugging Face Trainer's to fill): shardlib's batch
+        if not any(p in r.used for p in BATCH_KEYS):
+            r.notes.append(
+                "train_batch_size: not given (DeepSpeed needs it, the Hugging Face Trainer "
+                "fills it in); shardlib's batch (batch=, microbatches=)"
+            )
         return {}
     if total is None:
         accum = accum or 1
@@ -164,108 +209,47 @@ def _batch(r: _Reader, devices: int, dp: int) -> dict[str, Any]:
         accum = total // (micro * dp)
     if micro * accum * dp != total or min(micro, accum) < 1:
         named = ", ".join(f"{k}={v}" for k, v in given.items())
+        micro_given = given.get("train_micro_batch_size_per_gpu")
+        fits = fitting_devices(total, micro_given, given.get("gradient_accumulation_steps"))
+        written = " or ".join(map(str, fits[-4:])).replace(" or ", ", ", len(fits[-4:]) - 2)
+        fix = (f": to try it as written, leave out --mesh (shardlib then simulates {fits[-1]} "
+               f"CPU devices) or pass --cpu-devices {fits[-1]}" if fits else
+               "; give two of the three, or values whose product holds")  # fmt: skip
         r.refuse(
             "train_batch_size",
             f"{named} break DeepSpeed's identity train_batch_size = "
             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel "
-            f"size ({dp} of {devices} devices); e.g. train_batch_size="
-            f"{max(micro, 1) * max(accum, 1) * dp}, or give two of the three",
+            f"size on {dp} devices" + (f"; it holds on {written} GPUs" if fits else "") + fix,
         )
         return {}
     return {"dataset.batch": total, "parallel.data.microbatches": accum}
 
 
-def _precision(r: _Reader) -> dict[str, Any]:
-    fp16 = bool(r.get("fp16.enabled", False))
-    bf16 = bool(r.get("bf16.enabled", False) or r.get("bfloat16.enabled", False))
-    if fp16 and bf16:
-        r.refuse("bf16.enabled", "fp16 and bf16 both enabled; pick one")
-    if not fp16:
-        for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                    "min_loss_scale"):  # fmt: skip
-            r.get(f"fp16.{key}")  # inert while fp16 is off, as in DeepSpeed
-        return {"precision.compute": "bf16" if bf16 else "fp32"}
-    out = {"precision.compute": "fp16"}
-    if r.get("fp16.loss_scale", 0) != 0:
-        r.refuse("fp16.loss_scale", "a static loss scale; shardlib scales dynamically (use 0)")
-    for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
-        value = r.get(f"fp16.{key}")
-        if value is not None:
-            out[f"precision.{key}"] = value
-    return out
-
-
-def _optimizer(r: _Reader) -> dict[str, Any]:
-    kind = r.get("optimizer.type")
-    if kind is None:
-        r.notes.append("optimizer: none given (DeepSpeed would use the script's); adamw")
-        return {}
-    name = OPTIMIZERS.get(str(kind).lower())
-    if name is None:
-        why = WHY_NOT.get(str(kind).lower(), "use one of Adam, AdamW, OneBitAdam, Lamb")
-        r.refuse("optimizer.type", f"{kind!r}: {why}")
-        r.used.add("optimizer")  # its params mean nothing without it
-        return {}
-    p = lambda key, default=None: r.get(f"optimizer.params.{key}", default)  # noqa: E731
-    wd = p("weight_decay", 0.0)
-    if name == "adam" and wd and p("adam_w_mode", True):
-        name = "adamw"  # DeepSpeed's Adam decouples weight decay unless adam_w_mode=false
-    elif name == "adam" and wd:
-        r.refuse("optimizer.params.adam_w_mode", "false (L2-in-gradient Adam) with decay")
-    b1, b2 = p("betas", [0.9, 0.999])
-    out = {"optimizer.name": name, "optimizer.b1": b1, "optimizer.b2": b2,
-           "optimizer.weight_decay": wd, "optimizer.eps": p("eps", 1e-8)}  # fmt: skip
-    if p("lr") is not None:
-        out["optimizer.lr"] = p("lr")
-    if name == "onebit_adam":
-        out["optimizer.freeze_step"] = p("freeze_step", 100000)
-        out["optimizer.bias_correction"] = p("bias_correction", True)
-    elif not p("bias_correction", True):
-        r.refuse("optimizer.params.bias_correction", f"false with {kind} (always corrected)")
-    for key in ("max_coeff", "min_coeff"):
-        if p(key) is not None:
-            r.refuse(f"optimizer.params.{key}", "optax's LAMB has no trust-ratio bounds")
-    return out
-
-
-def _scheduler(r: _Reader) -> dict[str, Any]:
-    kind = r.get("scheduler.type")
-    if kind is None:
-        return {"optimizer.schedule": "constant"}
-    s = lambda key, default=None: r.get(f"scheduler.params.{key}", default)  # noqa: E731
-    out = {"optimizer.warmup": s("warmup_num_steps", 1000),
-           "optimizer.warmup_type": s("warmup_type", "log")}  # fmt: skip
-    if kind in ("WarmupLR", "WarmupDecayLR"):
-        if s("warmup_min_lr", 0.0):
-            r.refuse("scheduler.params.warmup_min_lr", "warm-up starts at 0 in shardlib")
-        out["optimizer.lr"] = s("warmup_max_lr", 0.001)
-        out["optimizer.schedule"] = "warmup_linear"
-        out["optimizer.min_lr_ratio"] = 1.0 if kind == "WarmupLR" else 0.0
-        if kind == "WarmupDecayLR":
-            out["run.steps"] = s("total_num_steps")
-    elif kind == "WarmupCosineLR":
-        if s("warmup_min_ratio", 0.0):
-            r.refuse("scheduler.params.warmup_min_ratio", "warm-up starts at 0 in shardlib")
-        out["optimizer.schedule"] = "warmup_cosine"
-        out["optimizer.min_lr_ratio"] = s("cos_min_ratio", 0.0001)
-        out["run.steps"] = s("total_num_steps")
-    else:
-        r.refuse("scheduler.type", f"{kind!r}: use WarmupLR, WarmupDecayLR or WarmupCosineLR")
-        r.used.add("scheduler")
-    return {k: v for k, v in out.items() if v is not None}
+def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
+    device = r.get(f"zero_optimization.{part}.device", "none")
+    if device == "cpu":
+        return {f"parallel.offload.{setting}": True}
+    if device == "nvme":
+        r.refuse(f"zero_optimization.{part}.device", NVME, listed=True)
+        r.used.add(f"zero_optimization.{part}")  # its NVMe tuning means nothing without it
+    elif device not in ("none", None):
+        r.refuse(f"zero_optimization.{part}.device", f"{device!r}: only cpu or none")
+    return {}
 
 
 def _zero(r: _Reader, devices: int) -> tuple[dict[str, Any], dict[str, int]]:
+    if isinstance(r.config.get("zero_optimization"), bool):  # DeepSpeed's first form
+        on = r.get("zero_optimization")
+        r.notes.append(f"zero_optimization: {str(on).lower()}, the old form of stage {int(on)}")
+        return {"parallel.data.zero": int(on)}, {"data": devices}
     z = lambda key, default=None: r.get(f"zero_optimization.{key}", default)  # noqa: E731
     out: dict[str, Any] = {"parallel.data.zero": z("stage", 0)}
-    for part, setting in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
-        device = z(f"{part}.device", "none")
-        if device == "cpu":
-            out[f"parallel.offload.{setting}"] = True
-        elif device not in ("none", None):
-            r.refuse(f"zero_optimization.{part}.device", f"{device!r}: only cpu or none")
-    if z("cpu_offload", False):  # DeepSpeed's older spelling
+    out.update(_offload(r, "offload_optimizer", "optimizer"))
+    out.update(_offload(r, "offload_param", "params"))
+    if z("cpu_offload", False):  # DeepSpeed's older spellings
         out["parallel.offload.optimizer"] = True
+    if z("cpu_offload_params", False):
+        out["parallel.offload.params"] = True
     if z("zero_quantized_weights", False):
         out["parallel.data.quantized_weights"] = True
     if z("zero_quantized_gradients", False):
@@ -285,29 +269,37 @@ def from_deepspeed(config: Mapping, devices: int) -> DeepSpeedPlan:
     """Map a parsed ds_config to shardlib settings on ``devices`` devices (see the module)."""
     r = _Reader(config)
     zero, mesh = _zero(r, devices)
-    settings = {**_batch(r, devices, devices), **zero}
-    clip = r.get("gradient_clipping", 0.0)
-    settings["optimizer.clip_norm"] = clip
-    settings.update(_precision(r))
-    opt = _optimizer(r)
-    settings.update(opt)
-    settings.update(_scheduler(r))
+    settings = {**_batch(r, devices), **zero}
+    settings["optimizer.clip_norm"] = r.get("gradient_clipping", 0.0)
+    for section in (sections.precision, sections.optimizer, sections.scheduler,
+                    sections.activation_checkpointing, sections.monitors):  # fmt: skip
+        settings.update(section(r))
+    for path in r.auto:
+        for setting in AUTO_SETTINGS.get(path, ()):
+            settings.pop(setting, None)
     r.leftovers()
     if r.refused:
-        raise ShardingError(
+        raise DeepSpeedRefusal(
             f"ds_config: {len(r.refused)} unsupported setting(s): "
-            + "; ".join(r.refused)
-            + ". Fix: remove or change them (shardlib README, 'DeepSpeed users')."
+            + "; ".join(f"{x.key}: {x.why}" for x in r.refused)
+            + ". Fix: remove or change them as each reason says (shardlib README, 'DeepSpeed "
+            "users').",
+            tuple(r.refused),
         )
     return DeepSpeedPlan(settings=settings, mesh=mesh, notes=tuple(r.notes))
 
 
-def load_deepspeed(path: str | Path, devices: int) -> DeepSpeedPlan:
-    """Read and map a ds_config.json file."""
+def read_deepspeed(path: str | Path) -> Mapping:
+    """A ds_config.json file, parsed."""
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ShardingError(f"ds_config {path}: {err}. Fix: a readable JSON file.") from err
     if not isinstance(config, Mapping):
         raise ShardingError(f"ds_config {path}: not a JSON object.")
-    return from_deepspeed(config, devices)
+    return config
+
+
+def load_deepspeed(path: str | Path, devices: int) -> DeepSpeedPlan:
+    """Read and map a ds_config.json file."""
+    return from_deepspeed(read_deepspeed(path), devices)

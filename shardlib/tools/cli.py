@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MeshSpec, load_mesh, simulate_cpu_devices
+from shardlib.tools.deepspeed_cli import deepspeed_base, deepspeed_devices
 
 DEFAULT_MESH = "cpu-8-3d"
 
@@ -28,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--mesh", default=DEFAULT_MESH, help="mesh preset file or name")
+        c.add_argument(
+            "--mesh", default=None, help=f"mesh preset file or name (default {DEFAULT_MESH})"
+        )
         c.add_argument(
             "--cpu-devices",
             type=int,
@@ -74,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DS_CONFIG_JSON",
         help="a DeepSpeed config: its batch, ZeRO, precision, optimizer and scheduler become "
-        "settings (NAME=VALUE words still override); --mesh then only sets the device count",
+        "settings (NAME=VALUE words still override); --mesh then only sets the device count, "
+        "and without --mesh or --cpu-devices shardlib simulates the CPU devices the config's "
+        "batch identity implies (train_batch_size / (micro batch x accumulation))",
     )
     g = command("generate", "continue a prompt with a KV cache on the mesh")
     source = g.add_mutually_exclusive_group(required=True)
@@ -129,7 +134,9 @@ def _prepare(args) -> tuple:
     from shardlib.distributed.preempt import install_early
     from shardlib.distributed.runtime import initialize, process_group
 
-    spec: MeshSpec = load_mesh(args.mesh)
+    spec: MeshSpec = load_mesh(args.mesh or DEFAULT_MESH)
+    if getattr(args, "deepspeed", None) and args.mesh is None and args.cpu_devices is None:
+        args.cpu_devices = deepspeed_devices(args.deepspeed, DEFAULT_MESH)
     group = process_group(args, spec.distributed)
     cpu = spec.platform == "cpu" or args.cpu_devices is not None
     processes = initialize(group, cpu=cpu)  # before JAX starts: it fixes the device list
@@ -158,7 +165,7 @@ def _prepare(args) -> tuple:
     plan = ParallelPlan.from_mesh_spec(spec)
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
     if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
-        base = _deepspeed_base(args.deepspeed, len(jax.devices()), spec)
+        base = deepspeed_base(args.deepspeed, len(jax.devices()), spec.platform, spec.rules)
     overrides = list(args.overrides)
     if getattr(args, "load_params", None):
         overrides.append(f"checkpoint.init_from={args.load_params}")
@@ -167,27 +174,6 @@ def _prepare(args) -> tuple:
     cfg = with_source_model(parse_overrides(overrides, base))  # --load-params HF_DIR: its shapes
     apply_gpu_defaults(cfg.run.gpu_flags)  # XLA reads XLA_FLAGS when the backend starts: now
     return cfg.parallel.with_devices(len(jax.devices())).build_mesh(), cfg
-
-
-def _deepspeed_base(path: str, devices: int, spec: MeshSpec):
-    """The config a ds_config.json describes on ``devices`` devices (the mesh file adds its
-    device count and its ``[rules]``); prints the equivalent command and what needed no
-    counterpart."""
-    import dataclasses
-
-    from shardlib.core.mesh import mesh_spec
-    from shardlib.interop.deepspeed import load_deepspeed
-    from shardlib.parallel.plan import ParallelPlan
-    from shardlib.train.config import TrainConfig, override
-
-    ds = load_deepspeed(path, devices)
-    mesh = dataclasses.replace(mesh_spec(**ds.mesh), platform=spec.platform, source=path)
-    console = Console(stderr=True)
-    console.print(f"[bold]--deepspeed {escape(path)}[/] is: {escape(ds.command())}", soft_wrap=True)
-    for note in ds.notes:
-        console.print(f"  no counterpart needed: {escape(note)}", soft_wrap=True)
-    plan = ParallelPlan(mesh=mesh).with_names(spec.rules)  # the model's own names stay
-    return override(TrainConfig(parallel=plan), ds.settings)
 
 
 def cmd_train(args, console: Console) -> int:
@@ -264,7 +250,7 @@ def cmd_parity(args, console: Console) -> int:
 
     mesh, cfg = _prepare(args)
     result = check_parity(cfg, mesh)
-    table = Table(title=f"parity: {args.mesh} vs one device, {cfg.run.steps} steps")
+    table = Table(title=f"parity: {args.mesh or DEFAULT_MESH} vs one device, {cfg.run.steps} steps")
     for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
         table.add_column(col, justify="right")
     for i, (a, b) in enumerate(zip(result.losses, result.reference_losses, strict=True), 1):

@@ -150,7 +150,13 @@ class Optimizer:
     """onebit_adam: full-precision Adam steps before the variance freezes and the momentum
     is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
     bias_correction: bool = True
-    """onebit_adam: Adam's bias correction (DeepSpeed's 1-bit Adam examples turn it off)."""
+    """adamw, adam, onebit_adam and lamb: Adam's bias correction (DeepSpeed's BERT examples,
+    1-bit Adam's and LAMB's, turn it off)."""
+    trust_ratio_min: float = 0.0
+    """lamb: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's ``min_coeff``);
+    0: unbounded."""
+    trust_ratio_max: float = 0.0
+    """lamb: upper bound of the trust ratio (DeepSpeed's ``max_coeff``); 0: unbounded."""
     clip_norm: float = 1.0
     """Global gradient-norm clipping threshold (0 disables it)."""
     momentum: float = 0.9
@@ -166,12 +172,15 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Precision:
-    """Compute dtype and fp16 dynamic loss scaling (DeepSpeed's rules)."""
+    """Compute dtype and fp16 loss scaling, dynamic or static (DeepSpeed's rules)."""
 
     compute: str = "fp32"
-    """fp32, or bf16/fp16 with fp32 master weights (fp16: dynamic loss scaling), or fp8:
+    """fp32, or bf16/fp16 with fp32 master weights (fp16: loss scaling), or fp8:
     bf16 with the blocks' projections in FP8 (e4m3 forward, e5m2 gradients, delayed
     scaling; ``shardlib.train.fp8``)."""
+    loss_scale: float = 0.0
+    """fp16: 0 scales dynamically (the settings below); a positive value is a static scale,
+    used every step and never changed (DeepSpeed's ``fp16.loss_scale``)."""
     initial_scale_power: int = 16
     """fp16: the loss scale starts at 2**initial_scale_power (DeepSpeed's default 16)."""
     loss_scale_window: int = 1000

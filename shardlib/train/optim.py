@@ -17,6 +17,7 @@ import optax
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
+from shardlib.train.lamb import lamb, scale_by_uncorrected_adam
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -55,6 +56,23 @@ def check_optimizer(opt) -> None:
     if opt.warmup_type not in WARMUPS:
         raise ShardingError(
             f"config: warmup_type={opt.warmup_type!r}. Fix: use one of {', '.join(WARMUPS)}."
+        )
+    if not opt.bias_correction and opt.name not in ("adamw", "adam", "lamb", "onebit_adam"):
+        raise ShardingError(
+            f"config: bias_correction=false is Adam's moments uncorrected, but optimizer="
+            f"{opt.name} keeps none. Fix: optimizer=adamw, adam, lamb or onebit_adam, or "
+            "bias_correction=true."
+        )
+    lo, hi = opt.trust_ratio_min, opt.trust_ratio_max
+    if (lo or hi) and opt.name != "lamb":
+        raise ShardingError(
+            f"config: trust_ratio_min={lo}, trust_ratio_max={hi} bound LAMB's trust ratio, "
+            f"but optimizer={opt.name}. Fix: optimizer=lamb, or leave both at 0."
+        )
+    if lo < 0 or hi < 0 or (hi and lo > hi):
+        raise ShardingError(
+            f"config: trust_ratio_min={lo}, trust_ratio_max={hi}: need 0 <= min <= max "
+            "(0: unbounded). Fix: e.g. DeepSpeed's defaults 0.01 and 10."
         )
     if opt.freeze_step < 0 or opt.eps < 0:
         raise ShardingError(
@@ -156,6 +174,10 @@ def _onebit_adam(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientT
 def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     wd, mask = cfg.weight_decay, decay_mask
     eps = {"eps": cfg.eps} if cfg.eps else {}  # 0: the optimizer's own default
+    if cfg.name in ("adamw", "adam") and not cfg.bias_correction:  # optax's chain, uncorrected
+        decay = [optax.add_decayed_weights(wd, mask)] if cfg.name == "adamw" else []
+        direction = scale_by_uncorrected_adam(cfg.b1, cfg.b2, cfg.eps or 1e-8)
+        return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
     if cfg.name == "adamw":
         return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
     if cfg.name == "adam":  # no decay at all: that is what distinguishes it from adamw
@@ -163,8 +185,12 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
     if cfg.name == "sgd":
         sgd = optax.sgd(lr, momentum=cfg.momentum)
         return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
-    if cfg.name == "lamb":
-        return optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
+    if cfg.name == "lamb":  # optax.lamb's chain, with DeepSpeed's switches (train/lamb.py)
+        return lamb(
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-6, weight_decay=wd, mask=mask,
+            bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
+            trust_ratio_max=cfg.trust_ratio_max,
+        )  # fmt: skip
     if cfg.name == "lars":
         # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
         return optax.lars(

@@ -1,4 +1,4 @@
-"""Mixed precision: compute dtypes and fp16 dynamic loss scaling with DeepSpeed's semantics.
+"""Mixed precision: compute dtypes and fp16 loss scaling (dynamic or static), DeepSpeed's way.
 
 bf16 and fp16 compute with fp32 master weights (the loss function casts a copy of the
 parameters each step). fp16's narrow exponent underflows small gradients, so the loss is
@@ -13,6 +13,10 @@ multiplied by a scale before the backward pass and the gradients divided by it a
   (``LossScaleError``, raised by the training loop on the host);
 * after ``loss_scale_window`` consecutive clean steps the scale doubles and the hysteresis
   is restored.
+
+A positive ``loss_scale`` is DeepSpeed's static scale instead: every step scales by it, it
+never changes, and a step whose gradients are not finite is still skipped (as DeepSpeed's
+ZeRO optimizers do); the minimum-scale error cannot arise.
 
 The scaler's state is part of the train state, so checkpoints keep it.
 
@@ -48,6 +52,11 @@ def check_precision(cfg) -> None:
             "config: loss-scaling settings out of range; need initial_scale_power >= 0, "
             "loss_scale_window >= 1, hysteresis >= 1."
         )
+    if cfg.loss_scale < 0:
+        raise ShardingError(
+            f"config: loss_scale={cfg.loss_scale} must be >= 0. Fix: 0 (dynamic scaling) or "
+            "a static scale such as 1024."
+        )
     if cfg.min_loss_scale <= 0 or cfg.min_loss_scale > 2.0**cfg.initial_scale_power:
         raise ShardingError(
             f"config: min_loss_scale={cfg.min_loss_scale} must be > 0 and <= the initial scale "
@@ -65,8 +74,9 @@ def uses_loss_scale(cfg) -> bool:
 
 def init_loss_scale(cfg) -> dict:
     """The scaler's state: scalars, replicated on every device."""
+    start = cfg.loss_scale or 2.0**cfg.initial_scale_power
     return {
-        "scale": jnp.asarray(2.0**cfg.initial_scale_power, jnp.float32),
+        "scale": jnp.asarray(start, jnp.float32),
         "good_steps": jnp.zeros((), jnp.int32),  # clean steps since the last change/overflow
         "hysteresis": jnp.asarray(cfg.hysteresis, jnp.int32),  # overflows left before halving
         "skipped": jnp.zeros((), jnp.int32),  # skipped steps so far (a metric)
@@ -85,6 +95,12 @@ def all_finite(tree) -> jax.Array:
 def update_loss_scale(cfg, ls: dict, finite: jax.Array) -> dict:
     """The scaler after one step whose gradients were (not) finite."""
     scale, good, hyst = ls["scale"], ls["good_steps"], ls["hysteresis"]
+    if cfg.loss_scale:  # static: the scale stays; only the counts move
+        return {
+            **ls,
+            "good_steps": jnp.where(finite, good + 1, 0),
+            "skipped": ls["skipped"] + jnp.where(finite, 0, 1),
+        }
     min_scale = jnp.float32(cfg.min_loss_scale)
     # overflow: spend hysteresis, or halve once none is left
     halve = jnp.logical_and(~finite, hyst <= 1)

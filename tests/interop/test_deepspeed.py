@@ -10,7 +10,7 @@ import math
 import pytest
 
 from shardlib.core.errors import ShardingError
-from shardlib.interop.deepspeed import from_deepspeed
+from shardlib.interop.deepspeed import DeepSpeedRefusal, from_deepspeed, implied_devices
 from shardlib.train.config import TrainConfig, override
 from shardlib.train.optim import schedule
 
@@ -138,32 +138,38 @@ def test_every_unsupported_key_is_named_in_one_error():
     bad = {
         **CONFIG_JSON,
         "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
-        "flops_profiler": {"enabled": True},
-        "fp16": {"enabled": True, "loss_scale": 128},
+        "sparse_attention": {"mode": "fixed"},
+        "fp16": {"enabled": True, "consecutive_hysteresis": True},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
-        "prescale_gradients": True,
-        "train_micro_batch_size_per_gpu": "auto",
+        "sparse_gradients": True,
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_clippin": 1.0,
     }
-    with pytest.raises(ShardingError) as err:
+    with pytest.raises(DeepSpeedRefusal) as err:
         from_deepspeed(bad, devices=8)
     text = str(err.value)
     for key in (
         "optimizer.type",
-        "flops_profiler",
-        "fp16.loss_scale",
-        "prescale_gradients",
+        "sparse_attention",
+        "fp16.consecutive_hysteresis",
+        "sparse_gradients",
         "zero_optimization.offload_param.device",
-        "train_micro_batch_size_per_gpu",
+        "train_batch_size",
+        "gradient_clippin",
     ):
         assert key in text, key
-    assert "0/1 Adam" in text and "6 unsupported" in text
+    assert "0/1 Adam" in text and "7 unsupported" in text
+    assert {r.key for r in err.value.unlisted} == {
+        "fp16.consecutive_hysteresis", "sparse_gradients", "train_batch_size",
+        "gradient_clippin",
+    }  # fmt: skip
 
 
 def test_inconsistent_batch_is_refused_naming_the_three_values():
     bad = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
            "gradient_accumulation_steps": 1}  # fmt: skip
-    bad["flops_profiler"] = {"enabled": True}  # one error names both
-    with pytest.raises(ShardingError, match="per_gpu=3.*8 of 8.*=24.*flops_profiler.enabled"):
+    bad["sparse_attention"] = {"mode": "fixed"}  # one error names both
+    with pytest.raises(ShardingError, match="per_gpu=3.*on 8 devices.*sparse_attention"):
         from_deepspeed(bad, devices=8)
 
 
@@ -185,3 +191,144 @@ def test_scheduler_examples_with_deepspeeds_log_warmup():
                                      "warmup_type": "linear"}}}, devices=8)  # fmt: skip
     assert cos.settings["optimizer.schedule"] == "warmup_cosine"
     assert cos.settings["optimizer.min_lr_ratio"] == 0.0001
+
+
+def test_activation_checkpointing_maps_to_remat():
+    """partition_activations: remat=full (saved inputs split over tensor where replicated);
+    cpu_checkpointing: the residual stream offloaded to host; the rest are tuning notes."""
+    from models.llama.model import CHECKPOINT_NAMES
+    from shardlib.parallel.remat import parse_remat
+
+    base = {"train_batch_size": 8}
+    section = {"partition_activations": True, "contiguous_memory_optimization": True,
+               "number_checkpoints": 4, "synchronize_checkpoint_boundary": False,
+               "profile": False}  # fmt: skip
+    ds = from_deepspeed({**base, "activation_checkpointing": section}, devices=8)
+    assert ds.settings["parallel.remat.policy"] == "full"
+    for key in ("contiguous_memory_optimization", "number_checkpoints", "profile",
+                "synchronize_checkpoint_boundary", "partition_activations"):  # fmt: skip
+        assert any(n.startswith(f"activation_checkpointing.{key}") for n in ds.notes), key
+    cpu = {**section, "cpu_checkpointing": True}
+    ds = from_deepspeed({**base, "activation_checkpointing": cpu}, devices=8)
+    policy = ds.settings["parallel.remat.policy"]
+    assert parse_remat(policy, CHECKPOINT_NAMES).mode == "offload"  # a name llama tags
+    assert override(TrainConfig(), ds.settings).parallel.remat.policy == policy
+    off = {"partition_activations": False, "cpu_checkpointing": False}
+    ds = from_deepspeed({**base, "activation_checkpointing": off}, devices=8)
+    assert "parallel.remat.policy" not in ds.settings
+
+
+def test_static_loss_scale_and_master_weights():
+    ds = from_deepspeed({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 4096,
+                         "fp16_master_weights_and_grads": True}}, devices=8)  # fmt: skip
+    cfg = override(TrainConfig(), ds.settings)
+    assert cfg.precision.compute == "fp16" and cfg.precision.loss_scale == 4096
+    assert any(n.startswith("fp16.fp16_master_weights_and_grads: shardlib keeps fp32") for n in
+               ds.notes)  # fmt: skip
+
+
+def test_lamb_keys_and_deepspeeds_default_trust_ratio_bounds():
+    lamb = {"type": "Lamb", "params": {"lr": 11e-3, "weight_decay": 0.01,
+            "bias_correction": False, "max_coeff": 0.3, "min_coeff": 0.01}}  # fmt: skip
+    s = from_deepspeed({"train_batch_size": 8, "optimizer": lamb}, devices=8).settings
+    opt = override(TrainConfig(), s).optimizer
+    assert (opt.name, opt.bias_correction) == ("lamb", False)
+    assert (opt.trust_ratio_min, opt.trust_ratio_max) == (0.01, 0.3)
+    plain = {"type": "Lamb", "params": {"lr": 1e-3}}  # FusedLamb bounds it all the same
+    s = from_deepspeed({"train_batch_size": 8, "optimizer": plain}, devices=8).settings
+    assert (s["optimizer.trust_ratio_min"], s["optimizer.trust_ratio_max"]) == (0.01, 10.0)
+    assert s["optimizer.bias_correction"] is True
+
+
+def test_tuning_keys_and_deepspeeds_own_misspellings_are_notes():
+    zero = {"stage": 3, "sub_group_size": 1e9, "stage3_param_persitence_threshold": 1e4,
+            "stage3_param_persitance_threshold": 1e5, "comm_overlap": True,
+            "stage3_max_live_parameters": 1e9, "round_robin_gradients": True,
+            "cpu_offload_params": True, "cpu_offload_use_pin_memory": True}  # fmt: skip
+    config = {"train_batch_size": 8, "zero_optimization": zero, "aio": {"block_size": 1048576},
+              "flops_profiler": {"enabled": True}, "autotuning": {"enabled": True}}  # fmt: skip
+    ds = from_deepspeed(config, devices=8)
+    noted = {n.split(":")[0] for n in ds.notes}
+    for key in ("sub_group_size", "stage3_param_persitence_threshold", "comm_overlap",
+                "stage3_param_persitance_threshold", "round_robin_gradients"):  # fmt: skip
+        assert f"zero_optimization.{key}" in noted, key
+    assert {"aio", "flops_profiler", "autotuning"} <= noted
+    assert ds.settings["parallel.offload.params"] is True  # cpu_offload_params: old spelling
+
+
+def test_auto_is_shardlibs_own_setting():
+    ds = from_deepspeed({"train_micro_batch_size_per_gpu": "auto",
+                         "gradient_accumulation_steps": "auto"}, devices=8)  # fmt: skip
+    assert "dataset.batch" not in ds.settings and "parallel.data.microbatches" not in ds.settings
+    assert any(n.startswith("train_micro_batch_size_per_gpu: 'auto'") for n in ds.notes)
+
+
+def test_a_config_for_other_gpu_counts_says_which_and_how_to_try_it():
+    """The ZeRO-Offload 10B example: 30 = micro x 3 x GPUs, so 1, 2, 5 or 10 GPUs, not 8."""
+    config = {"train_batch_size": 30, "gradient_accumulation_steps": 3}
+    with pytest.raises(DeepSpeedRefusal) as err:
+        from_deepspeed(config, devices=8)
+    text = str(err.value)
+    assert "on 8 devices; it holds on 1, 2, 5 or 10 GPUs" in text
+    assert "leave out --mesh (shardlib then simulates 10 CPU devices)" in text
+    assert "--cpu-devices 10" in text
+    assert implied_devices(config) == 10
+    assert implied_devices({**config, "train_micro_batch_size_per_gpu": 5}) == 2
+    assert implied_devices({"train_micro_batch_size_per_gpu": 4}) is None
+    assert from_deepspeed(config, devices=10).settings["dataset.batch"] == 30
+
+
+@pytest.mark.slow
+def test_cli_simulates_the_devices_a_config_is_written_for():
+    """``shardlib train --deepspeed`` without --mesh: the ZeRO-Offload 10B example (stored
+    unchanged) on the 10 CPU devices its identity implies; ZeRO-2 splits the optimizer
+    state 10 ways, so the tiny model's widths are multiples of 10."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    path = Path(__file__).parent / "deepspeed_configs" / "megatron_zero_offload_10b.json"
+    words = ["model=llama-tiny", "model.layers=1", "model.embed=80", "model.mlp=320",
+             "steps=2", "seq=8"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "shardlib.tools.entry", "train", "--deepspeed", str(path), *words],
+        capture_output=True, text=True, timeout=300, cwd=root,
+        env={**os.environ, "COLUMNS": "400"},  # rich: one line per message
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "without --mesh: 10 simulated CPU devices" in text
+    assert "on data=10 (10 cpu devices)" in text and "over 2 steps" in text
+    assert "precision.loss_scale=4096" in text and "remat.policy=offload:" in text
+
+
+def test_bert_examples_adam_switches_and_autotuning_lists():
+    """BingBertSquad's Adam (bias_correction false, apex's max_grad_norm), the PLD example's
+    prescaling (a note: the mean is the same), the autotuner's list of micro batches."""
+    adam = {"type": "Adam", "params": {"lr": 3e-5, "max_grad_norm": 1.0, "weight_decay": 0.0,
+            "bias_correction": False}}  # fmt: skip
+    ds = from_deepspeed({"train_batch_size": 24, "optimizer": adam,
+                         "prescale_gradients": True, "gradient_predivide_factor": 8},
+                        devices=4)  # fmt: skip
+    opt = override(TrainConfig(), ds.settings).optimizer
+    assert (opt.name, opt.bias_correction, opt.clip_norm) == ("adam", False, 1.0)
+    assert {"prescale_gradients", "gradient_predivide_factor"} <= {
+        n.split(":")[0] for n in ds.notes
+    }
+    ds = from_deepspeed({"train_micro_batch_size_per_gpu": [8, 16],
+                         "zero_optimization": {"stage": [1, 2]}}, devices=2)  # fmt: skip
+    assert (ds.settings["dataset.batch"], ds.settings["parallel.data.zero"]) == (16, 1)
+    assert any("search space for DeepSpeed's autotuner" in n for n in ds.notes)
+
+
+def test_old_forms_and_a_config_without_batch_keys():
+    """Megatron-LM/scripts/ds_config.json's ``"zero_optimization": true`` (stage 1); MoQ's
+    example gives no batch at all (its Hugging Face script does): shardlib's batch."""
+    ds = from_deepspeed({"train_batch_size": 16, "zero_optimization": True}, devices=8)
+    assert ds.settings["parallel.data.zero"] == 1
+    assert any(n.startswith("zero_optimization: true, the old form") for n in ds.notes)
+    ds = from_deepspeed({"gradient_clipping": 1.0, "fp16": {"enabled": True}}, devices=8)
+    assert "dataset.batch" not in ds.settings
+    assert any(n.startswith("train_batch_size: not given") for n in ds.notes)

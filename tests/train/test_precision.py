@@ -116,3 +116,32 @@ def test_bf16_trains_close_to_fp32():
     losses = parity.one_device(cfg).losses
     assert np.allclose(result.losses, losses, rtol=2e-2), (result.losses, losses)
     assert max(abs(a - b) / b for a, b in zip(result.losses, losses, strict=True)) > 1e-5
+
+
+def test_static_scale_never_changes_and_overflows_are_still_skipped():
+    """A static ``loss_scale`` (DeepSpeed's ``fp16.loss_scale: 4096``): the window, the
+    hysteresis and the minimum scale play no part; overflows are counted and skipped."""
+    from shardlib.train import precision
+
+    cfg = override(CFG, {"loss_scale": 4096, "loss_scale_window": 1}).precision
+    ls = precision.init_loss_scale(cfg)
+    assert float(ls["scale"]) == 4096.0  # not 2**initial_scale_power
+    for finite in (True, True, False, False, False, True):  # dynamic would double, then halve
+        ls = precision.update_loss_scale(cfg, ls, np.bool_(finite))
+        assert float(ls["scale"]) == 4096.0 and not bool(ls["exhausted"])
+    assert int(ls["skipped"]) == 3 and int(ls["good_steps"]) == 1
+
+
+@pytest.mark.slow
+def test_static_scale_is_the_one_the_step_uses():
+    """2**40 overflows fp16's backward pass (see the module): with it as the static scale every
+    step is skipped and the scale stays; 4096 trains, reporting 4096 every step."""
+    for scale, trains in ((2.0**40, False), (4096.0, True)):
+        cfg = override(CFG, {"loss_scale": scale, "loss_scale_window": 1, "zero": 0})
+        setup = make_setup(cfg, mesh_spec(data=2).build(jax.devices()[:2]))
+        state = jax.device_put(parity.random_state(setup), setup.state_shardings)
+        before = snapshot(state)
+        result = run(setup, state=state, show=False, stop_after=3)
+        assert [r["loss_scale"] for r in result.records] == [scale] * 3
+        assert [r["overflow"] for r in result.records] == [0 if trains else 1] * 3
+        assert same(snapshot(result.state), before) is not trains
