@@ -160,12 +160,13 @@ def test_cli_reads_the_rules_table_of_a_mesh_file(capsys, tmp_path):
 
 def test_deepspeed_config_keeps_the_mesh_files_rules(tmp_path):
     """``--deepspeed`` replaces the mesh file's layout, not the model's own names."""
-    from shardlib.tools.cli import _deepspeed_base
+    from shardlib.tools.deepspeed_cli import deepspeed_base
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}))
     mesh = tmp_path / "mine.toml"
     mesh.write_text('[mesh]\ndata = -1\n\n[rules]\nffn = ["data"]\n')
-    cfg = _deepspeed_base(str(ds), 8, load_mesh(mesh))
+    spec = load_mesh(mesh)
+    cfg = deepspeed_base(str(ds), 8, spec.platform, spec.rules)
     assert cfg.parallel.custom_names == (("ffn", ("data",)),)
     assert cfg.parallel.with_devices(8).rules.params["ffn"] == ("data",)
