@@ -13,7 +13,11 @@ peak (``collect_results.py``); the column kept here is throughput in tokens/s, w
 what the planner predicts.
 
 The 8-GPU rows are one host; the rest span 2-16 hosts of 8 GPUs (1600 Gb/s per node on the
-A100s; the H100 table does not say).
+A100s; the H100 table does not say). The A100 80GB and H100 rows ran the same image,
+``mosaicml/pytorch:2.1.0_cu121-nightly20230827`` (the ``Image`` column of
+``scripts/train/benchmarking/h100new.md`` at mosaicml/llm-foundry@beb8dee, which lists these
+rows), with ``attn_impl: triton`` (``submit_benchmarks.py``'s default): the pre-MLIR Triton
+FlashAttention. How they are costed: ``planner.calibrate.llmfoundry``.
 """
 
 from __future__ import annotations

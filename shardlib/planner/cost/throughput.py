@@ -182,13 +182,20 @@ class Matmul:
 
     def seconds(self, cluster: Cluster, itemsize: int) -> float:
         """Roofline time (compute-bound at the ceiling, or memory-bound below the ridge),
-        plus the last wave's idle SMs: half a wave on average."""
+        plus the last wave's idle SMs: half a wave on average. A compute-bound GEMM's tiles
+        (not a fused kernel's) each also wait on ``Cluster.tile_transfers`` tile-sized HBM
+        transfers at the SM's share of the bandwidth; a memory-bound one is all transfers,
+        at the roofline's streaming time."""
         ceiling = self.ceiling * (cluster.mma_sync_fraction if self.legacy_mma else 1.0)
         math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency * ceiling)
+        memory_s = self.bytes(itemsize) / cluster.hbm_bw
         if cluster.sms:
             waves = self.waves(cluster)
             math_s *= (waves + 0.5) / waves
-        return max(math_s, self.bytes(itemsize) / cluster.hbm_bw)
+            if self.moved is None and cluster.tile_transfers and math_s > memory_s:
+                tile_s = cluster.tile_transfers * TILE * TILE * itemsize * cluster.sms
+                math_s += (waves + 0.5) * tile_s / cluster.hbm_bw
+        return max(math_s, memory_s)
 
 
 @dataclass(frozen=True)
