@@ -13,8 +13,12 @@ the tie. Here the rate depends on the plan:
   "Math and memory bounds" and "Wave quantization", https://docs.nvidia.com/deeplearning/
   performance/dl-performance-matrix-multiplication/index.html): half a wave lost on
   average, so small per-device products (high tensor degree, small micro-batch) are
-  slower. ``matmul_efficiency``, the fraction of peak a large matmul reaches, is a cluster
-  field fitted on published runs (docs/throughput_calibration.md). Elementwise work (norms,
+  slower. A compute-bound GEMM's tiles also wait on ``Cluster.tile_transfers`` tile-sized
+  HBM transfers each (the C store, the pipeline's first loads) at the SM's share of the
+  bandwidth: a short inner dimension loses more. ``matmul_efficiency``, the fraction of peak
+  a large matmul reaches, and ``tile_transfers`` are cluster fields fitted on published runs
+  (docs/throughput_calibration.md). A fused attention kernel is the program's
+  (``AttentionKernel``). Elementwise work (norms,
   residual adds, rotary, SwiGLU's product, the softmax over the scores that dense attention
   writes out) streams its bytes through HBM. The backward pass runs the same shapes twice
   (input and weight gradients) and its elementwise work about twice, so one rate (FLOPs
