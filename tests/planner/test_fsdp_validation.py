@@ -100,3 +100,14 @@ def test_llmfoundry_program_moves_fsdp_in_its_mixed_precision():
     assert by["DEFAULT"].host_s > 0 and by["PURE"].host_s == 0
     with pytest.raises(ValueError, match="DEFAULT or PURE"):
         llmfoundry_program("FULL")
+
+
+def test_fit_and_held_out_rows():
+    """All llm-foundry rows: the fit rows (A100 80GB at seq 2048 and 8192) and every other
+    row, held out. Before llm-foundry's own program and the tile term: 15/19 and 56/126."""
+    runs = fsdp_runs.A100_80GB + fsdp_runs.A100_40GB + fsdp_runs.H100_80GB
+    fitted = [r for r in runs if r in FIT + FIT_ATTENTION]
+    held = [r for r in runs if r not in FIT + FIT_ATTENTION]
+    assert (len(fitted), len(held)) == (19, 126)
+    assert sum(map(hit, _ratios(fitted))) >= 18
+    assert sum(map(hit, _ratios(held))) >= 114
