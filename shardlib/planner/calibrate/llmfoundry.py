@@ -15,7 +15,8 @@ out 1.1-1.9x faster than published, the more so the longer the sequence, and the
   rate for ``mma.sync`` (on Hopper 2/3 of the peak: ``Cluster.mma_sync_fraction``), plus one
   exponential per computed score on the special-function units (``Cluster.sfu_rate``). The
   one fitted number is that fraction, on the A100 fit rows only
-  (``benchmarks/fsdp_validation.py``); the H100 rows are predicted from it and the data sheets.
+  (``benchmarks/fsdp_validation.py``); the H100 rows are predicted from it, the A100 fit of
+  the presets' ``matmul_efficiency`` and ``tile_transfers``, and the Hopper figures above.
 * **the MPT block**: LayerNorm, ALiBi (a bias the kernel adds: no rotary pass), a GELU MLP of
   4 x d_model (the bytes of shardlib's SwiGLU over 8d/3); no dropout (p = 0 launches no
   kernel); flash-attn's fused cross-entropy for the loss.
