@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +49,10 @@ from benchmarks.planner_calibration import (  # noqa: E402
 from benchmarks.planner_calibration import predict as megatron_predict  # noqa: E402
 from shardlib.planner import Workload, candidate, estimate, load_cluster  # noqa: E402
 from shardlib.planner.calibrate.deepspeed import zero3_program  # noqa: E402
+from shardlib.planner.calibrate.llmfoundry import (  # noqa: E402
+    TRITON_ATTENTION,
+    llmfoundry_program,
+)
 from shardlib.planner.cost.total import SHARDLIB  # noqa: E402
 
 CLUSTERS = {"a100_80gb": "a100-8", "a100_40gb": "a100-40-8", "h100_80gb": "h100-8"}
@@ -77,7 +82,8 @@ def fsdp_workload(run: fsdp_runs.R) -> Workload:
     )
 
 
-def fsdp_estimate(run: fsdp_runs.R, **cluster_fields):
+def fsdp_estimate(run: fsdp_runs.R, program=None, **cluster_fields):
+    """``run`` costed with llm-foundry's program (``planner.calibrate.llmfoundry``)."""
     plan = candidate(
         fsdp=run.gpus,
         microbatches=run.grad_accum,
@@ -86,11 +92,12 @@ def fsdp_estimate(run: fsdp_runs.R, **cluster_fields):
     )
     cluster = load_cluster(CLUSTERS[run.gpu]).with_hosts(max(1, run.gpus // 8))
     cluster = dataclasses.replace(cluster, **cluster_fields)
-    return estimate(fsdp_workload(run), plan, cluster)
+    program = llmfoundry_program(run.mixed_precision) if program is None else program
+    return estimate(fsdp_workload(run), plan, cluster, program=program)
 
 
-def fsdp_ratio(run: fsdp_runs.R, **cluster_fields) -> float:
-    return fsdp_estimate(run, **cluster_fields).tokens_per_s / run.tokens_per_s
+def fsdp_ratio(run: fsdp_runs.R, program=None, **cluster_fields) -> float:
+    return fsdp_estimate(run, program, **cluster_fields).tokens_per_s / run.tokens_per_s
 
 
 def zero3_run(gpus: int, tflops: float) -> Run:
@@ -135,7 +142,12 @@ def sc21_table(console: Console) -> list[float]:
 
 FIT = tuple(r for r in fsdp_runs.A100_80GB if r.seq == 2048)
 """The FSDP runs ``planner_calibration.py --fit`` fits ``matmul_efficiency`` on (with the
-Megatron-LM calibration rows); every other row here is a check."""
+Megatron-LM calibration rows)."""
+FIT_ATTENTION = tuple(r for r in fsdp_runs.A100_80GB if r.seq == 8192)
+"""The FSDP runs ``--fit`` fits llm-foundry's Triton attention ceiling on (with ``FIT``, at the
+preset's ``matmul_efficiency``): attention is a fifth to a half of their step. Every other row
+(A100 80GB at other lengths and across hosts, A100 40GB, every H100 row) is held out."""
+FITTED = frozenset(FIT + FIT_ATTENTION)
 RUN_SETS = (
     ("A100 80GB", fsdp_runs.A100_80GB),
     ("A100 40GB (16-128 GPUs)", fsdp_runs.A100_40GB),
@@ -167,6 +179,24 @@ def fsdp_tables(console: Console, show_all: bool) -> dict[str, list[tuple]]:
     return out
 
 
+def fit_attention(console: Console) -> float:
+    """llm-foundry's Triton attention ceiling (``llmfoundry.TRITON_ATTENTION.ceiling``) by least
+    squares of log(predicted/published) over the fit rows (``FIT`` + ``FIT_ATTENTION``)."""
+
+    def loss(ceiling: float) -> float:
+        kernel = dataclasses.replace(TRITON_ATTENTION, ceiling=ceiling)
+        runs = FIT + FIT_ATTENTION
+        return sum(
+            math.log(fsdp_ratio(r, llmfoundry_program(r.mixed_precision, kernel))) ** 2
+            for r in runs
+        )
+
+    best = min((loss(c), c) for c in [x / 100 for x in range(60, 101)])
+    console.print(f"fit: Triton attention ceiling={best[1]:.2f} (sum of squared log ratios "
+                  f"{best[0]:.3f} over {len(FIT + FIT_ATTENTION)} fit rows)")  # fmt: skip
+    return best[1]
+
+
 def summary(sets: dict[str, list[tuple]]) -> list[str]:
     lines = []
     for name, body in sets.items():
@@ -180,6 +210,9 @@ def summary(sets: dict[str, list[tuple]]) -> list[str]:
                 f"{name}, {where}: {sum(map(hit, ratios))}/{len(rows)} within 15% (ratios "
                 f"{min(ratios):.3f}-{max(ratios):.3f}), {fits}/{len(rows)} predicted to fit"
             )
+    for label, fitted in (("fit rows", True), ("held out", False)):
+        ratios = [r for body in sets.values() for run, r, _ in body if (run in FITTED) == fitted]
+        lines.append(f"{label}: {sum(map(hit, ratios))}/{len(ratios)} within 15%")
     return lines
 
 
@@ -206,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every FSDP row, not the misses")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw predicted vs published")
+    parser.add_argument("--fit", action="store_true", help="refit the Triton attention ceiling")
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.fit:
+        fit_attention(console)
     sc21 = sc21_table(console)
     sets = fsdp_tables(console, args.all)
     console.print(

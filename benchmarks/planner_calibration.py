@@ -12,11 +12,11 @@ traffic, recompute) on the planner's hardware model: a GPT-3 style model of the 
 FLOP formula, so predicted/published = published step time / predicted step time.
 
 Calibration rows (Megatron-LM), with the FSDP fit rows of ``fsdp_validation.py``, fit
-``matmul_efficiency`` (the A100 presets); the links' achieved bandwidths are the nccl-tests
-figures the preset cites, not fitted here. MT-NLG (DeepSpeed + Megatron) is printed as a check on
-another software stack, never fitted; the weak-scaling Table 1 of Narayanan et al. 2021
-(SC21) is held out: printed, never fitted. Sources and what was confirmed where:
-docs/throughput_calibration.md.
+``matmul_efficiency`` and ``tile_transfers`` (the A100 presets); the links' achieved bandwidths
+are the nccl-tests figures the preset cites, not fitted here. MT-NLG (DeepSpeed + Megatron) is
+printed as a check on another software stack, never fitted; the weak-scaling Table 1 of
+Narayanan et al. 2021 (SC21) is held out: printed, never fitted. Sources and what was confirmed
+where: docs/throughput_calibration.md.
 """
 
 from __future__ import annotations
@@ -224,23 +224,31 @@ def predict(run: Run, cluster_name: str = "a100-8", **cluster_fields):
     return run.flops() / (est.step_s * run.gpus) / 1e12, est
 
 
-def fit(console: Console) -> float:
-    """``matmul_efficiency`` by least squares of log(predicted/published) over the
-    calibration rows and the FSDP fit rows (``fsdp_validation.FIT``: llm-foundry's A100
-    80GB runs at seq 2048). The links are not fitted: their achieved bandwidths are the
-    nccl-tests bus bandwidths the cluster preset cites (``planner.cost.links``)."""
-    from benchmarks.fsdp_validation import FIT, fsdp_ratio
+def fit(console: Console) -> dict[str, float]:
+    """``matmul_efficiency`` and ``tile_transfers`` (the A100 presets), jointly by least
+    squares of log(predicted/published) over the calibration rows and the FSDP fit rows
+    (``fsdp_validation.FIT`` + ``FIT_ATTENTION``: llm-foundry's A100 80GB one-host runs at seq
+    2048 and 8192). The links are not fitted: their achieved bandwidths are the nccl-tests
+    bus bandwidths the cluster preset cites (``planner.cost.links``)."""
+    from benchmarks.fsdp_validation import FIT, FIT_ATTENTION, fsdp_ratio
 
-    def loss(eff: float) -> float:
-        megatron = [
-            predict(r, matmul_efficiency=eff)[0] / r.published_tflops() for r in CALIBRATION
-        ]
-        fsdp = [fsdp_ratio(r, matmul_efficiency=eff) for r in FIT]
+    def loss(fields: dict[str, float]) -> float:
+        megatron = [predict(r, **fields)[0] / r.published_tflops() for r in CALIBRATION]
+        fsdp = [fsdp_ratio(r, **fields) for r in FIT + FIT_ATTENTION]
         return sum(math.log(x) ** 2 for x in megatron + fsdp)
 
-    best = min((loss(eff), eff) for eff in [x / 100 for x in range(60, 101)])
-    console.print(f"fit: matmul_efficiency={best[1]:.2f} (sum of squared log ratios {best[0]:.3f})")
-    return best[1]
+    grid = [
+        {"matmul_efficiency": eff / 100, "tile_transfers": tiles / 4}
+        for eff in range(70, 83)
+        for tiles in range(4, 15)
+    ]
+    best = min(grid, key=loss)
+    console.print(
+        "fit: "
+        + ", ".join(f"{k}={v:.2f}" for k, v in best.items())
+        + f" (sum of squared log ratios {loss(best):.3f})"
+    )
+    return best
 
 
 COLUMNS = (
@@ -346,15 +354,14 @@ def plot(path: str, cal: list, other: list, held: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="refit matmul_efficiency first")
+    parser.add_argument("--fit", action="store_true", help="refit the two fitted constants first")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw predicted vs published")
     args = parser.parse_args(argv)
     console = Console(width=1000 if args.markdown else 200)
     fields = {}
     if args.fit:
-        eff = fit(console)
-        fields = {"matmul_efficiency": eff}
+        fields = fit(console)
     cal = rows(CALIBRATION, **fields)
     show(console, "calibration: predicted / published (target 0.85-1.15)", cal, args.markdown)
     other = rows(OTHER_STACK, **fields)

@@ -39,7 +39,9 @@ def test_a_matmul_runs_at_the_roofline_with_a_half_wave_tail():
     big = Matmul("big", 8192, 8192, 8192)
     waves = (8192 / TILE) ** 2 / A100.sms
     compute = big.flops / (A100.peak_flops * A100.matmul_efficiency) * (waves + 0.5) / waves
-    assert big.seconds(A100, 2) == pytest.approx(compute)  # compute-bound
+    # each tile also waits on tile_transfers tile-sized HBM transfers at the SM's share
+    tile_s = A100.tile_transfers * TILE * TILE * 2 * A100.sms / A100.hbm_bw
+    assert big.seconds(A100, 2) == pytest.approx(compute + (waves + 0.5) * tile_s)
     # [4096, 64] x [64, 4096]: 32 FLOPs per byte, far below the A100's ops:byte ratio
     thin = Matmul("thin", 4096, 64, 4096)
     assert thin.seconds(A100, 2) == pytest.approx(thin.bytes(2) / A100.hbm_bw)
@@ -47,6 +49,53 @@ def test_a_matmul_runs_at_the_roofline_with_a_half_wave_tail():
     small = Matmul("small", 256, 8192, 1024)
     per_flop = [mm.seconds(A100, 2) / mm.flops for mm in (big, small)]
     assert per_flop[1] > 1.1 * per_flop[0]
+
+
+def test_a_short_inner_dimension_runs_further_below_the_ceiling_on_faster_tensor_cores():
+    """The per-tile transfers cost the same whatever K: a d_model of 768 loses more of the
+    ceiling than 8192, and the H100 (3.2x the A100's tensor rate, 1.6x its HBM) more than
+    the A100."""
+    h100 = load_cluster("h100-8")
+
+    def fraction(cluster, k):
+        mm = Matmul("mm", 65536, k, 3 * k)
+        return mm.flops / mm.seconds(cluster, 2) / (cluster.peak_flops * cluster.matmul_efficiency)
+
+    for cluster in (A100, h100):
+        assert fraction(cluster, 768) < fraction(cluster, 8192) < 1.0
+    assert fraction(h100, 2048) < fraction(A100, 2048)
+
+
+def test_a_described_attention_kernel_pays_its_exponentials_and_mma_sync_on_hopper():
+    """llm-foundry's Triton kernel (``planner.calibrate.llmfoundry``): products at its
+    ceiling of the mma.sync rate (Hopper: 2/3 of the peak), one exponential per computed
+    score (half of s x s under the causal mask) at the SFU rate. A 64-wide head pays the same
+    exponentials for half the products: a lower FLOP rate than a 128-wide one."""
+    from shardlib.planner.calibrate.llmfoundry import TRITON_ATTENTION
+    from shardlib.planner.cost.throughput import Shape, shape_rate
+
+    h100 = load_cluster("h100-8")
+    rates = {}
+    for head_dim in (64, 128):
+        w = Workload.from_preset("llama-70b", 8, 8192, embed=2048, heads=2048 // head_dim,
+                                 kv_heads=2048 // head_dim, head_dim=head_dim, layers=2,
+                                 mlp=5504, vocab=50368)  # fmt: skip
+        for cluster in (A100, h100):
+            shape = Shape(w, 1, 1, 1, 2, fused=True, attention=TRITON_ATTENTION)
+            rate = shape_rate(shape, cluster)
+            scores = Matmul("s", 8192, head_dim, 8192, w.heads)
+            exps = 2 * 8192 * 8192 * w.heads / 2  # two layers, the causal half
+            assert rate.seconds["softmax"] == pytest.approx(exps / cluster.sfu_rate)
+            ceiling = TRITON_ATTENTION.ceiling * cluster.mma_sync_fraction
+            per_layer = scores.flops / (cluster.peak_flops * cluster.matmul_efficiency * ceiling)
+            assert rate.seconds["scores"] >= 2 * per_layer
+            attention = sum(rate.seconds[k] for k in ("scores", "values", "softmax"))
+            rates[head_dim, cluster.name] = 2 * 2 * scores.flops / attention / cluster.peak_flops
+    for cluster in (A100, h100):
+        assert rates[64, cluster.name] < rates[128, cluster.name]
+        # the fraction of peak the kernel reaches: lower on Hopper (mma.sync, exponentials)
+    assert rates[128, h100.name] < 0.75 * rates[128, A100.name]
+    assert h100.mma_sync_fraction == pytest.approx(2 / 3, rel=0.01) and A100.mma_sync_fraction == 1
 
 
 def test_fused_attention_writes_no_scores_and_saves_none():

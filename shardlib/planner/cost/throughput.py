@@ -13,8 +13,12 @@ the tie. Here the rate depends on the plan:
   "Math and memory bounds" and "Wave quantization", https://docs.nvidia.com/deeplearning/
   performance/dl-performance-matrix-multiplication/index.html): half a wave lost on
   average, so small per-device products (high tensor degree, small micro-batch) are
-  slower. ``matmul_efficiency``, the fraction of peak a large matmul reaches, is a cluster
-  field fitted on published runs (docs/throughput_calibration.md). Elementwise work (norms,
+  slower. A compute-bound GEMM's tiles also wait on ``Cluster.tile_transfers`` tile-sized
+  HBM transfers each (the C store, the pipeline's first loads) at the SM's share of the
+  bandwidth: a short inner dimension loses more. ``matmul_efficiency``, the fraction of peak
+  a large matmul reaches, and ``tile_transfers`` are cluster fields fitted on published runs
+  (docs/throughput_calibration.md). A fused attention kernel is the program's
+  (``AttentionKernel``). Elementwise work (norms,
   residual adds, rotary, SwiGLU's product, the softmax over the scores that dense attention
   writes out) streams its bytes through HBM. The backward pass runs the same shapes twice
   (input and weight gradients) and its elementwise work about twice, so one rate (FLOPs
@@ -78,6 +82,35 @@ FUSED_ATTENTION = 0.92
 the planner's attention FLOPs (which include the half the causal mask skips). Measured:
 cuDNN's kernel on an H200 reached 0.61-1.23 of it over Llama 1B's and 7B's heads at seq
 2048-8192, median 0.92 (``benchmarks/gpu_attention.py``, docs/gpu.md)."""
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """How a program's fused attention kernel computes (``Shape.fused``): its two products at
+    a fraction of the matmul ceiling, and, for a kernel described rather than measured whole,
+    the softmax's exponentials on the special-function units.
+
+    The cuDNN kernel shardlib runs is measured whole (``FUSED_ATTENTION``: its exponentials are
+    inside that fraction). A kernel that was not measured here is described by what it issues:
+    its products at ``ceiling`` of the tensor cores' rate for the instructions it uses, and one
+    exponential per score it computes, forward (the causal half of the planner's s x s; the
+    backward recomputes them, in the FLOP multiple the rate is applied to). The exponentials
+    are why a head dim of 64 runs attention at a lower FLOP rate than 128 (half the products
+    per exponential), and why Hopper, whose tensor cores grew 3.2x over Ampere's and its
+    special-function units 1.6x (16 per clock per SM on both), gives such a kernel less of its
+    peak: 989 TFLOP/s of matmul against 3.9 T exponentials/s (Shah et al. 2024,
+    FlashAttention-3, section 3)."""
+
+    ceiling: float = FUSED_ATTENTION
+    """Fraction of the matmul ceiling the products reach, over the planner's attention FLOPs."""
+    legacy_mma: bool = False
+    """Issued as Ampere's ``mma.sync``: on Hopper ``Cluster.mma_sync_fraction`` of the peak."""
+    exponentials: bool = False
+    """Time the exponentials apart, at ``Cluster.sfu_rate`` (False: inside ``ceiling``)."""
+
+
+CUDNN_ATTENTION = AttentionKernel()
+"""shardlib's fused kernel (``attention_impl=cudnn``), measured whole on an H200."""
 EXPOSED = {term.name: term.exposed for term in TERMS if term.exposed is not None}
 """Per strategy (``Comm.strategy``): whether its collectives sit on the critical path of a
 plan whatever the compute (``Term.exposed``)."""
@@ -134,6 +167,8 @@ class Matmul:
     (a fused attention kernel: the score matrix never reaches HBM); None: all three move."""
     ceiling: float = 1.0
     """Fraction of the cluster's matmul ceiling this kernel reaches (``FUSED_ATTENTION``)."""
+    legacy_mma: bool = False
+    """Issued as ``mma.sync``: at ``Cluster.mma_sync_fraction`` of the peak (Hopper: 2/3)."""
 
     @property
     def flops(self) -> float:
@@ -151,12 +186,20 @@ class Matmul:
 
     def seconds(self, cluster: Cluster, itemsize: int) -> float:
         """Roofline time (compute-bound at the ceiling, or memory-bound below the ridge),
-        plus the last wave's idle SMs: half a wave on average."""
-        math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency * self.ceiling)
+        plus the last wave's idle SMs: half a wave on average. A compute-bound GEMM's tiles
+        (not a fused kernel's) each also wait on ``Cluster.tile_transfers`` tile-sized HBM
+        transfers at the SM's share of the bandwidth; a memory-bound one is all transfers,
+        at the roofline's streaming time."""
+        ceiling = self.ceiling * (cluster.mma_sync_fraction if self.legacy_mma else 1.0)
+        math_s = self.flops / (cluster.peak_flops * cluster.matmul_efficiency * ceiling)
+        memory_s = self.bytes(itemsize) / cluster.hbm_bw
         if cluster.sms:
             waves = self.waves(cluster)
             math_s *= (waves + 0.5) / waves
-        return max(math_s, self.bytes(itemsize) / cluster.hbm_bw)
+            if self.moved is None and cluster.tile_transfers and math_s > memory_s:
+                tile_s = cluster.tile_transfers * TILE * TILE * itemsize * cluster.sms
+                math_s += (waves + 0.5) * tile_s / cluster.hbm_bw
+        return max(math_s, memory_s)
 
 
 @dataclass(frozen=True)
@@ -177,14 +220,21 @@ class Shape:
     """Attention in one fused kernel (``attention_impl=cudnn``): no score matrix in HBM."""
     fp8_share: float = 0.0
     """Share of the block projections' FLOPs that run as FP8 GEMMs (``fp8_share``)."""
+    attention: AttentionKernel = CUDNN_ATTENTION
+    """The program's fused attention kernel, when ``fused``."""
 
     @classmethod
-    def of(cls, step: Step, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Shape:
+    def of(
+        cls,
+        step: Step,
+        traffic: BlockTraffic = LLAMA_TRAFFIC,
+        attention: AttentionKernel = CUDNN_ATTENTION,
+    ) -> Shape:
         view = step.view
         return cls(
             step.workload, view["tensor"], view.ways("seq"), step.micro_batch,
             step.layers_per_device, traffic, view.fused_attention,
-            fp8_share(step.workload.precision, view.plan.remat.policy),
+            fp8_share(step.workload.precision, view.plan.remat.policy), attention,
         )  # fmt: skip
 
     @property
@@ -223,14 +273,15 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     # a fused kernel reads q and k (scores), v, and writes the output (values): (s + s)·d
     # elements each, never the [s, s] scores
     moved = (s_q + keys) * d if shape.fused else None
-    ceiling = FUSED_ATTENTION if shape.fused else 1.0
+    kernel = shape.attention
+    fused = (kernel.ceiling, kernel.legacy_mma) if shape.fused else (1.0, False)
     attn = b * heads * passes
     # projections: a share of their products runs at the FP8 rate (none without fp8)
     proj = 1 / (1 - shape.fp8_share * (1 - 1 / FP8_RATE))
     return (
         Matmul("qkv", shape.tokens, w.embed, qkv, ceiling=proj),  # [b·s, h] x [h, (a+2kv)·d/t]
-        Matmul("scores", s_q, d, keys, attn, moved, ceiling),  # [s, d] x [d, s] per head
-        Matmul("values", s_q, keys, d, attn, moved, ceiling),  # [s, s] x [s, d] per head
+        Matmul("scores", s_q, d, keys, attn, moved, *fused),  # [s, d] x [d, s] per head
+        Matmul("values", s_q, keys, d, attn, moved, *fused),  # [s, s] x [s, d] per head
         Matmul("out", shape.tokens, heads * d, w.embed, ceiling=proj),  # [b·s, a·d/t] x [a·d/t, h]
         Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp, ceiling=proj),  # gate and up: [h, 2f/t]
         Matmul("mlp_out", shape.tokens, mlp, w.embed, ceiling=proj),  # [b·s, f/t] x [f/t, h]
@@ -276,9 +327,14 @@ class Rate:
         return self.flops_per_s / self.peak
 
 
-def compute_rate(step: Step, cluster: Cluster, traffic: BlockTraffic = LLAMA_TRAFFIC) -> Rate:
+def compute_rate(
+    step: Step,
+    cluster: Cluster,
+    traffic: BlockTraffic = LLAMA_TRAFFIC,
+    attention: AttentionKernel = CUDNN_ATTENTION,
+) -> Rate:
     """The rate one device computes this plan's forward (and backward) at."""
-    return shape_rate(Shape.of(step, traffic), cluster)
+    return shape_rate(Shape.of(step, traffic, attention), cluster)
 
 
 def update_seconds(step: Step, cluster: Cluster) -> float:
@@ -328,6 +384,9 @@ def shape_rate(shape: Shape, cluster: Cluster) -> Rate:
     for mm in block_matmuls(shape):
         seconds[mm.name] = layers * mm.seconds(cluster, size)
         flops += layers * mm.flops
+        if mm.name == "scores" and shape.fused and shape.attention.exponentials:
+            # one exponential per score the causal kernel computes: half of [s, s] per head
+            seconds["softmax"] = layers * mm.m * mm.n * mm.batch / 2 / cluster.sfu_rate
     head = head_matmul(shape)
     seconds["head"] = head.seconds(cluster, size)
     flops += head.flops
@@ -394,7 +453,8 @@ def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
     ``backward`` the backward pass, ``attention`` the attention blocks, ``default``
     ``OVERLAP`` of all compute."""
     total = sum(rate.seconds.values())
-    attention = (rate.seconds["scores"] + rate.seconds["values"]) / total
+    parts = ("scores", "values", "softmax")
+    attention = sum(rate.seconds.get(k, 0.0) for k in parts) / total
     return {
         "backward": BACKWARD_SHARE * compute_s,
         "attention": attention * compute_s,

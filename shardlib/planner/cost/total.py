@@ -158,6 +158,8 @@ class Program:
 
     terms: Callable[[Step], list[Contribution]]
     traffic: throughput.BlockTraffic = throughput.LLAMA_TRAFFIC
+    attention: throughput.AttentionKernel = throughput.CUDNN_ATTENTION
+    """Its fused attention kernel (where the plan fuses attention)."""
 
 
 SHARDLIB = Program(contributions)
@@ -202,7 +204,7 @@ def estimate(
     memory["runtime"] = step.calib["fixed_bytes"]
     if cluster is None:
         return Estimate(given, dict(memory), tuple(comms), flops, 0, 0, 0, 0, 0, 0, 0, 0, True)
-    rate = throughput.compute_rate(step, cluster, program.traffic)
+    rate = throughput.compute_rate(step, cluster, program.traffic, program.attention)
     # a schedule that computes its bubble (the SPMD pipeline: every stage, every iteration)
     # has those FLOPs in ``flops`` (as in the compiled program): reported as bubble time
     bubble_s = idle_flops / rate.flops_per_s

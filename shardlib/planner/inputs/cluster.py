@@ -68,6 +68,23 @@ class Cluster:
     """Streaming multiprocessors (or matrix units) that a matmul's output tiles are spread
     over (A100: 108, H100 SXM: 132): small matmuls leave some idle (``planner.cost.throughput``).
     Unset (0): no wave tail."""
+    sfu_rate: float = math.inf
+    """Special-function results per second (``exp2``, the softmax's exponentials) over the
+    whole device: 16 per clock per SM on Ampere and Hopper (CUDA C++ Programming Guide,
+    "Arithmetic Instructions" throughput table). Only a described attention kernel
+    (``throughput.AttentionKernel.exponentials``) reads it. Unset: free."""
+    mma_sync_fraction: float = 1.0
+    """Fraction of ``peak_flops`` that Ampere's warp-level ``mma.sync`` instructions reach: 1 up
+    to Ampere; on Hopper the peak needs its warpgroup ``wgmma``, and a kernel issuing
+    ``mma.sync`` (a 2022-23 Triton or CUTLASS 2 kernel) reaches about 2/3 (Shah et al. 2024,
+    FlashAttention-3, section 2.2). Read for ``throughput.AttentionKernel.legacy_mma``."""
+    tile_transfers: float = 0.0
+    """Output-tile-sized HBM transfers per output tile of a GEMM that its main loop does not
+    hide (the tile's store of C and its pipeline's first loads), each at the SM's share of
+    HBM bandwidth (``throughput.Matmul.seconds``): what keeps products with a short inner
+    dimension (a small model's d_model) below the ceiling, the more so the faster the tensor
+    cores against HBM. Fitted on published runs (docs/throughput_calibration.md). Unset (0):
+    none."""
     hbm_bw: float = math.inf
     """Bytes/s between a device and its own memory (HBM): the roofline's slope, and the
     rate of elementwise work. Unset: matmuls are never memory-bound, elementwise is free."""
@@ -119,6 +136,9 @@ _FIELDS = {
     "kernel_launch_us": ("kernel_launch", float, 1e-6),
     "matmul_efficiency": ("matmul_efficiency", float, 1.0),
     "hbm_gbps": ("hbm_bw", float, 1e9),
+    "sfu_tops": ("sfu_rate", float, 1e12),
+    "tile_transfers": ("tile_transfers", float, 1.0),
+    "mma_sync_fraction": ("mma_sync_fraction", float, 1.0),
     "sms": ("sms", int, 1.0),
 }
 
