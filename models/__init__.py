@@ -11,13 +11,14 @@ from dataclasses import fields, replace
 
 from flax import nnx
 
-from models import llama, moe
+from models import gpt, llama, moe
 from models.llama import hf as llama_hf
 from shardlib.core.model import ModelEntry
 
 _FAMILIES = {
     "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),
     "moe": (moe.PRESETS, moe.MoeConfig, moe.Moe),
+    "gpt": (gpt.PRESETS, gpt.GPTConfig, gpt.GPT),
 }
 
 
