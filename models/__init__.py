@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 from flax import nnx
 
 from models import gpt, llama, moe
+from models.gpt import hf as gpt_hf
 from models.llama import hf as llama_hf
 from shardlib.core.model import ModelEntry
 
@@ -22,7 +23,7 @@ _FAMILIES = {
 }
 
 
-_HF = {"llama": llama_hf.ADAPTER}
+_HF = {"llama": llama_hf.ADAPTER, "gpt": gpt_hf.ADAPTER}
 """Each family's Hugging Face names and layouts (``HFAdapter``); moe has none yet."""
 
 
