@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.llama.model import stack_blocks
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims
-from shardlib.core.ops import attention, lookup, matmul, run_blocks
+from shardlib.core.ops import Packed, attention, lookup, matmul, run_blocks
 
 INIT_STD = 0.02
 """GPT-2's initialiser: normal(0.02) for every weight, 0.01 for the positions, and the two
@@ -212,17 +212,17 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
         """Logits [batch, seq, vocab] in fp32: the one-device path (``Llama.__call__``)."""
         block_graph, blocks_state = nnx.split(self.blocks)
-        x_BLD = self.embed(tokens_BL, dtype=dtype)
+        x_BLD = self.embed(tokens_BL, positions_L=positions_L, dtype=dtype)
         x_BLD, _ = run_blocks(block_graph, blocks_state, x_BLD, positions_L)
         return self.head(x_BLD, dtype=dtype)
 
-    def embed(self, tokens_BL, *, dtype=jnp.float32):
+    def embed(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
         """Token ids [batch, seq] -> token + position embeddings [batch, seq, embed].
 
-        The positions are 0..seq-1 in the order the tokens arrive, as GPT trains (a packed
-        row's documents continue its positions). ``Decoder.embed`` is not handed the
-        tokens' true positions, so a layout that reorders the sequence (zig-zag context
-        parallelism) would add the wrong rows: GPT is not offered with it yet."""
+        ``positions_L``: the tokens' true positions, as the blocks get them (``Decoder``):
+        None for 0..seq-1 in order, [seq] when a layout reorders the sequence (zig-zag
+        context parallelism), or a packed row's ``Packed``, whose positions restart at 0
+        for each document (each then embeds as it would alone)."""
         seq = tokens_BL.shape[1]
         if seq > self.cfg.max_positions:
             raise ValueError(
@@ -231,8 +231,14 @@ class GPT(nnx.Module):
                 f"{self.cfg.max_positions}, or a larger model.max_positions."
             )
         x_BLD = lookup(self.embedding[...], tokens_BL).astype(dtype)  # vocab-parallel if split
-        pos_LD = self.position_embedding[...][:seq].astype(dtype)  # [seq, embed]
-        return constrain(x_BLD + pos_LD[None], RESIDUAL)
+        table_PD = self.position_embedding[...].astype(dtype)  # [max_positions, embed]
+        if positions_L is None:
+            pos_BLD = table_PD[None, :seq]  # [1, seq, embed]
+        elif isinstance(positions_L, Packed):
+            pos_BLD = table_PD[positions_L.positions]  # [batch, seq, embed]
+        else:
+            pos_BLD = table_PD[positions_L][None]  # [1, seq, embed] in the tokens' order
+        return constrain(x_BLD + pos_BLD, RESIDUAL)
 
     def head(self, x_BLD, *, dtype=jnp.float32):
         """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32, through

@@ -10,6 +10,7 @@ from flax import nnx
 
 from models.gpt.presets import GPT3_SHAPES, PUBLISHED
 from shardlib.core.model import Decoder, inventory, resolve_model
+from shardlib.core.ops import Packed
 from shardlib.core.workload import Workload
 
 DIGITS = {"gpt3-125m": 1e6, "gpt3-350m": 10e6, "gpt3-760m": 10e6, "gpt3-13b": 0.1e9,
@@ -76,3 +77,18 @@ def test_a_sequence_longer_than_the_position_table_is_refused():
         model = resolve_model("gpt-tiny", {"max_positions": "8"}).make(nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"'position_embedding' has 8 rows.*max_positions"):
         model(jnp.zeros((1, 9), jnp.int32))
+
+
+def test_a_packed_document_embeds_and_attends_as_it_would_alone():
+    """Positions restart at 0 for each packed document (``Packed``): the second document's
+    logits equal those of the document run by itself."""
+    with nnx.use_eager_sharding(False):
+        model = resolve_model("gpt-tiny").make(nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 12), 0, 256)
+    packed = Packed(
+        positions=jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]),
+        segments=jnp.array([[1] * 5 + [2] * 7]),
+    )
+    both = model(tokens, positions_L=packed)
+    alone = model(tokens[:, 5:])
+    np.testing.assert_allclose(both[:, 5:], alone, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,9 @@
 """GPT trains like one device under every strategy it can use (fp32, relative error <= 1e-5
 on the losses, the gradient norms and the first step's gradients, leaf by leaf): data
-parallelism, FSDP, tensor parallelism and 1F1B pipelines (which run the tied head, reading
+parallelism, FSDP, tensor parallelism, 1F1B pipelines (which run the tied head, reading
 the embedding table, inside their loop on the last stage and add its gradient to the
-embedding's).
+embedding's) and context parallelism (whose zig-zag token order the position embedding
+follows).
 
 One leaf is compared apart: the key bias's gradient is zero in exact arithmetic (q . b_k
 adds the same to every score of a query, and softmax ignores a shift), so what both runs
@@ -32,6 +33,8 @@ CASES = {  # name: (mesh axes, config overrides)
         {"pipeline_schedule": "1f1b", "pipeline_microbatches": 4},
     ),
     "1f1b-p4-dp2": ({"stage": 4, "data": 2}, {"pipeline_schedule": "1f1b"}),
+    # zig-zag ring attention reorders each sequence: the learned positions follow the tokens
+    "ring-cp4-fsdp2": ({"context": 4, "fsdp": 2}, {"attention": "ring"}),
 }
 
 
