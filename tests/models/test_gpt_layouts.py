@@ -1,9 +1,9 @@
 """GPT trains like one device under every strategy it can use (fp32, relative error <= 1e-5
 on the losses, the gradient norms and the first step's gradients, leaf by leaf): data
-parallelism, FSDP, tensor parallelism, 1F1B pipelines (which run the tied head, reading
-the embedding table, inside their loop on the last stage and add its gradient to the
-embedding's) and context parallelism (whose zig-zag token order the position embedding
-follows).
+parallelism, FSDP, tensor parallelism, GPipe and 1F1B pipelines (1F1B runs the tied head,
+which reads the embedding table, inside its loop on the last stage and adds its gradient
+to the embedding's) and context parallelism (whose zig-zag token order the position
+embedding follows).
 
 One leaf is compared apart: the key bias's gradient is zero in exact arithmetic (q . b_k
 adds the same to every score of a query, and softmax ignores a shift), so what both runs
@@ -33,6 +33,10 @@ CASES = {  # name: (mesh axes, config overrides)
         {"pipeline_schedule": "1f1b", "pipeline_microbatches": 4},
     ),
     "1f1b-p4-dp2": ({"stage": 4, "data": 2}, {"pipeline_schedule": "1f1b"}),
+    "gpipe-p2-fsdp2-tp2": (  # embedding and head outside the stage loop
+        {"stage": 2, "fsdp": 2, "tensor": 2},
+        {"pipeline_schedule": "gpipe", "pipeline_microbatches": 4},
+    ),
     # zig-zag ring attention reorders each sequence: the learned positions follow the tokens
     "ring-cp4-fsdp2": ({"context": 4, "fsdp": 2}, {"attention": "ring"}),
 }
