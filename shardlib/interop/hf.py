@@ -9,7 +9,7 @@ exactly the slice of the layers it holds, straight into the mesh's layout.
 Nothing here names an architecture's parameters: a model family's ``HFAdapter``
 (``shardlib.core.model``, registered with its presets) maps each parameter path to a
 Hugging Face name and one of the layouts below, and ``config.json`` to config fields. The
-layouts differ from shardlib's in three ways, all handled here:
+layouts differ from shardlib's in these ways, all handled here:
 
 * shardlib stacks the blocks (every block weight has a leading ``layers`` dim); Hugging
   Face names each layer (``model.layers.{i}.self_attn.q_proj.weight``);

@@ -163,3 +163,16 @@ def test_a_wrong_fused_shape_names_the_tensor(tmp_path):
     mesh = CUBE.build(jax.devices()[:8])
     with pytest.raises(HFError, match=r"transformer.h.0.attn.c_attn.weight has shape \[32, 64\]"):
         load_model(directory, mesh, ParallelPlan(mesh=CUBE).rules)
+
+
+def test_load_params_alone_picks_gpt2_from_config_json(imported):
+    """``shardlib train --load-params DIR`` with no model named: the directory's
+    ``model_type`` picks the family (the default model is a Llama)."""
+    from shardlib.train.config import train_config
+    from shardlib.train.init_from import with_source_model
+
+    _, directory, _ = imported
+    cfg = with_source_model(train_config(**{"checkpoint.init_from": str(directory)}))
+    assert cfg.model == "gpt2"
+    settings = dict(cfg.model_overrides)
+    assert (settings["embed"], settings["layers"], settings["vocab"]) == (EMBED, LAYERS, VOCAB)
