@@ -2,6 +2,8 @@
 nothing allocated), the FLOPs the workload counts for its block, and the decoder protocol.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from models.gpt.presets import GPT3_SHAPES, PUBLISHED
 from shardlib.core.model import Decoder, inventory, resolve_model
 from shardlib.core.ops import Packed
 from shardlib.core.workload import Workload
+from shardlib.planner import candidate, estimate, load_cluster
 
 DIGITS = {"gpt3-125m": 1e6, "gpt3-350m": 10e6, "gpt3-760m": 10e6, "gpt3-13b": 0.1e9,
           "gpt3-175b": 0.1e9}  # fmt: skip
@@ -92,3 +95,22 @@ def test_a_packed_document_embeds_and_attends_as_it_would_alone():
     both = model(tokens, positions_L=packed)
     alone = model(tokens[:, 5:])
     np.testing.assert_allclose(both[:, 5:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"fsdp": 8},
+        {"fsdp": 4, "tensor": 2},
+        {"stage": 2, "fsdp": 4, "schedule": "1f1b", "microbatches": 8},
+        {"fsdp": 4, "context": 2},
+    ],
+)
+def test_the_planner_costs_gpt_layouts(layout):
+    """Every term reads the GPT block's parameters (its position table and norm biases
+    outside the layer loop included) and the FLOPs it counts are the workload's."""
+    w = Workload.from_preset("gpt3-1.3b", 64, 2048, vocab=50_304)  # padded: tensor divides
+    est = estimate(w, candidate(**layout), load_cluster("a100-8"))
+    assert est.step_s > 0 and est.memory_bytes > 0
+    devices = math.prod(v for k, v in layout.items() if isinstance(v, int) and k != "microbatches")
+    assert est.flops >= w.model_flops / devices  # recompute and bubbles only add
