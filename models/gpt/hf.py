@@ -12,8 +12,9 @@ naming a parameter. Two things differ from the Llama adapter:
   (``HFAdapter.fused``), read alone on import and concatenated back on export.
 
 The LM head is the token embedding (``tie_word_embeddings``), so no ``lm_head.weight`` is
-read or written. GPT-2's names carry ``transformer.`` as ``GPT2LMHeadModel.save_pretrained``
-writes them.
+read or written. Names carry ``transformer.`` as ``GPT2LMHeadModel.save_pretrained`` writes
+them; a base model's files (the hub's ``gpt2``: ``h.0.attn.c_attn.weight``, ``wte.weight``,
+with causal-mask buffers ``h.0.attn.bias`` that are not read) import too (``base_prefix``).
 """
 
 from __future__ import annotations
@@ -123,5 +124,6 @@ ADAPTER = HFAdapter(
     checked=("norm_eps",),
     settings=gpt2_settings,
     config_json=gpt2_config_json,
+    base_prefix="transformer.",  # the hub's gpt2 files are GPT2Model's: h.0..., wte.weight
     fused=FUSED,
 )

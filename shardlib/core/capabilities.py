@@ -111,6 +111,9 @@ class HFAdapter:
     merged: Callable[[dict, dict], dict] = lambda flat, settings: flat
     """``(flat, settings)`` -> the host parameters to export, those with no Hugging Face name
     folded into those with one (LoRA: W + (alpha / rank) A @ B)."""
+    base_prefix: str = ""
+    """Hugging Face's ``base_model_prefix`` (``"transformer."`` for GPT-2): a checkpoint of
+    the base model stores every name without it, and imports all the same."""
     fused: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Parameter path -> (k, n): the tensor is the k-th of n equal blocks along the last dim
     of its Hugging Face tensor, which n paths share (GPT-2's ``c_attn`` holds q, k and v)."""

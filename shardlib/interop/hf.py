@@ -34,7 +34,7 @@ into their base weights (``HFAdapter.merged``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +149,22 @@ class Shards:
     """tensor name -> Path of its shard"""
     shapes: dict
     dtypes: dict
+    stored: dict = field(default_factory=dict)
+    """name asked for -> name in the shard, where they differ (``with_prefix``)"""
+
+    def with_prefix(self, prefix: str) -> Shards:
+        """These tensors also as ``prefix + name`` when none has the prefix: a checkpoint
+        saved from the base model (the hub's ``gpt2``: ``h.0.attn.c_attn.weight``) where the
+        adapter names the LM model's (``transformer.h.0.attn.c_attn.weight``)."""
+        if not prefix or any(name.startswith(prefix) for name in self.files):
+            return self
+        alias = {prefix + name: name for name in self.files}
+        return Shards(
+            {**self.files, **{a: self.files[n] for a, n in alias.items()}},
+            {**self.shapes, **{a: self.shapes[n] for a, n in alias.items()}},
+            {**self.dtypes, **{a: self.dtypes[n] for a, n in alias.items()}},
+            {**self.stored, **alias},
+        )
 
     @classmethod
     def open(cls, directory: str | Path) -> Shards:
@@ -182,7 +198,7 @@ class Shards:
 
         framework = "flax" if self.dtypes[name] in ("BF16", "F16") else "numpy"  # no np bf16
         with safe_open(self.files[name], framework=framework) as f:
-            return np.asarray(f.get_slice(name)[index], dtype=np.float32)
+            return np.asarray(f.get_slice(self.stored.get(name, name))[index], dtype=np.float32)
 
 
 @dataclass(frozen=True)

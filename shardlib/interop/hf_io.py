@@ -72,7 +72,7 @@ def check_directory(directory, model: dict, paths: dict, adapter: HFAdapter) -> 
                 f"{source}: {field}={have!r} but the model has {field}={want!r}. Fix: "
                 f"model.{field}={have} (or `shardlib generate --hf` reads it for you)."
             )
-    shards = Shards.open(directory)
+    shards = Shards.open(directory).with_prefix(adapter.base_prefix)
     for path, shape in paths.items():
         hf_name, layout = adapter.tensors[path]
         stacked = path.startswith("blocks/")

@@ -176,3 +176,18 @@ def test_load_params_alone_picks_gpt2_from_config_json(imported):
     assert cfg.model == "gpt2"
     settings = dict(cfg.model_overrides)
     assert (settings["embed"], settings["layers"], settings["vocab"]) == (EMBED, LAYERS, VOCAB)
+
+
+def test_a_base_model_checkpoint_without_the_prefix_imports(imported, tmp_path):
+    """The hub's ``gpt2`` files are ``GPT2Model``'s: no ``transformer.`` prefix, plus the
+    causal-mask buffers ``h.{i}.attn.bias`` (not read). Same weights, same model."""
+    sd, _, model = imported
+    base = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    base |= {f"h.{i}.attn.bias": np.tril(np.ones((1, 1, POSITIONS, POSITIONS), np.float32))
+             for i in range(LAYERS)}  # fmt: skip
+    directory = write_gpt2(tmp_path / "base", base)
+    mesh = CUBE.build(jax.devices()[:8])
+    again = load_model(directory, mesh, ParallelPlan(mesh=CUBE).rules)
+    for name in ("embedding", "position_embedding"):
+        np.testing.assert_array_equal(getattr(again, name)[...], getattr(model, name)[...])
+    np.testing.assert_array_equal(again.blocks.attn.wv[...], model.blocks.attn.wv[...])
