@@ -7,7 +7,8 @@ to the token embeddings; biases on every projection; an MLP of two matrices, 4 x
 wide, with GELU (the tanh form GPT-2 ships, Hugging Face's ``gelu_new``); multi-head
 attention (every head its own keys and values); the output projection is the token
 embedding transposed (tied). GPT-3's alternating dense and locally banded sparse attention
-is not modelled: every layer is dense, as in GPT-2 and in every open GPT-3 replication.
+is not modelled: every layer is dense, as in GPT-2 and Megatron-LM's GPT (the parameter
+counts do not depend on it).
 
 Like ``models.llama`` the blocks are stacked with ``nnx.vmap`` (every block weight has a
 leading ``layers`` dim) and the model follows shardlib's ``Decoder`` protocol (``embed``,
