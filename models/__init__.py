@@ -11,17 +11,19 @@ from dataclasses import fields, replace
 
 from flax import nnx
 
-from models import llama, moe
+from models import gpt, llama, moe
+from models.gpt import hf as gpt_hf
 from models.llama import hf as llama_hf
 from shardlib.core.model import ModelEntry
 
 _FAMILIES = {
     "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),
     "moe": (moe.PRESETS, moe.MoeConfig, moe.Moe),
+    "gpt": (gpt.PRESETS, gpt.GPTConfig, gpt.GPT),
 }
 
 
-_HF = {"llama": llama_hf.ADAPTER}
+_HF = {"llama": llama_hf.ADAPTER, "gpt": gpt_hf.ADAPTER}
 """Each family's Hugging Face names and layouts (``HFAdapter``); moe has none yet."""
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import jax
@@ -78,10 +78,13 @@ class Routed(Protocol):
         ...
 
 
-HFLayout = Literal["same", "transpose", "in_heads", "out_heads"]
+HFLayout = Literal["same", "transpose", "in_heads", "out_heads", "heads_last", "heads_first"]
 """One layer of a shardlib tensor in Hugging Face's layout (``shardlib.interop.hf``): as is;
 ``nn.Linear``'s [out, in] of [in, out]; [heads*head_dim, embed] of [embed, heads, head_dim];
-[embed, heads*head_dim] of [heads, head_dim, embed]."""
+[embed, heads*head_dim] of [heads, head_dim, embed]; and for ``Conv1D`` weights, stored
+[in, out] (GPT-2): [..., heads*head_dim] of [..., heads, head_dim] (``heads_last``: q/k/v
+weights and biases) and [heads*head_dim, ...] of [heads, head_dim, ...] (``heads_first``:
+the attention output's weight)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,10 +111,18 @@ class HFAdapter:
     merged: Callable[[dict, dict], dict] = lambda flat, settings: flat
     """``(flat, settings)`` -> the host parameters to export, those with no Hugging Face name
     folded into those with one (LoRA: W + (alpha / rank) A @ B)."""
+    base_prefix: str = ""
+    """Hugging Face's ``base_model_prefix`` (``"transformer."`` for GPT-2): a checkpoint of
+    the base model stores every name without it, and imports all the same."""
+    fused: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Parameter path -> (k, n): the tensor is the k-th of n equal blocks along the last dim
+    of its Hugging Face tensor, which n paths share (GPT-2's ``c_attn`` holds q, k and v)."""
 
     def __post_init__(self) -> None:
         bad = {p: lay for p, (_, lay) in self.tensors.items() if lay not in get_args(HFLayout)}
         bad |= {p: "rotary" for p in self.rotary if self.tensors[p][1] != "in_heads"}
+        bad |= {p: f"fused {kn}" for p, kn in self.fused.items() if not 0 <= kn[0] < kn[1]}
         if bad:
             raise ValueError(f"HFAdapter {self.hf_type}: layouts {bad}; each must be one of "
-                             f"{get_args(HFLayout)}, and rotary ones in_heads.")  # fmt: skip
+                             f"{get_args(HFLayout)}, rotary ones in_heads, fused ones (k, n) "
+                             "with 0 <= k < n.")  # fmt: skip

@@ -67,7 +67,12 @@ class Decoder(Protocol):
     blocks: nnx.Module
 
     def embed(self, tokens_BL: jax.Array, *, dtype: Any) -> jax.Array:
-        """Token ids [batch, seq] -> residual stream [batch, seq, embed] entering the blocks."""
+        """Token ids [batch, seq] -> residual stream [batch, seq, embed] entering the blocks.
+
+        A model whose embedding depends on position (GPT's learned absolute positions) adds
+        a keyword ``positions_L=None``: the trainer then hands it the tokens' true positions
+        whenever they are not 0..L-1 in order (context parallelism's zig-zag order, a
+        packed row's ``Packed``), as the blocks get them (``embed_takes_positions``)."""
         ...
 
     def head(self, x_BLD: jax.Array, *, dtype: Any) -> jax.Array:
@@ -77,6 +82,11 @@ class Decoder(Protocol):
     def __call__(self, tokens_BL: jax.Array, *, positions_L=None, dtype=jnp.float32) -> Any:
         """One-device forward: embed, every block, head; logits or ``(logits, aux)``."""
         ...
+
+
+def embed_takes_positions(model) -> bool:
+    """Whether ``model.embed`` takes the tokens' positions (``positions_L``: ``Decoder``)."""
+    return "positions_L" in inspect.signature(type(model).embed).parameters
 
 
 @dataclass(frozen=True)

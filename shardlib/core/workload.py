@@ -294,6 +294,34 @@ class Workload:
     def tokens(self) -> int:
         return self.global_batch * self.seq
 
+    def _matrices(self, experts: bool) -> int:
+        """Weight matrices of one (expert) MLP: elements of the per-layer weights naming both
+        embed and mlp, over embed x hidden width (x experts), per layer of that kind.
+        3 for SwiGLU (gate, up, down), 2 for GPT's GELU MLP (fc, proj); 3 when none."""
+        experts_dim = self.routing.dim if self.routing else None
+        hidden = self.expert_mlp if experts else self.mlp
+        share = (1 / self.moe_every if experts else 1 - 1 / self.moe_every) if experts_dim else 1
+        elements = sum(
+            p.numel
+            for p in self.params
+            if p.per_layer
+            and {"embed", "mlp"} <= {n for n, _ in p.dims}
+            and (experts_dim in dict(p.dims)) == experts
+        )
+        one = self.embed * hidden * (self.experts if experts else 1) * share
+        return round(elements / one) if one and elements else 3
+
+    @cached_property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the dense MLP, read from the parameters: 3 for SwiGLU (gate,
+        up, down), 2 for a GELU MLP (GPT's fc and proj). FLOPs count 2 x embed x mlp each."""
+        return self._matrices(experts=False)
+
+    @cached_property
+    def expert_mlp_matrices(self) -> int:
+        """Weight matrices of one expert (3 for a SwiGLU expert), read from the parameters."""
+        return self._matrices(experts=True) if self.experts else 3
+
     # --- FLOPs --------------------------------------------------------------------------------
     @cached_property
     def _attention_matmul_flops(self) -> float:
@@ -310,14 +338,14 @@ class Workload:
         group slots per token: k x the capacity factor), plus the router and GShard's
         dispatch and combine einsums ([g,s,e,c] x [g,s,d]: 2 x E x C x d per token each).
         """
-        attn = self._attention_matmul_flops
+        attn, dense = self._attention_matmul_flops, 2 * self.mlp_matrices * self.embed * self.mlp
         if not self.experts:
-            return float(attn + 6 * self.embed * self.mlp)
+            return float(attn + dense)
         moe = 1.0 / self.moe_every
-        slots = self.slots_per_token
-        expert = 2 * self.embed * self.experts + 6 * self.embed * self.expert_mlp * slots
+        slots, per_slot = self.slots_per_token, 2 * self.expert_mlp_matrices
+        expert = 2 * self.embed * self.experts + per_slot * self.embed * self.expert_mlp * slots
         expert += 2 * 2 * slots * self.group_tokens * self.embed
-        return attn + (1 - moe) * 6 * self.embed * self.mlp + moe * expert
+        return attn + (1 - moe) * dense + moe * expert
 
     @cached_property
     def layer_unsplit_flops_per_token(self) -> float:
@@ -337,8 +365,10 @@ class Workload:
         if not self.experts:
             return self.layer_matmul_flops_per_token
         e, moe = self.embed, 1.0 / self.moe_every
-        expert = 2 * e * self.experts + 6 * e * self.expert_mlp * self.top_k
-        return self._attention_matmul_flops + (1 - moe) * 6 * e * self.mlp + moe * expert
+        per_token = 2 * self.expert_mlp_matrices * e * self.expert_mlp * self.top_k
+        expert = 2 * e * self.experts + per_token
+        dense = 2 * self.mlp_matrices * e * self.mlp
+        return self._attention_matmul_flops + (1 - moe) * dense + moe * expert
 
     def attention_flops_per_token(self, seq: int) -> float:
         """Forward FLOPs of scores and weighted sum per token, dense (the mask is not skipped)."""

@@ -9,13 +9,18 @@ exactly the slice of the layers it holds, straight into the mesh's layout.
 Nothing here names an architecture's parameters: a model family's ``HFAdapter``
 (``shardlib.core.model``, registered with its presets) maps each parameter path to a
 Hugging Face name and one of the layouts below, and ``config.json`` to config fields. The
-layouts differ from shardlib's in three ways, all handled here:
+layouts differ from shardlib's in these ways, all handled here:
 
 * shardlib stacks the blocks (every block weight has a leading ``layers`` dim); Hugging
   Face names each layer (``model.layers.{i}.self_attn.q_proj.weight``);
 * Hugging Face stores ``nn.Linear`` weights as [out, in]; shardlib stores [in, out] with
   heads split out: ``in_heads`` [embed, heads, head_dim] = [heads*head_dim, embed];
-  ``out_heads`` [heads, head_dim, embed] = [embed, heads*head_dim];
+  ``out_heads`` [heads, head_dim, embed] = [embed, heads*head_dim]; ``Conv1D`` weights
+  (GPT-2) are stored [in, out], so theirs are plain reshapes: ``heads_last`` [..., heads,
+  head_dim] = [..., heads*head_dim] and ``heads_first`` [heads, head_dim, ...] =
+  [heads*head_dim, ...];
+* fused tensors: one Hugging Face tensor holds several shardlib tensors as equal blocks of
+  its last dim (GPT-2's ``c_attn``: q, k, v; ``HFAdapter.fused``), each read as its block;
 * rotary pairs: Hugging Face (and shardlib) rotate feature i with i + head_dim/2
   ("rotate_half"); Meta's original checkpoints rotate neighbours (2i, 2i+1). Hugging
   Face's conversion script permutes q/k rows once; ``interleaved_rope=True`` applies the
@@ -29,7 +34,7 @@ into their base weights (``HFAdapter.merged``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +115,16 @@ def hf_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
         return shape[::-1]
     if layout == "in_heads":  # [embed, heads, hd] <- [heads*hd, embed]
         return (shape[1] * shape[2], shape[0])
+    if layout == "heads_last":  # [..., heads, hd] <- [..., heads*hd]
+        return (*shape[:-2], shape[-2] * shape[-1])
+    if layout == "heads_first":  # [heads, hd, ...] <- [heads*hd, ...]
+        return (shape[0] * shape[1], *shape[2:])
     return (shape[2], shape[0] * shape[1])  # out_heads: [heads, hd, embed] <- [embed, heads*hd]
+
+
+def fused_shape(shape: tuple[int, ...], part: tuple[int, int]) -> tuple[int, ...]:
+    """The whole Hugging Face tensor of which ``shape`` is one of ``part[1]`` blocks."""
+    return (*shape[:-1], shape[-1] * part[1])
 
 
 def to_hf(x: np.ndarray, layout: str) -> np.ndarray:
@@ -119,6 +133,8 @@ def to_hf(x: np.ndarray, layout: str) -> np.ndarray:
         return x
     if layout == "transpose":
         return x.T
+    if layout in ("heads_last", "heads_first"):
+        return x.reshape(hf_shape(x.shape, layout))
     if layout == "in_heads":
         return x.transpose(1, 2, 0).reshape(hf_shape(x.shape, layout))
     return x.transpose(2, 0, 1).reshape(hf_shape(x.shape, layout))
@@ -133,6 +149,22 @@ class Shards:
     """tensor name -> Path of its shard"""
     shapes: dict
     dtypes: dict
+    stored: dict = field(default_factory=dict)
+    """name asked for -> name in the shard, where they differ (``with_prefix``)"""
+
+    def with_prefix(self, prefix: str) -> Shards:
+        """These tensors also as ``prefix + name`` when none has the prefix: a checkpoint
+        saved from the base model (the hub's ``gpt2``: ``h.0.attn.c_attn.weight``) where the
+        adapter names the LM model's (``transformer.h.0.attn.c_attn.weight``)."""
+        if not prefix or any(name.startswith(prefix) for name in self.files):
+            return self
+        alias = {prefix + name: name for name in self.files}
+        return Shards(
+            {**self.files, **{a: self.files[n] for a, n in alias.items()}},
+            {**self.shapes, **{a: self.shapes[n] for a, n in alias.items()}},
+            {**self.dtypes, **{a: self.dtypes[n] for a, n in alias.items()}},
+            {**self.stored, **alias},
+        )
 
     @classmethod
     def open(cls, directory: str | Path) -> Shards:
@@ -166,7 +198,23 @@ class Shards:
 
         framework = "flax" if self.dtypes[name] in ("BF16", "F16") else "numpy"  # no np bf16
         with safe_open(self.files[name], framework=framework) as f:
-            return np.asarray(f.get_slice(name)[index], dtype=np.float32)
+            return np.asarray(f.get_slice(self.stored.get(name, name))[index], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Shards seen through one block of the last dim: tensor ``[..., k*width:(k+1)*width]``
+    (a fused tensor's part, ``HFAdapter.fused``), read without the other blocks."""
+
+    shards: Shards
+    k: int
+    width: int
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        *lead, last = index
+        lo, hi, _ = last.indices(self.width)
+        offset = self.k * self.width
+        return self.shards.read(name, (*lead, slice(offset + lo, offset + hi)))
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -186,6 +234,13 @@ def read_slice(shards: Shards, name: str, layout: str, shape, index, interleave=
     if layout == "transpose":
         (r0, r1), (c0, c1) = b
         return shards.read(name, (slice(c0, c1), slice(r0, r1))).T
+    if layout in ("heads_last", "heads_first"):  # whole heads read, head_dim sliced after
+        at = len(shape) - 2 if layout == "heads_last" else 0
+        hd, (h0, h1), (d0, d1) = shape[at + 1], b[at], b[at + 1]
+        rest = [slice(lo, hi) for lo, hi in b]
+        block = shards.read(name, (*rest[:at], slice(h0 * hd, h1 * hd), *rest[at + 2 :]))
+        block = block.reshape(*block.shape[:at], h1 - h0, hd, *block.shape[at + 1 :])
+        return block[(slice(None),) * (at + 1) + (slice(d0, d1),)]
     hd = shape[1] if layout == "out_heads" else shape[2]
     heads, (d0, d1) = (b[0], b[1]) if layout == "out_heads" else (b[1], b[2])
     rows = slice(heads[0] * hd, heads[1] * hd)

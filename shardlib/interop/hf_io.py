@@ -21,8 +21,10 @@ import numpy as np
 
 from shardlib.core.capabilities import HFAdapter
 from shardlib.interop.hf import (
+    Block,
     HFError,
     Shards,
+    fused_shape,
     hf_shape,
     model_settings,
     read_config,
@@ -70,7 +72,7 @@ def check_directory(directory, model: dict, paths: dict, adapter: HFAdapter) -> 
                 f"{source}: {field}={have!r} but the model has {field}={want!r}. Fix: "
                 f"model.{field}={have} (or `shardlib generate --hf` reads it for you)."
             )
-    shards = Shards.open(directory)
+    shards = Shards.open(directory).with_prefix(adapter.base_prefix)
     for path, shape in paths.items():
         hf_name, layout = adapter.tensors[path]
         stacked = path.startswith("blocks/")
@@ -79,6 +81,8 @@ def check_directory(directory, model: dict, paths: dict, adapter: HFAdapter) -> 
             if name not in shards.shapes:
                 raise HFError(f"{directory}: tensor {name} is missing (needed for {path}).")
             found, expected = shards.shapes[name], hf_shape(tuple(one), layout)
+            if path in adapter.fused:  # one block of the tensor's last dim
+                expected = fused_shape(expected, adapter.fused[path])
             if found != expected:
                 raise HFError(
                     f"{directory}: tensor {name} has shape {list(found)}, the model expects "
@@ -106,10 +110,14 @@ def load_params(
         name, layout = adapter.tensors[path]
         interleave = interleaved_rope and path in adapter.rotary
         stacked, shape = path.startswith("blocks/"), tuple(spec.shape)
+        source = shards
+        if path in adapter.fused:  # read through the block of the fused tensor it is
+            width = hf_shape(shape[1:] if stacked else shape, layout)[-1]
+            source = Block(shards, adapter.fused[path][0], width)
 
         def callback(
             index, name=name, layout=layout, interleave=interleave, stacked=stacked,
-            shape=shape, dtype=spec.dtype,
+            shape=shape, dtype=spec.dtype, shards=source,
         ):  # fmt: skip
             if not stacked:
                 return read_slice(shards, name, layout, shape, index).astype(dtype)
@@ -144,6 +152,7 @@ def export_hf(
     if out.exists() and any(out.iterdir()):
         raise HFError(f"export: {out} is not empty. Fix: choose a new directory.")
     flat = adapter.merged({k: np.asarray(v) for k, v in flat.items()}, model)
+    parts: dict[str, list] = {}  # Hugging Face name -> its blocks (one unless fused)
     tensors = {}
     for path, x in flat.items():
         if path not in adapter.tensors:
@@ -152,11 +161,17 @@ def export_hf(
                 "model's HFAdapter.tensors, or fold it into one that has in HFAdapter.merged."
             )
         name, layout = adapter.tensors[path]
-        if not path.startswith("blocks/"):
-            tensors[name] = to_hf(x, layout)
-            continue
-        for i in range(x.shape[0]):
-            tensors[name.format(i=i)] = to_hf(x[i], layout)
+        k, n = adapter.fused.get(path, (0, 1))
+        layers = range(x.shape[0]) if path.startswith("blocks/") else [None]
+        for i in layers:
+            one = to_hf(x if i is None else x[i], layout)
+            parts.setdefault(name if i is None else name.format(i=i), [None] * n)[k] = one
+    for name, blocks in parts.items():  # a fused tensor: its blocks in order, concatenated
+        if any(b is None for b in blocks):
+            missing = [k for k, b in enumerate(blocks) if b is None]
+            raise HFError(f"export: tensor {name} lacks blocks {missing} of {len(blocks)}. "
+                          "Fix: give every block a path in HFAdapter.fused.")  # fmt: skip
+        tensors[name] = np.concatenate(blocks, axis=-1)
     tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in sorted(tensors.items())}
     groups, size = [[]], 0
     for name, x in tensors.items():

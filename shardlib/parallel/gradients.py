@@ -210,7 +210,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
         run = one_f_one_b_value_and_grad(
             spec,
             block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
-            embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL),
+            embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
             head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
             split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
         )

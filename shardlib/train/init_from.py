@@ -45,11 +45,16 @@ def with_source_model(cfg):
     source = cfg.checkpoint.init_from
     if not source or ":" in cfg.model or not is_hf_directory(source):
         return cfg
-    from shardlib.interop.hf import model_settings, read_config
-    from shardlib.train.config import override
+    from shardlib.interop.hf import adapter_for, model_settings, read_config
+    from shardlib.train.config import TrainConfig, override
 
+    where, hf = f"{source}/config.json", read_config(source)
     adapter = hf_adapter(cfg.model)
-    settings = model_settings(adapter, read_config(source), f"{source}/config.json")
+    if cfg.model == TrainConfig.model and adapter.hf_type != hf.get("model_type"):
+        # no model named: the family whose adapter reads this model_type (GPT-2, ...)
+        adapter = adapter_for(hf, where)
+        cfg = override(cfg, {"model": adapter.preset})
+    settings = model_settings(adapter, hf, where)
     settings |= dict(cfg.model_overrides)
     return override(cfg, {f"model.{k}": v for k, v in settings.items()})
 

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from shardlib.core.layout import constrain, use_layout
+from shardlib.core.model import embed_takes_positions
 from shardlib.core.ops import Packed, run_blocks, use_matmul
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import state as layouts
@@ -106,7 +107,7 @@ class DecoderLoss:
         block_graph, blocks_state = nnx.split(nnx.merge(self.graphdef, params).blocks)
         # the attention kernel and MoE exchange the plan picks; the precision's products
         with self.plan.ops(), use_matmul(self.matmul):
-            x_BLD = self.embed(params, inputs_BL)
+            x_BLD = self.embed(params, inputs_BL, positions_L)
             x_BLD, totals = run_blocks(
                 block_graph, blocks_state, x_BLD, positions_L, layers=self.layers,
                 layer_extras=meta,
@@ -117,8 +118,13 @@ class DecoderLoss:
     def split(self, batch):
         return split_batch(self.plan, batch)
 
-    def embed(self, params, inputs_BL):
-        return nnx.merge(self.graphdef, params).embed(inputs_BL, dtype=self.dtype)
+    def embed(self, params, inputs_BL, positions_L=None):
+        """The model's embedding; the tokens' true positions go to a model whose embedding
+        reads them (learned absolute positions: ``core.model.embed_takes_positions``)."""
+        model = nnx.merge(self.graphdef, params)
+        if positions_L is not None and embed_takes_positions(model):
+            return model.embed(inputs_BL, positions_L=positions_L, dtype=self.dtype)
+        return model.embed(inputs_BL, dtype=self.dtype)
 
     def block(self, block_graph, positions_L):
         def block_fn(layer_state, x):

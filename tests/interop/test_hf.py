@@ -143,10 +143,10 @@ def test_bad_inputs_fail_before_any_work(cube, tmp_path):
     with pytest.raises(Exception, match="65 positions, more than the model's context of 64"):
         generate(model, long, mesh=mesh, rules=rules, sampling=Sampling(max_new_tokens=4))
     # config.json of another architecture, or one the Llama cannot represent
-    bad = json.loads((directory / "config.json").read_text()) | {"model_type": "gpt2"}
-    with pytest.raises(HFError, match="model_type='gpt2'; no registered model reads it"):
+    bad = json.loads((directory / "config.json").read_text()) | {"model_type": "falcon"}
+    with pytest.raises(HFError, match="model_type='falcon'; no registered model reads it"):
         adapter_for(bad)
-    with pytest.raises(HFError, match="model_type='gpt2'; only llama"):
+    with pytest.raises(HFError, match="model_type='falcon'; only llama"):
         model_settings(LLAMA, bad)
     with pytest.raises(HFError, match="mlp_bias=true; shardlib's Llama has no biases"):
         model_settings(LLAMA, read_config(directory) | {"mlp_bias": True})

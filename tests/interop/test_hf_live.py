@@ -55,3 +55,32 @@ def test_transformers_loads_an_export(style, cube, tmp_path):
     settings = model_settings(LLAMA, read_config(directory))
     export_hf(params, settings, LLAMA, tmp_path / "out", shard_bytes=20_000)  # 4 shards
     assert rel_err(hf_logits(tmp_path / "out", tokens), want) < 1e-5
+
+
+def test_gpt2_import_and_export_match_transformers(cube, tmp_path):
+    """A tiny random ``GPT2LMHeadModel`` (Conv1D weights, fused c_attn, tied head) imports
+    on the cube with transformers' logits, and transformers loads shardlib's export with
+    them again (``models/gpt/hf.py``; ``tests/models/test_gpt_hf.py`` checks the same
+    against a numpy GPT-2 without transformers)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # biases and norms away from their initial 0 and 1
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+    want = hf_logits(hf, tokens)
+    model = load_model(tmp_path / "gpt2", *cube)
+    assert rel_err(jax.jit(lambda m, t: m(t))(model, tokens), want) < 1e-5
+    gpt2 = hf_adapter("gpt2")
+    params = flatten(jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    settings = model_settings(gpt2, read_config(tmp_path / "gpt2"))
+    export_hf(params, settings, gpt2, tmp_path / "out")
+    assert rel_err(hf_logits(tmp_path / "out", tokens), want) < 1e-5

@@ -267,6 +267,7 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     d, heads = w.head_dim, w.heads / t
     qkv = (w.heads + 2 * w.kv_heads) * d / t
     mlp = (w.mlp or w.expert_mlp) / t
+    matrices = w.mlp_matrices if w.mlp else w.expert_mlp_matrices  # 3 SwiGLU, 2 GELU
     # attention: per sequence and local head, [s/c, d] x [d, s]; split over c devices it
     # runs in c blocks of s/c keys each (ring attention: the same FLOPs, narrower products)
     keys, passes = (s_q, shape.seq_ways) if shape.seq_ways > 1 else (w.seq, 1)
@@ -283,7 +284,8 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
         Matmul("scores", s_q, d, keys, attn, moved, *fused),  # [s, d] x [d, s] per head
         Matmul("values", s_q, keys, d, attn, moved, *fused),  # [s, s] x [s, d] per head
         Matmul("out", shape.tokens, heads * d, w.embed, ceiling=proj),  # [b·s, a·d/t] x [a·d/t, h]
-        Matmul("mlp_in", shape.tokens, w.embed, 2 * mlp, ceiling=proj),  # gate and up: [h, 2f/t]
+        # SwiGLU's gate and up [h, 2f/t]; a GELU MLP's one [h, f/t]
+        Matmul("mlp_in", shape.tokens, w.embed, (matrices - 1) * mlp, ceiling=proj),
         Matmul("mlp_out", shape.tokens, mlp, w.embed, ceiling=proj),  # [b·s, f/t] x [f/t, h]
     )
 

@@ -91,6 +91,10 @@ def vocab_tables(step: Step) -> tuple[str, ...]:
 
 _GATHERS_OUTSIDE = {"embedding": 1, "lm_head": 2, "final_norm.scale": 2}
 _GATHERS_OUTSIDE_NO_TENSOR = {**_GATHERS_OUTSIDE, "lm_head": 1}
+_GATHERS_OTHER = 2
+"""Any other weight outside the layer loop (GPT's position table and final norm bias,
+small next to the tables): gathered for the forward and again for the backward, as the
+final norm's scale (an upper bound: a bias's gradient does not read it)."""
 
 
 def fsdp(step: Step) -> Contribution:
@@ -170,7 +174,7 @@ def fsdp(step: Step) -> Contribution:
                 axes,
                 n,
                 full * weight_bytes,
-                outside[param.name],
+                outside.get(param.name, _GATHERS_OTHER),
                 True,
             )
         )

@@ -1,0 +1,255 @@
+"""The GPT decoder as published (Radford et al. 2019, GPT-2; Brown et al. 2020, GPT-3), in
+Flax NNX, annotated with logical axis names only.
+
+What makes it GPT rather than Llama: LayerNorm with a bias before each sublayer (pre-LN, as
+GPT-2 moved it) and once after the last block; learned absolute position embeddings added
+to the token embeddings; biases on every projection; an MLP of two matrices, 4 x d_model
+wide, with GELU (the tanh form GPT-2 ships, Hugging Face's ``gelu_new``); multi-head
+attention (every head its own keys and values); the output projection is the token
+embedding transposed (tied). GPT-3's alternating dense and locally banded sparse attention
+is not modelled: every layer is dense, as in GPT-2 and Megatron-LM's GPT (the parameter
+counts do not depend on it).
+
+Like ``models.llama`` the blocks are stacked with ``nnx.vmap`` (every block weight has a
+leading ``layers`` dim) and the model follows shardlib's ``Decoder`` protocol (``embed``,
+``blocks``, ``head``), so remat, pipelines and offload drive the layer loop. The keys' and
+values' head dim is named ``kv_heads`` (equal to ``heads`` here) so that every rule and
+count that knows grouped-query attention reads a GPT block the same way. The presets are
+Brown et al.'s Table 2.1 (``presets.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.llama.model import stack_blocks
+from shardlib.core.layout import constrain
+from shardlib.core.model import RESIDUAL  # the residual stream's own dims
+from shardlib.core.ops import Packed, attention, lookup, matmul, run_blocks
+
+INIT_STD = 0.02
+"""GPT-2's initialiser: normal(0.02) for every weight, 0.01 for the positions, and the two
+projections back into the residual stream scaled by 1/sqrt(2 x layers) (Radford et al.)."""
+
+CHECKPOINT_NAMES = (
+    "attn_q",  # [batch, seq, heads, head_dim]
+    "attn_k",  # [batch, seq, kv_heads, head_dim]
+    "attn_v",  # [batch, seq, kv_heads, head_dim]
+    "attn_context",  # [batch, seq, heads, head_dim] softmax(qk) v, before the output projection
+    "attn_residual",  # [batch, seq, embed] the residual stream between attention and MLP
+    "mlp_hidden",  # [batch, seq, mlp] gelu(x W_fc + b_fc)
+)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the decoder (Brown et al. Table 2.1's columns, plus vocab and context)."""
+
+    vocab: int = 256
+    """Vocabulary size: 50257 for GPT-2/3's BPE (256 = bytes, the embedded default dataset)."""
+    embed: int = 64
+    """Model width d_model."""
+    layers: int = 2
+    """Number of decoder blocks n_layers (scanned)."""
+    heads: int = 8
+    """Attention heads n_heads (keys and values have as many: multi-head attention)."""
+    head_dim: int = 0
+    """Width of one head d_head; 0: embed // heads. The table's 13B has heads x d_head =
+    5120 with d_model = 5140, so the two are kept apart (the projections map between them)."""
+    mlp: int = 0
+    """MLP hidden width; 0: 4 x embed, as published."""
+    max_positions: int = 2048
+    """Learned positions n_ctx (2048 for GPT-3, 1024 for GPT-2): the longest sequence."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon (GPT-2's ``layer_norm_epsilon``)."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.embed % self.heads:
+            raise ValueError(
+                f"model: embed={self.embed} is not a multiple of heads={self.heads}, so "
+                "head_dim cannot default to embed // heads. Fix: set model.head_dim."
+            )
+
+    @property
+    def head_width(self) -> int:
+        """d_head: ``head_dim``, or embed // heads when it is 0."""
+        return self.head_dim or self.embed // self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: ``mlp``, or 4 x embed when it is 0."""
+        return self.mlp or 4 * self.embed
+
+    def param_count(self) -> int:
+        """Parameters by the architecture's formula (the tests compare it with the model's
+        own inventory and with Table 2.1): per block two LayerNorms (2 x 2e), q/k/v/o
+        (4 e·a·d) with their biases (3 a·d + e), the MLP's two matrices (2 e·f) with biases
+        (f + e); then token and position tables ((V + n_ctx) e) and the final LayerNorm."""
+        e, a, d, f = self.embed, self.heads, self.head_width, self.mlp_width
+        block = 4 * e + 4 * e * a * d + 3 * a * d + e + 2 * e * f + f + e
+        return self.layers * block + (self.vocab + self.max_positions) * e + 2 * e
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float):
+    init = nnx.with_partitioning(nnx.initializers.normal(std), names)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32))
+
+
+def _const(value: float, shape: tuple[int, ...], names: tuple[str, ...]):
+    init = nnx.with_partitioning(nnx.initializers.constant(value), names)
+    return nnx.Param(init(None, shape, jnp.float32))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with a scale and a bias over the model width; statistics in fp32."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.eps = cfg.norm_eps
+        self.scale = _const(1.0, (cfg.embed,), ("embed",))  # [embed]
+        self.bias = _const(0.0, (cfg.embed,), ("embed",))  # [embed]
+
+    def __call__(self, x_BLD):
+        # scale and bias in the residual stream's layout (gathered here under FSDP)
+        scale_D = constrain(self.scale[...], ("res_embed",))
+        bias_D = constrain(self.bias[...], ("res_embed",))
+        x32 = x_BLD.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x_BLD.dtype)
+        return y * scale_D.astype(y.dtype) + bias_D.astype(y.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with biased q/k/v and output projections."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        e, h, d = cfg.embed, cfg.heads, cfg.head_width
+        out_std = INIT_STD / (2 * cfg.layers) ** 0.5
+        self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), INIT_STD)  # [e, h, d]
+        self.wk = _param(rngs, (e, h, d), ("embed", "kv_heads", "head_dim"), INIT_STD)  # [e,h,d]
+        self.wv = _param(rngs, (e, h, d), ("embed", "kv_heads", "head_dim"), INIT_STD)  # [e,h,d]
+        self.bq = _const(0.0, (h, d), ("heads", "head_dim"))  # [heads, head_dim]
+        self.bk = _const(0.0, (h, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
+        self.bv = _const(0.0, (h, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
+        self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)  # [h, d, e]
+        self.bo = _const(0.0, (e,), ("embed",))  # [embed]
+
+    def __call__(self, x_BLD, positions_L=None):
+        dt = x_BLD.dtype
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        # one product for q, k and v (GPT-2's c_attn): the backward pass sums the three input
+        # gradients before one reduction, not after three
+        w_DHJK = jnp.stack([self.wq[...], self.wk[...], self.wv[...]], axis=2).astype(dt)
+        b_HJK = jnp.stack([self.bq[...], self.bk[...], self.bv[...]], axis=1).astype(dt)
+        qkv_BLHJK = matmul("bld,dhjk->blhjk", x_BLD, w_DHJK, name="qkv") + b_HJK
+        q, k, v = (t[:, :, :, 0] for t in jnp.split(qkv_BLHJK, 3, axis=3))  # [b, l, h, d] each
+        q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "attn_q")
+        k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "attn_k")
+        v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "attn_v")
+        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = checkpoint_name(out_BLHK, "attn_context")
+        out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
+        out_BLD = matmul("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt), name="o")
+        return constrain(out_BLD + self.bo[...].astype(dt), RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """x W_fc + b_fc, GELU (tanh form), then W_proj + b_proj: two matrices of e x 4e."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        e, f = cfg.embed, cfg.mlp_width
+        out_std = INIT_STD / (2 * cfg.layers) ** 0.5
+        self.w_fc = _param(rngs, (e, f), ("embed", "mlp"), INIT_STD)  # [embed, mlp]
+        self.b_fc = _const(0.0, (f,), ("mlp",))  # [mlp]
+        self.w_proj = _param(rngs, (f, e), ("mlp", "embed"), out_std)  # [mlp, embed]
+        self.b_proj = _const(0.0, (e,), ("embed",))  # [embed]
+
+    def __call__(self, x_BLD):
+        dt = x_BLD.dtype
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        h_BLF = matmul("bld,df->blf", x_BLD, self.w_fc[...].astype(dt), name="fc")
+        h_BLF = jax.nn.gelu(h_BLF + self.b_fc[...].astype(dt), approximate=True)
+        h_BLF = checkpoint_name(constrain(h_BLF, ("batch", "seq", "mlp")), "mlp_hidden")
+        out_BLD = matmul("blf,fd->bld", h_BLF, self.w_proj[...].astype(dt), name="proj")
+        return constrain(out_BLD + self.b_proj[...].astype(dt), RESIDUAL)
+
+
+class Block(nnx.Module):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.attn_norm = LayerNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = LayerNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BLD, positions_L=None):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
+        x_BLD = checkpoint_name(x_BLD, "attn_residual")
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, RESIDUAL)
+
+
+class GPT(nnx.Module):
+    """Token and position embeddings, ``layers`` stacked ``Block``s, final LayerNorm and
+    the tied LM head (``Decoder``)."""
+
+    checkpoint_names = CHECKPOINT_NAMES
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e = cfg.embed
+        self.embedding = _param(rngs, (cfg.vocab, e), ("vocab", "embed"), INIT_STD)  # [V, E]
+        # [max_positions, embed]: the positions dim is never split (no rule names it)
+        self.position_embedding = _param(rngs, (cfg.max_positions, e), (None, "embed"), 0.01)
+        self.blocks = stack_blocks(lambda r: Block(cfg, r), cfg.layers, rngs)  # [layers, ...]
+        self.final_norm = LayerNorm(cfg)
+
+    def __call__(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
+        """Logits [batch, seq, vocab] in fp32: the one-device path (``Llama.__call__``)."""
+        block_graph, blocks_state = nnx.split(self.blocks)
+        x_BLD = self.embed(tokens_BL, positions_L=positions_L, dtype=dtype)
+        x_BLD, _ = run_blocks(block_graph, blocks_state, x_BLD, positions_L)
+        return self.head(x_BLD, dtype=dtype)
+
+    def embed(self, tokens_BL, *, positions_L=None, dtype=jnp.float32):
+        """Token ids [batch, seq] -> token + position embeddings [batch, seq, embed].
+
+        ``positions_L``: the tokens' true positions, as the blocks get them (``Decoder``):
+        None for 0..seq-1 in order, [seq] when a layout reorders the sequence (zig-zag
+        context parallelism), or a packed row's ``Packed``, whose positions restart at 0
+        for each document (each then embeds as it would alone)."""
+        seq = tokens_BL.shape[1]
+        if seq > self.cfg.max_positions:
+            raise ValueError(
+                f"GPT: sequence of {seq} tokens, but the position table "
+                f"'position_embedding' has {self.cfg.max_positions} rows. Fix: seq <= "
+                f"{self.cfg.max_positions}, or a larger model.max_positions."
+            )
+        x_BLD = lookup(self.embedding[...], tokens_BL).astype(dtype)  # vocab-parallel if split
+        table_PD = self.position_embedding[...].astype(dtype)  # [max_positions, embed]
+        if positions_L is None:
+            pos_BLD = table_PD[None, :seq]  # [1, seq, embed]
+        elif isinstance(positions_L, Packed):
+            pos_BLD = table_PD[positions_L.positions]  # [batch, seq, embed]
+        else:
+            pos_BLD = table_PD[positions_L][None]  # [1, seq, embed] in the tokens' order
+        return constrain(x_BLD + pos_BLD, RESIDUAL)
+
+    def head(self, x_BLD, *, dtype=jnp.float32):
+        """Residual stream after the blocks -> logits [batch, seq, vocab] in fp32, through
+        the token embedding transposed (tied: GPT has no separate output matrix)."""
+        x_BLD = self.final_norm(x_BLD)
+        # gathered in the logits' batch layout (vocab-parallel under FSDP: over fsdp only)
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"), beside={"vocab": self.cfg.vocab})
+        logits_BLV = jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(dtype))
+        return constrain(logits_BLV.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_positions
