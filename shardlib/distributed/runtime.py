@@ -25,10 +25,12 @@ import inspect
 import os
 import socket
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from shardlib.core.errors import ShardingError
 from shardlib.distributed.admission import JoinDesk, ask_to_join
+from shardlib.distributed.service_host import service_in_own_process
 
 # (marker, task count) environment variables by which JAX's cluster detection recognises a
 # launcher. A job launched by one of these needs no flags at all:
@@ -210,13 +212,18 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
         "shutdown_timeout_seconds": group.shutdown_timeout_s,
     }
     known = inspect.signature(jax.distributed.initialize).parameters
+    # process 0 hosts the coordination service in a process that outlives it, so that its
+    # loss is named by the others' PeerWatch, not a C++ abort (``service_host``)
+    hosted = desk is not None
+    where = service_in_own_process(group.heartbeat_timeout_s + 5) if hosted else nullcontext()
     try:
-        jax.distributed.initialize(
-            coordinator_address=group.coordinator,
-            num_processes=group.num_processes,
-            process_id=group.process_id,
-            **{k: v for k, v in wanted.items() if k in known},  # what this JAX accepts
-        )
+        with where:
+            jax.distributed.initialize(
+                coordinator_address=group.coordinator,
+                num_processes=group.num_processes,
+                process_id=group.process_id,
+                **{k: v for k, v in wanted.items() if k in known},  # what this JAX accepts
+            )
     except RuntimeError as err:
         if desk is not None:
             desk.close()

@@ -7,6 +7,7 @@ subprocess runs under a timeout and is killed by PID in ``finally``.
 
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -200,3 +201,34 @@ def test_a_failed_save_with_two_processes_ends_both_at_once(tmp_path, cache):
     line = only_line(tmp_path / "0.log", r"^process 0: error: checkpoint: saving step \d+ to")
     only_line(tmp_path / "1.log", r"^process 1: stopping: process 0 failed: checkpoint: saving")
     print(f"\n2 processes, failed save: exit 2 and 1 within {seconds:.1f} s: {line}")
+
+
+@pytest.mark.slow
+def test_losing_rank_0_is_one_line_on_the_others_within_the_heartbeat_bound(tmp_path, cache):
+    """Process 0 hosts JAX's coordination service in a process that outlives it
+    (``distributed/service_host.py``): killed, it is named by the survivor's watcher in
+    half the heartbeat timeout (6 s here), not by JAX's C++ abort (exit -6 and an 11-frame
+    stack trace, before the service moved out); the service host then ends by itself."""
+    metrics, port = tmp_path / "m.jsonl", free_port()
+    settings = ["steps=100000"]
+    procs = [start_rank(tmp_path, port, 0, "0.log", *settings, f"metrics={metrics}", cache=cache)]
+    procs.append(start_rank(tmp_path, port, 1, "1.log", *settings, cache=cache))
+    try:
+        wait_for(lambda: len(records_of(metrics)) >= 3, procs, 120, 0.05)
+        procs[0].send_signal(signal.SIGKILL)
+        codes, seconds = wait_all(procs[1:], 30)
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [1], (tmp_path / "1.log").read_text()
+    line = only_line(tmp_path / "1.log", r"^process 1: stopping: lost process 0")
+    assert "Check failure" not in (tmp_path / "1.log").read_text()
+    print(f"\nrank 0 killed: rank 1 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
+    assert seconds < 6
+    host = f"service_host .*:{port}"
+    wait_for(
+        lambda: subprocess.run(["pgrep", "-f", host], capture_output=True).returncode == 1,
+        (),
+        6 + 5 + 10,
+        0.5,
+    )
