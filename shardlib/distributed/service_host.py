@@ -75,7 +75,10 @@ def service_in_own_process(linger_s: float):
     extension is swapped for a proxy for the duration, then restored."""
     from jax._src import distributed as _dist
 
-    lib = _dist._jax
+    lib = getattr(_dist, "_jax", None)
+    if lib is None or not hasattr(lib, "get_distributed_runtime_service"):
+        yield  # a JAX laid out otherwise: it hosts the service itself, as before
+        return
 
     class Hosted:
         def __getattr__(self, name):
