@@ -14,6 +14,10 @@ scales. Formulas (N = 8, Ψ parameters, P = Ψ rounded up to 8N):
 * 1-bit LAMB after warm-up: 1-bit Adam's 2(N-1)/N · Ψ/8 (signs), measured with its padding
   and 2N fp32 scales, 2(N-1)/N · (P/8 + 4N): 1/32 of the above.
 
+``shardlib explain optimizer=onebit_lamb freeze_step=1 steps=3 batch=16 seq=64 --mesh
+cpu-8-dp`` lists the same collectives with the line that sends each (llama-tiny: all-to-all
+and all-gather of 19.3 KiB each, the warm-up's 1.2 MiB all-reduce, a 14 B metric all-reduce).
+
 Curves: the default data (the embedded stdlib corpus), llama-tiny, data=8, the same steps,
 schedule and settings for LAMB and 1-bit LAMB (warm-up 20% of the steps, DeepSpeed's factor
 settings); the plot goes to ``benchmarks/onebit_lamb.png``.
