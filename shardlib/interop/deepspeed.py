@@ -4,7 +4,8 @@ Every key is accounted for, one of three ways:
 
 * mapped to a setting (``train_batch_size`` -> ``dataset.batch``, ``zero_optimization.stage``
   -> ``zero``, ``optimizer`` -> ``optimizer.*``, a static ``fp16.loss_scale`` ->
-  ``precision.loss_scale``, LAMB's ``max_coeff``/``min_coeff`` -> ``trust_ratio_max/min``,
+  ``precision.loss_scale``, LAMB's (and 1-bit LAMB's)
+  ``max_coeff``/``min_coeff`` -> ``trust_ratio_max/min``,
   ``activation_checkpointing`` -> ``remat``, ...);
 * a *note* (``deepspeed_keys.NOTES``): a key that tunes how DeepSpeed's runtime does
   something XLA decides by itself (bucket and prefetch sizes, overlap, persistence
@@ -12,7 +13,7 @@ Every key is accounted for, one of three ways:
   note says so, and nothing changes. ``"auto"`` (Hugging Face's placeholder) leaves
   shardlib's own setting;
 * refused: a feature shardlib does not have (``deepspeed_keys.NO_COUNTERPART``, NVMe
-  offload, 1-bit LAMB, 0/1 Adam), or a value it cannot honour. All of them are named in one
+  offload, 0/1 Adam), or a value it cannot honour. All of them are named in one
   error (``DeepSpeedRefusal``), with the reason for each, before anything is built: nothing is
   silently ignored.
 

@@ -101,18 +101,21 @@ NO_COUNTERPART = {
     "elasticity": "DeepSpeed's elastic batch sizes (shardlib resumes onto any mesh instead)",
     "pipeline": "DeepSpeed's PipelineModule settings; use [parallel.pipeline]",
 }
-OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "onebitadam": "onebit_adam", "lamb": "lamb"}
+OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "onebitadam": "onebit_adam", "lamb": "lamb",
+              "onebitlamb": "onebit_lamb"}  # fmt: skip
 WHY_NOT = {  # optimizer.type values with no counterpart, and why
     "zerooneadam": "0/1 Adam's local steps let workers' parameters drift apart, which "
     "shardlib's one-array-per-parameter state cannot hold (shardlib/train/onebit.py)",
-    "onebitlamb": "1-bit LAMB has no counterpart yet (OneBitAdam and Lamb do)",
 }
 SCHEDULERS_WHY_NOT = {  # scheduler.type values with no counterpart
     "OneCycle": "the 1Cycle learning-rate and momentum schedule has no counterpart",
     "LRRangeTest": "the learning-rate range test has no counterpart",
 }
 LAMB_DEFAULTS = {"max_coeff": 10.0, "min_coeff": 0.01}
-"""DeepSpeed's FusedLamb trust-ratio bounds when a config leaves them out."""
+"""DeepSpeed's FusedLamb (and OnebitLamb) trust-ratio bounds when a config leaves them out."""
+ONEBIT_LAMB_DEFAULTS = {"freeze_step": 100000, "coeff_beta": 0.9, "factor_max": 4.0,
+                        "factor_min": 0.5, "factor_threshold": 0.1}  # fmt: skip
+"""DeepSpeed's OnebitLamb settings beyond LAMB's when a config leaves them out."""
 AUTO_SETTINGS = {
     "train_batch_size": ("dataset.batch",),
     "gradient_accumulation_steps": ("parallel.data.microbatches",),

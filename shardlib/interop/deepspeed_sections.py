@@ -11,7 +11,13 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-from shardlib.interop.deepspeed_keys import LAMB_DEFAULTS, OPTIMIZERS, SCHEDULERS_WHY_NOT, WHY_NOT
+from shardlib.interop.deepspeed_keys import (
+    LAMB_DEFAULTS,
+    ONEBIT_LAMB_DEFAULTS,
+    OPTIMIZERS,
+    SCHEDULERS_WHY_NOT,
+    WHY_NOT,
+)
 
 if TYPE_CHECKING:
     from shardlib.interop.deepspeed import _Reader as Reader
@@ -48,7 +54,7 @@ def optimizer(r: Reader) -> dict[str, Any]:
     name = OPTIMIZERS.get(str(kind).lower())
     if name is None:
         why = WHY_NOT.get(str(kind).lower())
-        why = why or "use one of Adam, AdamW, OneBitAdam, Lamb"
+        why = why or "use one of Adam, AdamW, OneBitAdam, Lamb, OneBitLamb"
         r.refuse("optimizer.type", f"{kind!r}: {why}", listed=str(kind).lower() in WHY_NOT)
         r.used.add("optimizer")  # its params mean nothing without it
         return {}
@@ -66,13 +72,20 @@ def optimizer(r: Reader) -> dict[str, Any]:
     if name == "onebit_adam":
         out["optimizer.freeze_step"] = p("freeze_step", 100000)
     out["optimizer.bias_correction"] = p("bias_correction", True)
+    if name == "onebit_lamb":
+        for key, default in ONEBIT_LAMB_DEFAULTS.items():
+            out[f"optimizer.{key}"] = p(key, default)
+        if out["optimizer.bias_correction"]:  # DeepSpeed's OnebitLamb reads it, never applies it
+            r.notes.append("optimizer.params.bias_correction: OnebitLamb uses the moments "
+                           "uncorrected whatever it says; so does shardlib here")  # fmt: skip
+        out["optimizer.bias_correction"] = False
     clip = p("max_grad_norm")  # apex FusedAdam's clipping, from before gradient_clipping
     if clip is not None and r.config.get("gradient_clipping") is None:
         out["optimizer.clip_norm"] = clip
         r.notes.append("optimizer.params.max_grad_norm: the global-norm clipping threshold")
     elif clip is not None:
         r.notes.append("optimizer.params.max_grad_norm: gradient_clipping clips instead")
-    if name == "lamb":  # DeepSpeed's FusedLamb always bounds the trust ratio
+    if name in ("lamb", "onebit_lamb"):  # DeepSpeed's LAMBs always bound the trust ratio
         out["optimizer.trust_ratio_max"] = p("max_coeff", LAMB_DEFAULTS["max_coeff"])
         out["optimizer.trust_ratio_min"] = p("min_coeff", LAMB_DEFAULTS["min_coeff"])
     return out

@@ -240,9 +240,10 @@ def check(plan: ParallelPlan) -> None:
         problems.append("offload")
     if problems:
         raise ShardingError(
-            "1-bit Adam (optimizer=onebit_adam, i.e. parallel.data.onebit_momentum) exchanges "
+            "1-bit Adam / LAMB (optimizer=onebit_adam or onebit_lamb, i.e. "
+            "parallel.data.onebit_momentum) exchanges "
             f"the momentum over the {Axis.DATA!r} axis of a plain data-parallel mesh with "
             f"replicated state, but this plan has {', '.join(problems)}. Fix: a mesh data=N "
             "with zero=0 and no offload (as in DeepSpeed, 1-bit Adam does not combine with "
-            "ZeRO), or optimizer=adamw without onebit_momentum."
+            "ZeRO), or optimizer=adamw (lamb) without onebit_momentum."
         )

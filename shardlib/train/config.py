@@ -121,8 +121,8 @@ class Optimizer:
     """The optax optimizer and its learning-rate schedule (``shardlib.train.optim``)."""
 
     name: str = "adamw"
-    """adamw, adam, sgd (momentum), lamb, lars or adafactor (all from optax), or onebit_adam
-    (1-bit Adam: compressed momentum communication after ``freeze_step``)."""
+    """adamw, adam, sgd (momentum), lamb, lars or adafactor (all from optax), or onebit_adam /
+    onebit_lamb (1-bit Adam / LAMB: compressed momentum communication after ``freeze_step``)."""
     lr: float = 3e-3
     """Peak learning rate."""
     schedule: str = "warmup_cosine"
@@ -147,16 +147,26 @@ class Optimizer:
     eps: float = 0.0
     """Adam/LAMB epsilon; 0: the optimizer's own default (optax: 1e-8, LAMB 1e-6)."""
     freeze_step: int = 20
-    """onebit_adam: full-precision Adam steps before the variance freezes and the momentum
-    is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
+    """onebit_adam, onebit_lamb: full-precision Adam (LAMB) steps before the variance freezes
+    and the momentum is communicated in 1 bit (Tang et al.: about 15-25% of the run)."""
+    coeff_beta: float = 0.9
+    """onebit_lamb: weight of the running average of the warm-up's trust ratios that becomes
+    the frozen coefficient (DeepSpeed: keep 1/(1 - coeff_beta) <= freeze_step)."""
+    factor_max: float = 4.0
+    """onebit_lamb: upper bound of the factor that scales the frozen coefficient after warm-up."""
+    factor_min: float = 0.5
+    """onebit_lamb: lower bound of that factor."""
+    factor_threshold: float = 0.1
+    """onebit_lamb: the most the factor may change in one step, as a fraction of the last."""
     bias_correction: bool = True
-    """adamw, adam, onebit_adam and lamb: Adam's bias correction (DeepSpeed's BERT examples,
-    1-bit Adam's and LAMB's, turn it off)."""
+    """adamw, adam, onebit_adam, lamb and onebit_lamb: Adam's bias correction (DeepSpeed's
+    BERT examples, 1-bit Adam's and LAMB's, turn it off)."""
     trust_ratio_min: float = 0.0
-    """lamb: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's ``min_coeff``);
-    0: unbounded."""
+    """lamb, onebit_lamb: lower bound of the trust ratio ||w|| / ||update|| (DeepSpeed's
+    ``min_coeff``); 0: unbounded."""
     trust_ratio_max: float = 0.0
-    """lamb: upper bound of the trust ratio (DeepSpeed's ``max_coeff``); 0: unbounded."""
+    """lamb, onebit_lamb: upper bound of the trust ratio (DeepSpeed's ``max_coeff``);
+    0: unbounded."""
     clip_norm: float = 1.0
     """Global gradient-norm clipping threshold (0 disables it)."""
     momentum: float = 0.9

@@ -43,18 +43,32 @@ def scale_by_uncorrected_adam(b1: float, b2: float, eps: float) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
+def trust_ratio(u: jax.Array, w: jax.Array, lo: float = 0.0, hi: float = math.inf):
+    """[] fp32: ``clip(||w|| / ||u||, lo, hi)`` for one parameter array, 1 where a norm is 0
+    (optax's and DeepSpeed's convention; 1-bit LAMB averages it, ``train/onebit_lamb.py``)."""
+    w_norm, u_norm = optax.safe_norm(w, 0.0), optax.safe_norm(u, 0.0)
+    ratio = jnp.clip(w_norm / jnp.where(u_norm == 0, 1, u_norm), lo, hi)
+    return jnp.where((w_norm == 0) | (u_norm == 0), 1.0, ratio).astype(jnp.float32)
+
+
 def scale_by_clipped_trust_ratio(lo: float, hi: float) -> optax.GradientTransformation:
     """``u * clip(||w|| / ||u||, lo, hi)`` per parameter array; 1 where a norm is 0."""
 
     def update(updates, state, params=None):
         def one(u, w):
-            w_norm, u_norm = optax.safe_norm(w, 0.0), optax.safe_norm(u, 0.0)
-            ratio = jnp.clip(w_norm / jnp.where(u_norm == 0, 1, u_norm), lo, hi)
-            return u * jnp.where((w_norm == 0) | (u_norm == 0), 1.0, ratio).astype(u.dtype)
+            return u * trust_ratio(u, w, lo, hi).astype(u.dtype)
 
         return jax.tree.map(one, updates, params), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def adam_direction(b1: float, b2: float, eps: float, bias_correction: bool):
+    """LAMB's first stage: optax's Adam direction, corrected or not (state
+    ``optax.ScaleByAdamState`` either way)."""
+    if bias_correction:
+        return optax.scale_by_adam(b1, b2, eps)
+    return scale_by_uncorrected_adam(b1, b2, eps)
 
 
 def lamb(
@@ -70,10 +84,7 @@ def lamb(
     trust_ratio_max: float = 0.0,
 ) -> optax.GradientTransformation:
     """LAMB; ``trust_ratio_min``/``max`` of 0 leave that side unbounded."""
-    if bias_correction:
-        direction = optax.scale_by_adam(b1, b2, eps)
-    else:
-        direction = scale_by_uncorrected_adam(b1, b2, eps)
+    direction = adam_direction(b1, b2, eps, bias_correction)
     if trust_ratio_min or trust_ratio_max:
         trust = scale_by_clipped_trust_ratio(trust_ratio_min, trust_ratio_max or math.inf)
     else:

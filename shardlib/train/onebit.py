@@ -23,7 +23,8 @@ variance are the same on every device after each step and stay replicated (plain
 parallelism, ZeRO-0, as in DeepSpeed, where 1-bit Adam does not combine with ZeRO).
 
 What selects all this is the plan's ``parallel.data.onebit_momentum``, a data-parallel
-communication setting: ``optimizer=onebit_adam`` is AdamW with it set (``optim.SPELLINGS``).
+communication setting: ``optimizer=onebit_adam`` is AdamW with it set, ``onebit_lamb`` LAMB
+(``optim.SPELLINGS``; 1-bit LAMB's update is ``train/onebit_lamb.py``).
 The plan refuses the layouts it cannot run on (``parallel.gradients.check``) and its gradient
 path gives the step each device's own gradient (``parallel.gradients``).
 
@@ -152,11 +153,13 @@ def error_specs(opt_state_specs, abstract_opt_state):
     device keeps its own); everything else as ``layouts.opt_state_specs`` laid it out."""
 
     def fix(spec, state):
-        if isinstance(state, OneBitAdamState):
+        if is_state(state):
             return spec._replace(worker_error=P(AXIS), server_error=P(AXIS))
         return spec
 
-    is_state = lambda x: isinstance(x, OneBitAdamState)  # noqa: E731
+    def is_state(x):  # 1-bit Adam's state, or 1-bit LAMB's (train/onebit_lamb.py)
+        return isinstance(x, tuple) and hasattr(x, "worker_error") and hasattr(x, "_replace")
+
     return jax.tree.map(fix, opt_state_specs, abstract_opt_state, is_leaf=is_state)
 
 

@@ -23,13 +23,16 @@ if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam", "onebit_lamb")
 WARMUPS = ("linear", "log")
-SPELLINGS = {"onebit_adam": ("adamw", {"onebit_momentum": True})}
+SPELLINGS = {
+    "onebit_adam": ("adamw", {"onebit_momentum": True}),
+    "onebit_lamb": ("lamb", {"onebit_momentum": True}),
+}
 """Optimizer names that are another optimizer plus ``[parallel.data]`` settings: DeepSpeed's
-OneBitAdam is AdamW whose momentum crosses the data axis in 1 bit. The one place a name sets
-how gradients travel (``resolve_optimizer``); everything else reads the plan."""
-ONEBIT_BASES = ("adam", "adamw")  # the optimizers whose momentum 1-bit Adam exchanges
+OneBitAdam is AdamW (OneBitLamb LAMB) whose momentum crosses the data axis in 1 bit. The one
+place a name sets how gradients travel (``resolve_optimizer``); everything else reads the plan."""
+ONEBIT_BASES = ("adam", "adamw", "lamb")  # the optimizers whose momentum 1-bit exchanges
 
 
 def check_optimizer(opt) -> None:
@@ -57,17 +60,17 @@ def check_optimizer(opt) -> None:
         raise ShardingError(
             f"config: warmup_type={opt.warmup_type!r}. Fix: use one of {', '.join(WARMUPS)}."
         )
-    if not opt.bias_correction and opt.name not in ("adamw", "adam", "lamb", "onebit_adam"):
+    if not opt.bias_correction and opt.name not in ("adamw", "adam", "lamb", *SPELLINGS):
         raise ShardingError(
             f"config: bias_correction=false is Adam's moments uncorrected, but optimizer="
-            f"{opt.name} keeps none. Fix: optimizer=adamw, adam, lamb or onebit_adam, or "
-            "bias_correction=true."
+            f"{opt.name} keeps none. Fix: optimizer=adamw, adam, lamb, onebit_adam or "
+            "onebit_lamb, or bias_correction=true."
         )
     lo, hi = opt.trust_ratio_min, opt.trust_ratio_max
-    if (lo or hi) and opt.name != "lamb":
+    if (lo or hi) and opt.name not in ("lamb", "onebit_lamb"):
         raise ShardingError(
             f"config: trust_ratio_min={lo}, trust_ratio_max={hi} bound LAMB's trust ratio, "
-            f"but optimizer={opt.name}. Fix: optimizer=lamb, or leave both at 0."
+            f"but optimizer={opt.name}. Fix: optimizer=lamb or onebit_lamb, or leave both at 0."
         )
     if lo < 0 or hi < 0 or (hi and lo > hi):
         raise ShardingError(
@@ -78,6 +81,30 @@ def check_optimizer(opt) -> None:
         raise ShardingError(
             f"config: freeze_step={opt.freeze_step}, eps={opt.eps} must be >= 0. "
             "Fix: e.g. freeze_step=20 (about 15-25% of the steps) and eps=1e-8."
+        )
+    if opt.name == "onebit_lamb":
+        _check_onebit_lamb(opt)
+
+
+def _check_onebit_lamb(opt) -> None:
+    """1-bit LAMB's frozen coefficients come from the warm-up, and its factor must stay a
+    positive band around 1 that each step may move by less than all of it."""
+    problems = []
+    if opt.freeze_step < 1:
+        problems.append(f"freeze_step={opt.freeze_step} (the frozen trust ratios are averaged "
+                        "over the warm-up: with none every update is 0)")  # fmt: skip
+    if not 0 <= opt.coeff_beta < 1:
+        problems.append(f"coeff_beta={opt.coeff_beta} (an average's weight, in [0, 1))")
+    if not 0 < opt.factor_min <= 1 <= opt.factor_max:
+        problems.append(f"factor_min={opt.factor_min}, factor_max={opt.factor_max} "
+                        "(need 0 < factor_min <= 1 <= factor_max)")  # fmt: skip
+    if not 0 <= opt.factor_threshold < 1:
+        problems.append(f"factor_threshold={opt.factor_threshold} (a fraction, in [0, 1))")
+    if problems:
+        raise ShardingError(
+            f"config: optimizer=onebit_lamb with {'; '.join(problems)}. Fix: DeepSpeed's "
+            "defaults freeze_step >= 1/(1 - coeff_beta), coeff_beta=0.9, factor_min=0.5, "
+            "factor_max=4, factor_threshold=0.1."
         )
 
 
@@ -151,17 +178,29 @@ def resolve_optimizer(opt, plan: ParallelPlan):
     return dataclasses.replace(opt, name=name), plan
 
 
-def _onebit_adam(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
-    """Adam(W) whose momentum is averaged over the ``n`` data devices in 1 bit
-    (``train/onebit.py``); decoupled decay after the direction, as DeepSpeed's."""
-    from shardlib.train.onebit import scale_by_onebit_adam
-
+def _onebit(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
+    """Adam(W) or LAMB whose momentum is averaged over the ``n`` data devices in 1 bit
+    (``train/onebit.py``, ``train/onebit_lamb.py``); decoupled decay after the direction,
+    as DeepSpeed's."""
     if cfg.name not in ONEBIT_BASES:
         raise ShardingError(
-            f"parallel.data.onebit_momentum exchanges Adam's momentum in 1 bit, but "
-            f"optimizer={cfg.name} keeps none to exchange. Fix: optimizer=adamw or adam (or "
-            "onebit_adam), or onebit_momentum=false."
+            f"parallel.data.onebit_momentum exchanges Adam's or LAMB's momentum in 1 bit, but "
+            f"optimizer={cfg.name} keeps none to exchange. Fix: optimizer=adamw, adam or lamb "
+            "(or onebit_adam, onebit_lamb), or onebit_momentum=false."
         )
+    if cfg.name == "lamb":
+        from shardlib.train.onebit_lamb import Factors, scale_by_onebit_lamb
+
+        factors = Factors(cfg.coeff_beta, cfg.factor_max, cfg.factor_min, cfg.factor_threshold)
+        direction = scale_by_onebit_lamb(
+            b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-6, weight_decay=cfg.weight_decay,
+            mask=decay_mask, freeze_step=cfg.freeze_step, n=n, steps=steps,
+            bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
+            trust_ratio_max=cfg.trust_ratio_max, factors=factors,
+        )  # fmt: skip
+        return optax.chain(direction, optax.scale_by_learning_rate(lr))
+    from shardlib.train.onebit import scale_by_onebit_adam
+
     direction = scale_by_onebit_adam(
         b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-8, freeze_step=cfg.freeze_step, n=n,
         steps=steps, bias_correction=cfg.bias_correction,
@@ -211,7 +250,7 @@ def build_optimizer(
     """Global-norm clipping (if set), then the named optimizer with the named schedule.
 
     A ``SPELLINGS`` name is resolved against ``plan`` first (``resolve_optimizer``). With the
-    plan's ``data.onebit_momentum`` the Adam update averages the momentum over the ``data``
+    plan's ``data.onebit_momentum`` the Adam or LAMB update averages the momentum over the ``data``
     axis in 1 bit; it sees each device's local gradient, so its clipping uses the local norm
     (the averaged gradient is never formed after warm-up).
     """
@@ -227,7 +266,7 @@ def build_optimizer(
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     lr = schedule(cfg, steps)
     if plan is not None and plan.data.onebit_momentum:
-        parts.append(_onebit_adam(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1)))
+        parts.append(_onebit(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1)))
     else:
         parts.append(_optimizer(cfg, lr))
     return optax.chain(*parts)

@@ -332,3 +332,18 @@ def test_old_forms_and_a_config_without_batch_keys():
     ds = from_deepspeed({"gradient_clipping": 1.0, "fp16": {"enabled": True}}, devices=8)
     assert "dataset.batch" not in ds.settings
     assert any(n.startswith("train_batch_size: not given") for n in ds.notes)
+
+
+def test_onebit_lamb_maps_to_onebit_lamb_with_deepspeeds_settings():
+    """OneBitLamb: its freeze and factor settings, LAMB's trust-ratio bounds, and the moments
+    uncorrected whatever ``bias_correction`` says (DeepSpeed's OnebitLamb never corrects)."""
+    onebit = {"type": "OneBitLamb", "params": {"lr": 5e-3, "freeze_step": 1000,
+              "factor_max": 2.0, "max_coeff": 0.3, "cuda_aware": False}}  # fmt: skip
+    ds = from_deepspeed({"train_batch_size": 8, "optimizer": onebit}, devices=8)
+    opt = override(TrainConfig(), ds.settings).optimizer
+    assert (opt.name, opt.freeze_step, opt.factor_max, opt.factor_min) == (
+        "onebit_lamb", 1000, 2.0, 0.5)  # fmt: skip
+    assert (opt.coeff_beta, opt.factor_threshold) == (0.9, 0.1)
+    assert (opt.trust_ratio_min, opt.trust_ratio_max) == (0.01, 0.3)
+    assert opt.bias_correction is False
+    assert any(n.startswith("optimizer.params.bias_correction: OnebitLamb") for n in ds.notes)

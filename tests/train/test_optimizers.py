@@ -21,8 +21,12 @@ MESH = {"data": 2, "fsdp": 4}  # parameters split over fsdp, batch over data x f
 
 
 # adamw (the default) on this mesh is tests/parallel/test_zero.py's hsdp2x4 case; onebit_adam
-# runs on plain data parallelism only (tests/parallel/test_compression.py).
-@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ("adamw", "onebit_adam")])
+# and onebit_lamb run on plain data parallelism only (tests/parallel/test_compression.py,
+# tests/train/test_onebit_lamb.py).
+ELSEWHERE = ("adamw", "onebit_adam", "onebit_lamb")
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ELSEWHERE])
 def test_optimizer_parity(name):
     cfg = override(CFG, {"optimizer": name})
     setup = make_setup(cfg, mesh_spec(**MESH).build())
