@@ -39,9 +39,9 @@ Formulas (per device, per linear layer, forward + backward; B tokens, element by
   plus the depth all-reduce. Its activation traffic differs from (1) by design: the blocks'
   inner products keep Megatron's column-then-row pairing (``tensor.py``), so activations
   move only at the residual stream, 4(q-1)·B·h·e/(dq²) per attention or MLP block (gather
-  and reduce-scatter, forward and backward), where (1) summed over the block's products
-  moves 3(q-1)·B·Σm·e/(dq²). Both fall as 1/d, the paper's point: depth trades replicated
-  weights for fewer activation bytes per device.
+  and reduce-scatter, forward and backward; at d = 1 XLA adds one more gather per layer),
+  where (1) summed over the block's products moves 3(q-1)·B·Σm·e/(dq²). Both fall as 1/d,
+  the paper's point: depth trades replicated weights for fewer activation bytes per device.
 
 ``tests/parallel/test_tensor25d.py`` compares the compiled HLO with these formulas.
 """
@@ -65,6 +65,12 @@ def tensor_25d(
         params={**megatron, "embed": (row,)},
         activations={**megatron, "batch": (depth, row), "res_embed": (column,)},
     )
+
+
+def summa_wire_bytes(tokens: int, m: int, n: int, *, q: int, d: int, e: int) -> tuple[float, float]:
+    """Formula (1) for Y[tokens, n] = X[tokens, m]·W[m, n], per device, forward + backward:
+    (activation bytes, weight bytes); the depth all-reduce, 2(d-1)/d·m·n·e/q², is apart."""
+    return 3 * (q - 1) * tokens * m * e / (d * q**2), 3 * (q - 1) * m * n * e / q**2
 
 
 def grid(mesh_axes: Mapping[str, int]) -> tuple[int, int]:

@@ -14,14 +14,22 @@ width, e = 4 bytes, W the layer's weight bytes:
   per block, forward and backward): falls as 1/d, as Tesseract's activation term does;
 - parameters per device: Ψ·e/q² (Colossal-AI's 2.5D table, parameters O(1/q²)).
 
-Measured (jax 0.10.2, CPU, llama-tiny with 2 layers, b=8, s=32; q = 2):
+Measured (jax 0.10.2, CPU, llama-tiny with 2 layers, b=8, s=32, so B·h·e = 65536 B and
+W = 294912 B per layer; q = 2), bytes per layer and device:
 
-| figure per layer | d = 1 | d = 2 | formula d = 1 / d = 2 |
-| --- | --- | --- | --- |
-| weights over tensor2 | 221184 B | 221184 B | 221184 / 221184 |
-| gradients over tensor_depth | 0 | 73728 B | 0 / 73728 |
-| activations over tensor | see test | 65536 B + norms | 131072 / 65536 |
-| Tesseract's (1), whole layer | | | 417792 / 491520 (GSPMD's activation pairing moves less) |
+| figure | d = 1 | d = 2 | formula d = 1 / d = 2 | ratio d = 1 / d = 2 |
+| --- | --- | --- | --- | --- |
+| weights over tensor2 | 221440 | 221184 | 221184 / 221184 | 1.001 / 1.000 |
+| gradients over tensor_depth | 0 | 73728 | 0 / 73728 | - / 1.000 |
+| activations over tensor | 150528 | 66816 | 147456 (9 moves) / 65536 | 1.021 / 1.020 |
+| whole layer | 371968 | 362112 | 368640 / 360448 | 1.009 / 1.005 |
+| Tesseract's (1) + depth term | | | 614400 / 491520 | 0.605 / 0.737 |
+| parameters per device | 180864 | 180864 | Ψ·e/q² = 180544 | 1.002 / 1.002 |
+
+The last bytes row is the paper's SUMMA count (activation term over the layer's four
+products, Σm = 512): the GSPMD form moves its weight bytes exactly and fewer activation
+bytes (it pairs the products Megatron's way, so only the residual's width moves).
+Parity (5 steps): loss 1.5e-7, gradient norm 6.6e-8 / 6.2e-8, gradients 5.0e-7 / 4.8e-7.
 """
 
 import math
@@ -34,6 +42,7 @@ from layout_cases import assert_parity, assert_refused, first_devices_mesh
 
 from shardlib import rules_for_mesh
 from shardlib.analysis import explain
+from shardlib.parallel.tensor25d import summa_wire_bytes
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
 
@@ -134,6 +143,14 @@ def test_wire_bytes_per_layer_match_formulas(axes):
     total = sum(by_axes.values())
     formula = (3 * (q - 1) + 2 * (d - 1) / d) * w / q**2 + formula_act
     assert abs(total / formula - 1) < 0.05, (by_axes, formula)
+    # Tesseract's (1) over the layer's four products: the same weight bytes, more activation
+    # bytes than the GSPMD pairing moves (see the table above)
+    m = setup.workload
+    qkv, attn = (m.heads + 2 * m.kv_heads) * m.head_dim, m.heads * m.head_dim
+    products = [(m.embed, qkv), (attn, m.embed), (m.embed, 2 * m.mlp), (m.mlp, m.embed)]
+    summa = [summa_wire_bytes(tokens, a, b, q=q, d=d, e=E) for a, b in products]
+    assert abs(weights / sum(s[1] for s in summa) - 1) < 0.05
+    assert activations < sum(s[0] for s in summa)
 
 
 def test_param_memory_is_one_over_q_squared():
