@@ -85,13 +85,13 @@ def grid(mesh_axes: Mapping[str, int]) -> tuple[int, int]:
             "third tensor axis. Fix: keep tensor_depth for 2.5D (weights replicated over it) "
             "or tensor3 for 3D (weights split over it), not both."
         )
-    if columns != rows or columns < 2:
+    if columns != rows:  # (all ones: a one-device reference of the same axes, allowed)
         fits = [f"tensor_depth={devices // q**2}, tensor2={q}, tensor={q}"
                 for q in range(2, devices + 1) if devices % q**2 == 0]  # fmt: skip
         hint = " or ".join(fits) if fits else f"d·q·q tensor devices (not {devices})"
         raise ShardingError(
             f"mesh {axes}: 2.5D tensor parallelism arranges its {devices} tensor devices as "
             f"d x q x q (tensor_depth x tensor2 x tensor), but tensor={columns} and "
-            f"tensor2={rows} are not one grid size q >= 2. Fix: use {hint}."
+            f"tensor2={rows} are not one grid size q. Fix: use {hint}."
         )
     return depth, columns
