@@ -160,3 +160,13 @@ def test_param_memory_is_one_over_q_squared():
         whole = sum(math.prod(x.shape) * E for x in jax.tree.leaves(setup.param_shapes))
         held = sum(t.bytes_per_device for t in report.tensors if t.is_param)
         assert abs(held / (whole / q**2) - 1) < 0.05, (axes, held, whole)
+
+
+@pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (4, 2), (8, 4)])
+def test_formula_1_is_colossal_ais_bandwidth_entry(q, d):
+    """With B·m = m·n = M, (1) is Colossal-AI's 3(q-1)(d+1)/(dq) in units of M·e/q
+    (REFERENCE.md's 2.5D row; d = 1: 2D's 6(q-1)/q)."""
+    side = 64
+    activations, weights = summa_wire_bytes(side, side, side, q=q, d=d, e=E)
+    unit = side * side * E / q
+    assert (activations + weights) / unit == pytest.approx(3 * (q - 1) * (d + 1) / (d * q))
