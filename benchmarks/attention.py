@@ -14,7 +14,7 @@ Sections:
 2. Ulysses: all-to-all bytes per device per layer (forward) vs 4·s·h/N.
 3. Ring attention: temp bytes of the train step at a fixed global s over N = 1, 2, 4, 8.
 4. Chunked attention: temp bytes over s = 1k..16k on one device, next to dense.
-5. 1D/2D/3D tensor parallelism: parameter bytes, temp bytes and wire bytes per device,
+5. 1D/2D/2.5D/3D tensor parallelism: parameter bytes, temp bytes and wire bytes per device,
    next to Colossal-AI's table.
 """
 
@@ -195,9 +195,12 @@ def chunked_rows(rows: list, seqs) -> None:
 
 # Colossal-AI's table (REFERENCE.md): parameter and activation memory fractions per device
 # and their bandwidth coefficient.
-def _colossal(mode: str, p: int) -> tuple[float, float, float]:
+def _colossal(mode: str, p: int, depth: int = 1) -> tuple[float, float, float]:
     if mode == "1D":
         return 1 / p, 1.0, 2 * (p - 1) / p
+    if mode == "2.5D":  # Tesseract: P = d·q²
+        q, d = round((p / depth) ** 0.5), depth
+        return 1 / q**2, 1 / (d * q**2), 3 * (q - 1) * (d + 1) / (d * q)
     q = round(p ** (1 / 2 if mode == "2D" else 1 / 3))
     if mode == "2D":
         return 1 / q**2, 1 / q**2, 6 * (q - 1) / q
@@ -215,6 +218,7 @@ def tensor_mode_rows(rows: list) -> None:
         ("2D", {"tensor": 2, "tensor2": 2}),
         ("1D", {"tensor": 8}),
         ("3D", {"tensor": 2, "tensor2": 2, "tensor3": 2}),
+        ("2.5D", {"tensor_depth": 2, "tensor2": 2, "tensor": 2}),
     ]
     for mode, axes in plans:
         setup = make_setup(cfg, _mesh(**axes))
@@ -222,7 +226,7 @@ def tensor_mode_rows(rows: list) -> None:
         text = _compiled(setup).as_text()
         gpu = gpu_collectives(text, setup.mesh)
         p = math.prod(axes.values())
-        param_frac, act_frac, bw = _colossal(mode, p)
+        param_frac, act_frac, bw = _colossal(mode, p, axes.get("tensor_depth", 1))
         shape = " x ".join(f"{a}={s}" for a, s in axes.items())
         params = _param_bytes(report)
         rows.append(

@@ -34,6 +34,7 @@ class Axis(StrEnum):
     TENSOR = "tensor"  # Megatron tensor parallel
     TENSOR2 = "tensor2"  # second axis of 2D/3D tensor parallel
     TENSOR3 = "tensor3"  # third axis of 3D tensor parallel
+    TENSOR_DEPTH = "tensor_depth"  # depth of 2.5D tensor parallel (Tesseract)
     CONTEXT = "context"  # context (sequence) parallel attention
     EXPERT = "expert"  # expert parallel (mixture of experts)
     STAGE = "stage"  # pipeline stages

@@ -8,6 +8,7 @@ from shardlib.parallel.sequence import sequence_parallel
 from shardlib.parallel.tensor import tensor_parallel
 from shardlib.parallel.tensor2d import tensor_2d
 from shardlib.parallel.tensor3d import tensor_3d
+from shardlib.parallel.tensor25d import tensor_25d
 
 __all__ = [
     "context_parallel",
@@ -16,6 +17,7 @@ __all__ = [
     "fsdp",
     "sequence_parallel",
     "tensor_2d",
+    "tensor_25d",
     "tensor_3d",
     "tensor_parallel",
 ]

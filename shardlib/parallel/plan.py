@@ -71,7 +71,8 @@ class ParallelPlan:
     data: DataParallel = field(default_factory=DataParallel)
     """``data`` and ``fsdp`` axes: batch split; ZeRO stage over ``data``."""
     tensor: TensorParallel = field(default_factory=TensorParallel)
-    """``tensor`` (+ ``tensor2``, ``tensor3``) axes: Megatron 1D/2D/3D, sequence parallel."""
+    """``tensor`` (+ ``tensor2``, ``tensor3`` or ``tensor_depth``) axes: Megatron 1D/2D/3D,
+    2.5D (Tesseract), sequence parallel."""
     context: ContextParallel = field(default_factory=ContextParallel)
     """``context`` axis: sequence split and the attention kernel."""
     expert: ExpertParallel = field(default_factory=ExpertParallel)

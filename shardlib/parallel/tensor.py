@@ -18,6 +18,10 @@ from shardlib.core.rules import MEGATRON_DIMS, Rules
 from shardlib.parallel.sequence import sequence_parallel
 from shardlib.parallel.tensor2d import tensor_2d
 from shardlib.parallel.tensor3d import tensor_3d
+from shardlib.parallel.tensor25d import grid, tensor_25d
+
+MODES = ("auto", "1d", "2d", "2.5d", "3d")
+"""``[parallel.tensor] mode``: ``auto`` reads the form from the mesh axes; the others say it."""
 
 
 def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
@@ -29,20 +33,60 @@ def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
 @dataclass(frozen=True)
 class TensorParallel:
     """``[parallel.tensor]``: Megatron 1D over ``tensor``, 2D/3D when the mesh also has
-    ``tensor2`` (and ``tensor3``), and Megatron sequence parallelism on top of 1D."""
+    ``tensor2`` (and ``tensor3``), 2.5D (Tesseract) with ``tensor2`` and ``tensor_depth``,
+    and Megatron sequence parallelism on top of 1D."""
 
     axes: ClassVar[dict[str, str]] = {
         Axis.TENSOR: "Megatron tensor parallel (the column axis of 2D/3D)",
         Axis.TENSOR2: "second axis of 2D/3D tensor parallel (rows)",
         Axis.TENSOR3: "third axis of 3D tensor parallel (depth)",
+        Axis.TENSOR_DEPTH: "depth d of 2.5D tensor parallel: splits the batch, weights replicated",
     }
     logical_names: ClassVar[dict[str, str]] = {}
 
     sequence_parallel: bool = False
     """Megatron-SP: split the residual stream's tokens over the tensor axis."""
+    mode: str = "auto"
+    """``auto``: the form the mesh axes give (tensor: 1d; + tensor2: 2d; + tensor_depth:
+    2.5d; + tensor3: 3d). ``1d``/``2d``/``2.5d``/``3d`` say it, and the mesh is checked
+    against it (2.5d: tensor_depth=d x tensor2=q x tensor=q; without tensor_depth, d = 1)."""
+
+    def form(self, mesh_axes: Mapping[str, int]) -> str:
+        """The form the mesh axes switch on (``mode`` checked against it)."""
+        if Axis.TENSOR_DEPTH in mesh_axes:
+            form = "2.5d"
+        elif Axis.TENSOR3 in mesh_axes:
+            form = "3d"
+        elif Axis.TENSOR2 in mesh_axes:
+            form = "2.5d" if self.mode == "2.5d" else "2d"
+        else:
+            form = "1d" if Axis.TENSOR in mesh_axes else "none"
+        if self.mode not in MODES:
+            raise ShardingError(
+                f"parallel.tensor.mode={self.mode!r} is not a tensor-parallel form. Fix: use "
+                f"one of {', '.join(MODES)}."
+            )
+        if self.mode not in ("auto", form):
+            need = {
+                "1d": "tensor",
+                "2d": "tensor x tensor2",
+                "2.5d": "tensor_depth x tensor2 x tensor (d x q x q)",
+                "3d": "tensor x tensor2 x tensor3",
+            }[self.mode]
+            axes = " x ".join(f"{a}={s}" for a, s in mesh_axes.items())
+            raise ShardingError(
+                f"parallel.tensor.mode={self.mode!r} needs mesh axes {need}, but the mesh is "
+                f"{axes} ({form}). Fix: give the mesh those axes, or set mode='auto'."
+            )
+        if form == "2.5d":
+            grid(mesh_axes)  # a d x q x q arrangement, or a refusal naming the fix
+        return form
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
-        if Axis.TENSOR3 in mesh_axes:
+        form = self.form(mesh_axes)
+        if form == "2.5d":  # d = 1 (no tensor_depth axis) is 2D
+            parts = [tensor_25d() if Axis.TENSOR_DEPTH in mesh_axes else tensor_2d()]
+        elif Axis.TENSOR3 in mesh_axes:
             parts = [tensor_3d()]
         elif Axis.TENSOR2 in mesh_axes:
             parts = [tensor_2d()]
@@ -62,8 +106,8 @@ class TensorParallel:
                 "sequence_parallel=true splits the residual stream over the tensor axis, which "
                 "the mesh lacks. Fix: add a tensor axis, or set sequence_parallel=false."
             )
-        if Axis.TENSOR2 in mesh_axes or Axis.TENSOR3 in mesh_axes:
+        if any(a in mesh_axes for a in (Axis.TENSOR2, Axis.TENSOR3, Axis.TENSOR_DEPTH)):
             raise ShardingError(
-                "sequence_parallel=true with 2D/3D tensor parallelism: both split the residual "
-                "stream over the tensor axis (tokens vs width). Fix: drop one of them."
+                "sequence_parallel=true with 2D/2.5D/3D tensor parallelism: both split the "
+                "residual stream over the tensor axis (tokens vs width). Fix: drop one of them."
             )

@@ -105,9 +105,10 @@ _offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=op
 
 _SPLITS: dict[str, tuple[str, ...]] = {
     dim: tuple(str(a.axis) for a in SEARCH_AXES if dim in a.splits)
+    + tuple(a for term in TERMS for a, dims in term.axis_splits.items() if dim in dims)
     for dim in ("batch", "seq", "layers")
 }
-"""Per dim of the step: the axes that split it (``SearchAxis.splits``)."""
+"""Per dim of the step: the axes that split it (``SearchAxis.splits``, ``Term.axis_splits``)."""
 _UNSPLIT = {str(a): 1 for a in AXIS_ORDER}
 _SETTINGS = hooks("settings")
 _OWN = frozenset(("plan", "sizes", "_ways"))
@@ -127,7 +128,7 @@ class PlanView(dict[str, int]):
         self.plan = plan
         self.sizes: dict[str, int] = dict(plan.mesh.axes)
         """The axes the plan has, and their sizes."""
-        self._ways = {dim: math.prod([self[a] for a in axes]) for dim, axes in _SPLITS.items()}
+        self._ways = {dim: math.prod(self.get(a, 1) for a in axes) for dim, axes in _SPLITS.items()}
         for settings in _SETTINGS:  # in ``TERMS`` order: a term may read those before it
             self.__dict__.update(settings(self))
 

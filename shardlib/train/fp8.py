@@ -151,7 +151,8 @@ def check(cfg, plan, workload) -> None:
         (workload.routing is not None, "a mixture-of-experts model (expert products are not "
          "FP8 projections)", "a dense model"),
         (cfg.lora.rank > 0, "LoRA adapters", "lora.rank=0"),
-        (axes.get(Axis.TENSOR2, 1) > 1 or axes.get(Axis.TENSOR3, 1) > 1, "2D/3D tensor parallelism",
+        (any(axes.get(a, 1) > 1 for a in (Axis.TENSOR2, Axis.TENSOR3, Axis.TENSOR_DEPTH)),
+         "2D/2.5D/3D tensor parallelism",
          "one tensor axis (Megatron 1D) with data/fsdp"),
         (axes.get(Axis.CONTEXT, 1) > 1, "context parallelism", "a mesh without a context axis"),
         (axes.get(Axis.EXPERT, 1) > 1, "expert parallelism", "a mesh without an expert axis"),

@@ -116,6 +116,7 @@ def test_the_sections_declare_the_mesh_axes_and_the_names_they_bring():
         "tensor",
         "tensor2",
         "tensor3",
+        "tensor_depth",
         "context",
         "expert",
         "stage",

@@ -52,7 +52,7 @@ def test_resolved_specs():
     "axes, overrides, words",
     [
         ({"data": 2}, {"sequence_parallel": True}, ["tensor axis", "sequence_parallel=false"]),
-        ({"tensor": 2, "tensor2": 2}, {"sequence_parallel": True}, ["2D/3D", "drop one"]),
+        ({"tensor": 2, "tensor2": 2}, {"sequence_parallel": True}, ["2D/2.5D/3D", "drop one"]),
     ],
 )
 def test_bad_configs_raise_before_compiling(axes, overrides, words):

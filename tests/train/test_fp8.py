@@ -165,7 +165,7 @@ def one_device_mesh():
         ({"lora.rank": 2}, (("data", 1),), "LoRA"),
         ({"data_microbatches": 2}, (("data", 1),), "microbatches=2"),
         ({"model": "moe-tiny"}, (("data", 1),), "mixture-of-experts"),
-        ({}, (("tensor", 2), ("tensor2", 2)), "2D/3D tensor"),
+        ({}, (("tensor", 2), ("tensor2", 2)), "2D/2.5D/3D tensor"),
         ({}, (("context", 2),), "context parallelism"),
         ({"offload_params": True}, (("data", 1),), "offloaded layer weights"),
     ],

@@ -25,6 +25,7 @@ from shardlib.planner.cost.terms import (
     remat,
     state,
     tensor,
+    tensor25d,
 )
 from shardlib.planner.cost.terms.base import SearchAxis, Terms
 
@@ -35,6 +36,7 @@ TERMS = Terms(
         dp.TERM,
         fsdp.TERM,
         tensor.TERM,
+        tensor25d.TERM,
         context.TERM,
         expert.TERM,
         pipeline.TERM,

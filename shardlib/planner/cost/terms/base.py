@@ -260,6 +260,10 @@ class Term:
     """Its share of the step."""
     axis: SearchAxis | None = None
     """The mesh axis it owns, if any."""
+    axis_splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Mesh axes its strategy switches on that the search does not size, each with the step
+    dims it splits (as ``SearchAxis.splits``: 2.5D's ``tensor2`` and ``tensor_depth`` split
+    the batch)."""
     knobs: tuple[Knob, ...] = ()
     """The settings of its section the search tries."""
     settings: Callable[[PlanView], Mapping[str, Any]] | None = None

@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 
 from shardlib.core.mesh import Axis
-from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
 from shardlib.planner.cost.terms.pipeline_loop import executed, layer_runs
 from shardlib.planner.cost.terms.remat import saved_input_split
+from shardlib.planner.cost.terms.tensor25d import grid_active
 
 FORWARD_PER_LAYER = 2
 BACKWARD_PER_LAYER = 2
@@ -43,19 +43,16 @@ SEARCH_AXIS = SearchAxis(
     rule="divides the heads, kv-heads, MLP and vocab widths and stays inside one host",
 )
 
-_DEFAULT = ParallelPlan().tensor
-
 
 def _unmodelled(view) -> str:
-    extra_axes = any(a in view for a in ("tensor2", "tensor3"))
-    if view.plan.tensor != _DEFAULT or extra_axes:
-        return "tensor.sequence_parallel or 2D/3D tensor axes"
-    return ""
+    if view.plan.tensor.sequence_parallel or "tensor3" in view:
+        return "tensor.sequence_parallel or 3D tensor axes"
+    return ""  # 2D and 2.5D: terms.tensor25d
 
 
 def tensor(step: Step) -> Contribution:
     view, w = step.view, step.workload
-    if view["tensor"] <= 1:
+    if view["tensor"] <= 1 or grid_active(view):  # 2D/2.5D: terms.tensor25d
         return Contribution()
     axes, t = (str(Axis.TENSOR),), view["tensor"]
     tokens = step.micro_batch * step.local_seq

@@ -1,0 +1,108 @@
+"""2D and 2.5D tensor parallelism (``parallel/tensor25d.py``; Tesseract, Wang et al. 2021):
+the collectives of the grid ``tensor_depth x tensor2 x tensor`` (d x q x q; d = 1 is 2D).
+
+Per layer and device, as the compiled program runs them (tests/parallel/test_tensor25d.py
+checks the same counts against the HLO):
+
+- each weight matrix gathered over ``tensor2`` twice (forward, backward) and its gradient
+  reduce-scattered over it: 3(q-1)·W/q² on the wire, Tesseract's weight term;
+- each weight's gradient all-reduced over ``tensor_depth``: 2(d-1)/d·W/q² (the d layers
+  saw different tokens; weights are replicated over depth);
+- the residual stream gathered over ``tensor`` before each block and reduce-scattered after
+  it, forward and backward: 8 moves of the B/(dq) tokens' width, 8(q-1)·B·h/(dq²).
+
+Outside the layers the embedding and head tables follow FSDP's pattern over ``tensor2``
+(one gather for the lookup, two for the head, one gradient reduction each) plus the depth
+all-reduce, and the lookup and logits move the tokens' width over ``tensor`` a few times.
+The batch is split over ``tensor2 x tensor_depth`` (``Term.axis_splits``), so the model
+term's FLOPs and saved activations are per d·q of the tokens; parameters follow the rules.
+"""
+
+from __future__ import annotations
+
+from shardlib.core.mesh import Axis
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.pipeline_loop import layer_runs
+
+WEIGHT_GATHERS = 2
+"""Gathers of each weight over ``tensor2`` per layer run: forward and backward."""
+RESIDUAL_MOVES = 8
+"""The residual's gathers and reduce-scatters over ``tensor`` per layer run (2 blocks x
+gather and scatter x forward and backward)."""
+EXTRA_GATHER_2D = 1
+"""At d = 1 XLA's partitioner gathers the attention output projection's dY twice in the
+backward (jax 0.10.2; tests/parallel/test_tensor25d.py): one more per layer run."""
+OUTSIDE_GATHERS = {"embedding": 1, "lm_head": 2}
+"""Gathers over ``tensor2`` of the tables outside the layers (the head's forward and
+backward, the lookup's forward)."""
+OUTSIDE_MOVES = {"reduce-scatter": 2, "all-gather": 1, "all-to-all": 1}
+"""Width-of-the-tokens collectives over ``tensor`` outside the layers: the lookup's and the
+head's reduce-scatters, the final norm's gather, the lookup gradient's all-to-all."""
+
+
+def grid_active(view) -> bool:
+    """A 2D or 2.5D plan: ``tensor2`` without ``tensor3`` (3D is not costed)."""
+    return view.get(Axis.TENSOR2, 1) > 1 and Axis.TENSOR3 not in view.sizes
+
+
+def _gathered(step: Step, per_layer: bool, names=None) -> float:
+    """Elements of the matrices split over ``tensor2`` as one device gathers them."""
+    total = 0.0
+    for param, _ in step.table:
+        if param.per_layer != per_layer or len(param.dims) < 2:
+            continue
+        if names is not None and param.name not in names:
+            continue
+        if Axis.TENSOR2 in step.splits[param.name]:
+            total += param.numel / step.shard(param, without=(Axis.TENSOR2,))
+    return total
+
+
+def grid(step: Step) -> Contribution:
+    view, w = step.view, step.workload
+    if not grid_active(view):
+        return Contribution()
+    q, d = view[Axis.TENSOR2], view.get(Axis.TENSOR_DEPTH, 1)
+    rows, cols, depth = (str(Axis.TENSOR2),), (str(Axis.TENSOR),), (str(Axis.TENSOR_DEPTH),)
+    e, scatter = w.compute_bytes, step.scatter_kind
+    runs, layers = layer_runs(step), step.layers_per_device
+    layer = _gathered(step, True)
+    width = step.micro_batch * step.local_seq * w.embed * e  # B/(dq) tokens' residual
+    gathers = RESIDUAL_MOVES / 2 + (EXTRA_GATHER_2D if d == 1 else 0)
+    t = view["tensor"]
+    comms = [
+        Comm("tensor25d", "weights", "all-gather", rows, q, layer * e, WEIGHT_GATHERS * runs, True),
+        Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, layers, True),
+        Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
+        Comm("tensor25d", "activations", scatter, cols, t, width, RESIDUAL_MOVES / 2 * runs,
+             False),
+    ]  # fmt: skip
+    outside = 0.0
+    for name, gathers in OUTSIDE_GATHERS.items():
+        table = _gathered(step, False, {name})
+        outside += table
+        comms += [
+            Comm("tensor25d", name, "all-gather", rows, q, table * e, gathers, True),
+            Comm("tensor25d", f"{name} grads", scatter, rows, q, table * MASTER_BYTES, 1, True),
+        ]
+    for kind, moves in OUTSIDE_MOVES.items():
+        kind = scatter if kind == "reduce-scatter" else kind
+        m = moves * view.microbatches
+        comms.append(Comm("tensor25d", "lookup and logits", kind, cols, t, width, m, False))
+    if d > 1:  # weights replicated over depth: their gradients summed over it
+        held = (layer * layers + outside) / q * MASTER_BYTES
+        comms.append(Comm("tensor25d", "grads", "all-reduce", depth, d, held, 1, True))
+    # gathered copies live at once, as FSDP's (the same fitted shares: an all-gather over
+    # one axis before use), and a layer's gradient as computed, [m, n/q] before its scatter
+    # (``terms.state`` books its held [m/q, n/q] part)
+    c = step.calib
+    transient = (c["fsdp_layers_live"] * layer + c["fsdp_outer_live"] * outside) * e
+    transient += c["grad_layers_live"] * layer * (1 - 1 / q) * MASTER_BYTES
+    return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
+
+
+TERM = Term(
+    "tensor25d",
+    cost=grid,
+    axis_splits={str(Axis.TENSOR2): ("batch",), str(Axis.TENSOR_DEPTH): ("batch",)},
+)
