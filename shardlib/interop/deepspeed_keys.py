@@ -107,10 +107,7 @@ WHY_NOT = {  # optimizer.type values with no counterpart, and why
     "zerooneadam": "0/1 Adam's local steps let workers' parameters drift apart, which "
     "shardlib's one-array-per-parameter state cannot hold (shardlib/train/onebit.py)",
 }
-SCHEDULERS_WHY_NOT = {  # scheduler.type values with no counterpart
-    "OneCycle": "the 1Cycle learning-rate and momentum schedule has no counterpart",
-    "LRRangeTest": "the learning-rate range test has no counterpart",
-}
+SCHEDULERS_WHY_NOT: dict[str, str] = {}  # scheduler.type values with no counterpart (none)
 LAMB_DEFAULTS = {"max_coeff": 10.0, "min_coeff": 0.01}
 """DeepSpeed's FusedLamb (and OnebitLamb) trust-ratio bounds when a config leaves them out."""
 ONEBIT_LAMB_DEFAULTS = {"freeze_step": 100000, "coeff_beta": 0.9, "factor_max": 4.0,

@@ -112,12 +112,54 @@ def scheduler(r: Reader) -> dict[str, Any]:
         out["optimizer.schedule"] = "warmup_cosine"
         out["optimizer.min_lr_ratio"] = s("cos_min_ratio", 0.0001)
         out["run.steps"] = s("total_num_steps")
+    elif kind in ("OneCycle", "LRRangeTest"):
+        out = cycle(r, kind)
     else:
         why = SCHEDULERS_WHY_NOT.get(kind)
         use = "use WarmupLR, WarmupDecayLR or WarmupCosineLR"
         r.refuse("scheduler.type", f"{kind!r}: {why or use}", listed=why is not None)
         r.used.add("scheduler")
     return {k: v for k, v in out.items() if v is not None}
+
+
+def cycle(r: Reader, kind: str) -> dict[str, Any]:
+    """DeepSpeed's OneCycle and LRRangeTest as shardlib's one_cycle and range_test schedules
+    (``train/cycles.py``: the same rate at every step). OneCycle cycles Adam's beta1 too by
+    default, and then sets beta2 to 0.99, as DeepSpeed does; its stair counts are stored but
+    never read by DeepSpeed, so they are notes."""
+    s = lambda key, default=None: r.get(f"scheduler.params.{key}", default)  # noqa: E731
+    if kind == "LRRangeTest":
+        return {"optimizer.schedule": "range_test",
+                "optimizer.lr": s("lr_range_test_min_lr", 1e-3),
+                "optimizer.interval_steps": s("lr_range_test_step_size", 2000),
+                "optimizer.interval_rate": s("lr_range_test_step_rate", 1.0),
+                "optimizer.staircase": s("lr_range_test_staircase", False)}  # fmt: skip
+    lo, hi = s("cycle_min_lr"), s("cycle_max_lr")
+    if lo is None or hi is None or not 0 <= lo <= hi or not hi:
+        r.refuse("scheduler.params.cycle_max_lr", f"OneCycle needs 0 <= cycle_min_lr <= "
+                 f"cycle_max_lr, cycle_max_lr > 0 (got {lo}, {hi})")  # fmt: skip
+        return {}
+    out = {"optimizer.schedule": "one_cycle", "optimizer.lr": hi, "optimizer.min_lr_ratio": lo / hi,
+           "optimizer.warmup": s("cycle_first_step_size", 2000),
+           "optimizer.cycle_down_steps": s("cycle_second_step_size", 0),
+           "optimizer.interval_steps": s("decay_step_size", 0),
+           "optimizer.interval_rate": s("decay_lr_rate", 0.0)}  # fmt: skip
+    for key in ("cycle_first_stair_count", "cycle_second_stair_count"):
+        if s(key) is not None:
+            r.notes.append(f"scheduler.params.{key}: stored by DeepSpeed's OneCycle, never read")
+    momentum = s("cycle_momentum", True)
+    optimizer = str(r.get("optimizer.type", "adam")).lower()
+    if momentum and optimizer not in ("adam", "adamw"):
+        why = "true (the default) cycles beta1, which shardlib does with Adam and AdamW only"
+        r.refuse("scheduler.params.cycle_momentum", f"{why}, not {optimizer}: set it to false")
+    elif momentum:
+        out.update({"optimizer.b1": s("cycle_max_mom", 0.9), "optimizer.b2": 0.99,
+                    "optimizer.b1_min": s("cycle_min_mom", 0.8),
+                    "optimizer.b1_decay_rate": s("decay_mom_rate", 0.0)})  # fmt: skip
+    else:
+        for key in ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate"):
+            s(key)  # read, unused without cycle_momentum (as in DeepSpeed)
+    return out
 
 
 def activation_checkpointing(r: Reader) -> dict[str, Any]:

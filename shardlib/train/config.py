@@ -126,9 +126,11 @@ class Optimizer:
     lr: float = 3e-3
     """Peak learning rate."""
     schedule: str = "warmup_cosine"
-    """Learning-rate schedule: constant, warmup_cosine, warmup_linear or inverse_sqrt."""
+    """Learning-rate schedule: constant, warmup_cosine, warmup_linear, inverse_sqrt,
+    one_cycle (Smith's 1cycle, DeepSpeed's OneCycle) or range_test (DeepSpeed's
+    LRRangeTest): ``train/cycles.py``."""
     warmup: int = 10
-    """Warm-up steps before the decay."""
+    """Warm-up steps before the decay (one_cycle: the rising half of the cycle)."""
     warmup_type: str = "linear"
     """Warm-up shape: linear from 0, or log (DeepSpeed's WarmupLR default)."""
     min_lr_ratio: float = 0.1
@@ -138,6 +140,20 @@ class Optimizer:
     the final rate after it); 0: ``run.steps``. A resumed run whose ``run.steps`` changed is
     refused where that would change the schedule: set this to the checkpoint's length to
     train on with its schedule (``checkpoint.resume``)."""
+    cycle_down_steps: int = 0
+    """one_cycle: steps of the falling half (0: as many as ``warmup``)."""
+    interval_steps: int = 0
+    """one_cycle: after the cycle the rate is ``lr·min_lr_ratio / (1 + interval_rate·k)``
+    after k intervals of this many steps (0: no decay); range_test: its interval."""
+    interval_rate: float = 0.0
+    """one_cycle: the decay rate per interval; range_test: the growth per interval."""
+    staircase: bool = False
+    """range_test: grow in whole intervals instead of continuously."""
+    b1_min: float = 0.0
+    """one_cycle with adam/adamw: cycle beta1 against the rate, from ``b1`` down to this and
+    back (DeepSpeed's ``cycle_momentum``); 0: beta1 fixed."""
+    b1_decay_rate: float = 0.0
+    """one_cycle with ``b1_min``: after the cycle beta1 is ``b1·(1 + b1_decay_rate·k)``."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW); norms and biases are exempt."""
     b1: float = 0.9

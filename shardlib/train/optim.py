@@ -17,12 +17,14 @@ import optax
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
+from shardlib.train import cycles
 from shardlib.train.lamb import lamb, scale_by_uncorrected_adam
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
 
-SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt")
+SCHEDULES = ("constant", "warmup_cosine", "warmup_linear", "inverse_sqrt", "one_cycle",
+             "range_test")  # fmt: skip
 OPTIMIZERS = ("adamw", "adam", "sgd", "lamb", "lars", "adafactor", "onebit_adam", "onebit_lamb")
 WARMUPS = ("linear", "log")
 SPELLINGS = {
@@ -84,6 +86,33 @@ def check_optimizer(opt) -> None:
         )
     if opt.name == "onebit_lamb":
         _check_onebit_lamb(opt)
+    _check_cycles(opt)
+
+
+def _check_cycles(opt) -> None:
+    """The cyclical schedules' settings (``train/cycles.py``), named with the fix."""
+    problems = []
+    if opt.schedule == "range_test" and opt.interval_steps < 1:
+        problems.append(f"schedule=range_test needs interval_steps >= 1 ({opt.interval_steps})")
+    if opt.schedule == "one_cycle" and (opt.warmup < 1 or opt.cycle_down_steps < 0):
+        shape = f"warmup={opt.warmup}, cycle_down_steps={opt.cycle_down_steps}"
+        problems.append(f"schedule=one_cycle needs warmup >= 1 and cycle_down_steps >= 0 ({shape})")
+    if opt.interval_steps < 0:
+        problems.append(f"interval_steps={opt.interval_steps} must be >= 0")
+    if opt.b1_min and opt.schedule != "one_cycle":
+        problems.append(f"b1_min={opt.b1_min} cycles beta1 with schedule=one_cycle only")
+    if opt.b1_min and opt.name not in ("adamw", "adam"):
+        problems.append(f"b1_min={opt.b1_min} cycles Adam's beta1, but optimizer={opt.name}")
+    if opt.b1_min and not opt.bias_correction:
+        problems.append("b1_min with bias_correction=false (the uncorrected chain has a fixed b1)")
+    if opt.b1_min and not 0 < opt.b1_min <= opt.b1 < 1:
+        problems.append(f"b1_min={opt.b1_min}, b1={opt.b1}: need 0 < b1_min <= b1 < 1")
+    if problems:
+        raise ShardingError(
+            f"config: {'; '.join(problems)}. Fix: e.g. schedule=one_cycle warmup=1000 "
+            "min_lr_ratio=0.1 b1_min=0.85 b1=0.95 optimizer=adamw, or schedule=range_test "
+            "interval_steps=100 interval_rate=1."
+        )
 
 
 def _check_onebit_lamb(opt) -> None:
@@ -121,6 +150,10 @@ def schedule(cfg, steps: int) -> optax.Schedule:
     ramp = _warmup_ramp(cfg.warmup_type, cfg.lr, warmup)
     if cfg.schedule == "constant":
         return optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "one_cycle":
+        return cycles.one_cycle(cfg)
+    if cfg.schedule == "range_test":
+        return cycles.range_test(cfg)
     if cfg.schedule == "warmup_cosine" and cfg.warmup_type == "log" and warmup:
         cosine = optax.cosine_decay_schedule(cfg.lr, max(steps - warmup, 1), cfg.min_lr_ratio)
         return optax.join_schedules([ramp, cosine], [warmup])
@@ -217,6 +250,13 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
         decay = [optax.add_decayed_weights(wd, mask)] if cfg.name == "adamw" else []
         direction = scale_by_uncorrected_adam(cfg.b1, cfg.b2, cfg.eps or 1e-8)
         return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
+    if cfg.b1_min:  # 1cycle's momentum: beta1 a schedule, through optax's injection
+        b1 = cycles.one_cycle_b1(cfg)
+        if cfg.name == "adam":
+            return optax.inject_hyperparams(optax.adam)(lr, b1=b1, b2=cfg.b2, **eps)
+        return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+            lr, b1=b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps
+        )
     if cfg.name == "adamw":
         return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask, **eps)
     if cfg.name == "adam":  # no decay at all: that is what distinguishes it from adamw
