@@ -23,6 +23,7 @@ coordination service's, e.g. a cloud maintenance event) is honoured too, through
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -31,6 +32,23 @@ from types import FrameType
 from shardlib.distributed.runtime import coordination_client
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+MPIRUN_NOTICE = "TERM to mpirun"
+
+
+def watched() -> tuple[int, ...]:
+    """TERM and INT; under ``mpirun`` CONT too. Given a TERM, Open MPI's ``mpirun`` (4.1,
+    measured) sends its ranks CONT at once, TERM ``odls_base_sigkill_timeout`` seconds later
+    and KILL as long after that: CONT is the only prompt notice a rank gets, so under mpirun
+    it counts as the preemption (a job suspended and resumed by hand stops too)."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return (*SIGNALS, signal.SIGCONT)
+    return SIGNALS
+
+
+def _name(signum: int) -> str:
+    return MPIRUN_NOTICE if signum == signal.SIGCONT else signal.Signals(signum).name
+
+
 KEY_PREFIX = "shardlib/preempt"
 # Runs in one process are numbered so that a notice from an earlier run (a script that
 # trains several times) is never read by a later one; every process counts the same way.
@@ -40,7 +58,7 @@ _ORIGINAL: dict[int, object] = {}  # the handlers ``install_early`` replaced
 
 
 def _early(signum: int, frame: FrameType | None) -> None:
-    name = signal.Signals(signum).name
+    name = _name(signum)
     if _EARLY.get("name") == name:  # the same signal twice: what it would have done
         signal.signal(signum, _ORIGINAL.get(signum, signal.SIG_DFL))
         signal.raise_signal(signum)
@@ -55,10 +73,10 @@ def install_early(originals: dict | None = None, seen: Sequence[str] = ()) -> No
     the process's own handlers from before that entry point's, restored after the run."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in SIGNALS:
+    for sig in watched():
         previous = signal.signal(sig, _early)
         if previous is not _early:
-            _ORIGINAL[sig] = previous if originals is None else originals[sig]
+            _ORIGINAL[sig] = previous if originals is None else originals.get(sig, previous)
     for name in seen[:1]:
         _EARLY.setdefault("name", name)
 
@@ -68,7 +86,7 @@ def restore_early() -> None:
     before training, or ``main`` called in-process): the process's own handlers return."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in SIGNALS:
+    for sig in watched():
         if signal.getsignal(sig) is _early:
             signal.signal(sig, _ORIGINAL.pop(sig, signal.SIG_DFL))
     _EARLY.clear()
@@ -95,7 +113,7 @@ class Preemption:
         self._client = coordination_client()
         if threading.current_thread() is threading.main_thread():
             self.signal_name = _EARLY.pop("name", None)
-            for sig in SIGNALS:
+            for sig in watched():
                 previous = signal.signal(sig, self._handle)
                 self._previous[sig] = (
                     _ORIGINAL.pop(sig, signal.SIG_DFL) if previous is _early else previous
@@ -109,7 +127,7 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
+            self.signal_name = _name(signum)
         if signum in self._previous:
             signal.signal(signum, self._previous.pop(signum))
 

@@ -179,6 +179,35 @@ def detected_launcher() -> str | None:
     return None
 
 
+MPIRUN_GRACE_S = 30
+"""Seconds from a preemption to ``mpirun``'s SIGKILL of the ranks that a run of some size
+needs to finish its step and write a checkpoint."""
+
+
+def launcher_grace_note() -> str | None:
+    """Under ``mpirun``: how long the ranks live after a preemption, when that is short.
+
+    A scheduler preempts an MPI job by sending TERM to ``mpirun``. Open MPI 4.1 then sends
+    the ranks CONT at once (the run's preemption notice under mpirun: ``preempt.watched``),
+    TERM ``odls_base_sigkill_timeout`` seconds later and KILL as long after that (default 1
+    s each). The ranks stop at the next step boundary with a checkpoint, which a small run
+    does in a second and a large one does not, so the run says at start which setting gives
+    it room (mpirun passes ``--mca`` settings to the ranks as ``OMPI_MCA_*``)."""
+    if detected_launcher() != "openmpi":
+        return None
+    raw = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")
+    grace = 2 * (int(raw) if raw.strip().isdigit() else 1)
+    if grace >= MPIRUN_GRACE_S:
+        return None
+    return (
+        f"mpirun kills the ranks {grace} s after it is sent a TERM (twice "
+        "odls_base_sigkill_timeout): a preempted run stops at the next step with a "
+        "checkpoint only if the step and the save fit in that. Fix: mpirun --mca "
+        f"odls_base_sigkill_timeout {MPIRUN_GRACE_S} (or "
+        f"OMPI_MCA_odls_base_sigkill_timeout={MPIRUN_GRACE_S} in the environment)."
+    )
+
+
 def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
     """Join the run described by ``group`` (or by the launcher's environment).
 

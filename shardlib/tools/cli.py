@@ -192,11 +192,12 @@ def cmd_train(args, console: Console) -> int:
         f"devices); {setup.attention.describe()}",
         soft_wrap=True,
     )
+    from shardlib.distributed.runtime import launcher_grace_note
     from shardlib.train.fp8 import advice
 
-    hint = advice(cfg.precision, setup.plan.remat.policy, platform)
-    if hint:
-        console.print(f"note: {hint}", highlight=False, soft_wrap=True)
+    for hint in (advice(cfg.precision, setup.plan.remat.policy, platform), launcher_grace_note()):
+        if hint:
+            console.print(f"note: {hint}", highlight=False, soft_wrap=True)
     result = run(setup, console=console)
     if args.peers is not None:  # every process finished: a peer exiting now is no failure
         args.peers.stop()
