@@ -3,7 +3,7 @@
     python benchmarks/matmul.py --cluster h200-1                 # on a GPU (30 s)
     python benchmarks/matmul.py --cluster h200-1 --json out.json
 
-The planner prices every matmul of a step as ``planner.cost.throughput.Matmul.seconds``: a
+The planner prices every matmul of a step as ``planner.cost.kernels.Matmul.seconds``: a
 roofline whose compute ceiling is ``peak x matmul_efficiency``, with a half-wave tail over
 the streaming multiprocessors and the HBM slope below the ridge. This measures the same
 products (square sweeps, and the per-block products of Llama 1B and 7B at 8k tokens) with
@@ -105,7 +105,7 @@ def main() -> int:
     from rich.table import Table
 
     from shardlib.planner import load_cluster
-    from shardlib.planner.cost.throughput import Matmul
+    from shardlib.planner.cost.kernels import Matmul
 
     cluster = load_cluster(args.cluster)
     device = jax.devices()[0]

@@ -14,15 +14,9 @@ import pytest
 from shardlib.core.mesh import MeshSpec
 from shardlib.planner import PlanView, Workload, candidate, estimate, load_cluster
 from shardlib.planner.calibrate.megatron import GPT_TRAFFIC, Megatron, megatron_program
+from shardlib.planner.cost.kernels import LLAMA_TRAFFIC, TILE, Matmul
 from shardlib.planner.cost.terms.base import Comm
-from shardlib.planner.cost.throughput import (
-    BACKWARD_SHARE,
-    LLAMA_TRAFFIC,
-    TILE,
-    Matmul,
-    collective_seconds,
-    exposed_seconds,
-)
+from shardlib.planner.cost.throughput import BACKWARD_SHARE, collective_seconds, exposed_seconds
 from shardlib.planner.search import Space, search
 
 A100 = load_cluster("a100-8")
@@ -72,7 +66,8 @@ def test_a_described_attention_kernel_pays_its_exponentials_and_mma_sync_on_hopp
     score (half of s x s under the causal mask) at the SFU rate. A 64-wide head pays the same
     exponentials for half the products: a lower FLOP rate than a 128-wide one."""
     from shardlib.planner.calibrate.llmfoundry import TRITON_ATTENTION
-    from shardlib.planner.cost.throughput import Shape, shape_rate
+    from shardlib.planner.cost.kernels import Shape
+    from shardlib.planner.cost.throughput import shape_rate
 
     h100 = load_cluster("h100-8")
     rates = {}

@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 
 from shardlib.planner.cost import total as cost
+from shardlib.planner.cost.kernels import AttentionKernel, BlockTraffic
 from shardlib.planner.cost.terms.base import Contribution, Step
-from shardlib.planner.cost.throughput import AttentionKernel, BlockTraffic
 
 MPT_TRAFFIC = BlockTraffic(embed=10, rotary=0, mlp=3)
 """The MPT block per token of one block's forward, in widths of bf16: two LayerNorms (read,

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from shardlib.core.mesh import Axis
 from shardlib.planner.cost import total as cost
+from shardlib.planner.cost.kernels import BlockTraffic
 from shardlib.planner.cost.terms import pipeline, remat, tensor
 from shardlib.planner.cost.terms.base import Comm, Contribution, Step
-from shardlib.planner.cost.throughput import BlockTraffic
 
 GPT_TRAFFIC = BlockTraffic(embed=11, rotary=0, mlp=3, scores=4.5)
 """The GPT block with dropout, per token of one block's forward, in widths of the compute

@@ -21,6 +21,7 @@ from shardlib.core.workload import Workload
 from shardlib.parallel.context.choice import Device
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import PlanView
+from shardlib.planner.cost import kernels
 from shardlib.planner.cost.coefficients import COEFFICIENTS
 from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
 from shardlib.planner.cost.terms.base import Comm, Contribution, Step
@@ -157,8 +158,8 @@ class Program:
     differences of hardware."""
 
     terms: Callable[[Step], list[Contribution]]
-    traffic: throughput.BlockTraffic = throughput.LLAMA_TRAFFIC
-    attention: throughput.AttentionKernel = throughput.CUDNN_ATTENTION
+    traffic: kernels.BlockTraffic = kernels.LLAMA_TRAFFIC
+    attention: kernels.AttentionKernel = kernels.CUDNN_ATTENTION
     """Its fused attention kernel (where the plan fuses attention)."""
 
 

@@ -72,16 +72,16 @@ class Cluster:
     """Special-function results per second (``exp2``, the softmax's exponentials) over the
     whole device: 16 per clock per SM on Ampere and Hopper (CUDA C++ Programming Guide,
     "Arithmetic Instructions" throughput table). Only a described attention kernel
-    (``throughput.AttentionKernel.exponentials``) reads it. Unset: free."""
+    (``kernels.AttentionKernel.exponentials``) reads it. Unset: free."""
     mma_sync_fraction: float = 1.0
     """Fraction of ``peak_flops`` that Ampere's warp-level ``mma.sync`` instructions reach: 1 up
     to Ampere; on Hopper the peak needs its warpgroup ``wgmma``, and a kernel issuing
     ``mma.sync`` (a 2022-23 Triton or CUTLASS 2 kernel) reaches about 2/3 (Shah et al. 2024,
-    FlashAttention-3, section 2.2). Read for ``throughput.AttentionKernel.legacy_mma``."""
+    FlashAttention-3, section 2.2). Read for ``kernels.AttentionKernel.legacy_mma``."""
     tile_transfers: float = 0.0
     """Output-tile-sized HBM transfers per output tile of a GEMM that its main loop does not
     hide (the tile's store of C and its pipeline's first loads), each at the SM's share of
-    HBM bandwidth (``throughput.Matmul.seconds``): what keeps products with a short inner
+    HBM bandwidth (``kernels.Matmul.seconds``): what keeps products with a short inner
     dimension (a small model's d_model) below the ceiling, the more so the faster the tensor
     cores against HBM. Fitted on published runs (docs/throughput_calibration.md). Unset (0):
     none."""
