@@ -24,7 +24,11 @@ are a pure function of (seed, step), so the step *is* the data position. Writing
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import logging
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,6 +260,20 @@ def error_summary(err: Exception) -> str:
     return (text.splitlines() or [""])[0][:300]
 
 
+@contextmanager
+def _dropping_failed_reads():
+    """Collect the reads orbax leaves pending when one array of a restore fails, quietly, on
+    leaving: collected later, each prints a page ("Exception ignored in: <coroutine ...>",
+    asyncio's "exception was never retrieved") under the one line that reports the damage."""
+    hook, log = sys.unraisablehook, logging.getLogger("asyncio")
+    sys.unraisablehook, was_disabled, log.disabled = (lambda _: None), log.disabled, True
+    try:
+        yield
+        gc.collect()
+    finally:
+        sys.unraisablehook, log.disabled = hook, was_disabled
+
+
 def _unreadable(state_dir: Path, target) -> str:
     """Which tensors of a step that failed to read cannot be read, each read on its own
     (orbax's partial restore; one damaged data file can hold many tensors)."""
@@ -298,19 +316,22 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
     target = setup.abstract_state()
     check_compatible(meta, target, setup.model_cfg, where)
     ocp = load_orbax()
+    failure = None
     try:
         with ocp.StandardCheckpointer() as reader:
             state = reader.restore((path / str(step) / "state").absolute(), target)
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
-        first = error_summary(err)
-        what = _unreadable(path / str(step) / "state", target)
+        failure = f"{type(err).__name__}: {error_summary(err)}"
+    if failure is not None:  # outside the handler: the error's frames can be collected
+        with _dropping_failed_reads():
+            what = _unreadable(path / str(step) / "state", target)
         raise DamagedCheckpoint(
             f"checkpoint {where} is damaged or incomplete and cannot be read: {what} "
-            f"({type(err).__name__}: {first}). Fix: restore an earlier step (complete steps: "
+            f"({failure}). Fix: restore an earlier step (complete steps: "
             f"{complete_steps(path)}), or delete this step directory.",
             step=step,
             what=what,
-        ) from None
+        )
     saved = meta["tensors"]
     for name, fp in zip(tensor_names(state), fingerprints(state), strict=True):
         if saved[name]["fingerprint"] != fp:
