@@ -173,7 +173,12 @@ class RunCheckpoints:
         cfg = self.setup.cfg.checkpoint
         self._saver = Saver(self.directory, every=cfg.every, keep=cfg.keep)
         if self.local_directory is not None:
-            self._local = Saver(self.local_directory, every=cfg.local_every, keep=LOCAL_KEEP)
+            self._local = Saver(
+                self.local_directory,
+                every=cfg.local_every,
+                keep=LOCAL_KEEP,
+                setting="checkpoint.local_dir",
+            )
         return self
 
     def _savers(self) -> list[Saver]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoint_damage import DAMAGE, WHAT, snapshot
-from fault_runs import child_env
+from fault_runs import chattr, child_env
 from rich.console import Console
 from tiny_runs import ONE, TINY, scratch_dir, setup
 
@@ -233,3 +233,27 @@ def test_processes_agree_on_the_newest_step_every_one_holds():
     every = np.array([[4, 6, -1], [6, 8, 4], [2, 4, 6]])  # [processes, steps], -1: padding
     assert common_steps(every) == [4, 6]
     assert common_steps(np.array([[4, -1], [6, -1]])) == []
+
+
+def test_a_failed_local_save_names_the_local_tier_and_its_step(tmp_path, monkeypatch):
+    """The local directory turns read-only after step 1 (``chattr +i``): the run stops with
+    the local save of step 2 named, not the persistent tier."""
+    root = reference()[0]
+    for d in dirs(root):
+        shutil.rmtree(d, ignore_errors=True)
+    after_step = RunCheckpoints.after_step
+
+    def then_freeze(self, state, done, *, final):
+        if done == 1 and not chattr("+i", root / "local"):
+            pytest.skip("chattr +i is not available here")
+        after_step(self, state, done, final=final)
+
+    monkeypatch.setattr(RunCheckpoints, "after_step", then_freeze)
+    try:
+        with pytest.raises(
+            CheckpointError,
+            match=r"saving step 2 to \S+/local failed.*Fix: make checkpoint.local_dir writable",
+        ):
+            run(tiered(str(root)), show=False)
+    finally:
+        chattr("-i", root / "local")
