@@ -1,21 +1,26 @@
 """The training loop's side of checkpoints: resume at the start, save on schedule and at the end.
 
-``cfg.checkpoint.dir`` names the run's directory. At start-up ``resume`` decides between the
-latest complete checkpoint and a fresh initialisation (``checkpoint.resume``); during the run a
-save starts every ``checkpoint.every`` steps, at the last step and when the run is told to
-stop (SIGTERM/SIGINT). The writer is created only after a successful restore, so a run that
-fails to read its checkpoint (damaged, another model) has not touched the directory.
+``cfg.checkpoint.dir`` names the run's directory, ``cfg.checkpoint.local_dir`` an optional
+fast-restart tier on the host's own storage (``shardlib.checkpoint.tiers``). At start-up
+``resume`` decides between the newest complete checkpoint of either tier (falling back past
+damaged ones) and a fresh initialisation (``checkpoint.resume``); during the run a save
+starts every ``checkpoint.every`` steps, at the last step and when the run is told to stop
+(SIGTERM/SIGINT), and a local one every ``checkpoint.local_every`` steps in between. The
+writers are created only after a successful restore, so a run that fails to read its
+checkpoint (damaged with nothing older, another model) has not touched either directory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardlib.checkpoint.dirlock import RunLock
 from shardlib.checkpoint.saver import Saver
-from shardlib.checkpoint.store import CheckpointError, complete_steps, jsonable, read_meta, restore
+from shardlib.checkpoint.store import CheckpointError, jsonable, read_meta
+from shardlib.checkpoint.tiers import LOCAL_KEEP, candidates, check_settings, restore_newest
 from shardlib.core.errors import ShardingError
 from shardlib.core.values import flatten_table
 
@@ -23,6 +28,7 @@ RESUME_MODES = ("auto", "require", "never")
 # Settings that do not change what a step computes: a resumed run may change them freely.
 NOT_TRAJECTORY = {"run.steps", "run.compile_cache", "run.gpu_flags", "run.profile_steps",
                   "run.profile_dir", "checkpoint.dir", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.local_dir", "checkpoint.local_every",
                   "checkpoint.resume", "checkpoint.init_from", "dataset.allow_changed",
                   "dataset.eval_every", "dataset.eval_batches"}  # fmt: skip
 NOT_TRAJECTORY_SECTIONS = ("metrics.",)
@@ -83,14 +89,17 @@ class RunCheckpoints:
             raise ShardingError(
                 f"config: resume={cfg.resume!r}; use one of {', '.join(RESUME_MODES)}."
             )
-        if cfg.every < 0 or cfg.keep < 0:
-            raise ShardingError("config: checkpoint.every and checkpoint.keep must be >= 0.")
+        check_settings(cfg)
         self.setup = setup
         self.directory = Path(cfg.dir)
+        self.local_directory = Path(cfg.local_dir) if cfg.local_dir else None
         self.say = say
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
         self._saver: Saver | None = None
+        self._local: Saver | None = None
+        self.damaged: set[Path] = set()
+        """Step directories skipped on resume as damaged: never written over by this run."""
         self.data: dict | None = None
         """What the run reads (``data_identity``): recorded in saves, compared on resume."""
         self.loader_state: Callable[[], dict] | None = None
@@ -98,27 +107,41 @@ class RunCheckpoints:
         self.saved_loader: dict | None = None
         """The loader position of the checkpoint resumed from (None: none recorded)."""
 
-    def locked(self) -> RunLock:
-        """The directory's lock (``with ckpt.locked():``): one run per directory."""
-        return RunLock(self.directory, say=self.say)
+    @contextmanager
+    def locked(self):
+        """The directories' locks (``with ckpt.locked():``): one run per directory."""
+        with ExitStack() as stack:
+            for directory in (self.directory, self.local_directory):
+                if directory is not None:
+                    stack.enter_context(RunLock(directory, say=self.say))
+            yield
 
     def resume(self) -> dict | None:
         """The restored state, or None to start from initialisation."""
-        mode, steps = self.setup.cfg.checkpoint.resume, complete_steps(self.directory)
+        mode = self.setup.cfg.checkpoint.resume
+        found = candidates(self.directory, self.local_directory)
         if mode == "never":
-            if steps:
+            if found:
+                where = ", ".join(f"{c.tier} step {c.step}" for c in found)
                 raise ShardingError(
-                    f"checkpoint_dir={str(self.directory)!r} already holds checkpoints (steps "
-                    f"{steps}) and resume=never. Fix: resume=auto to continue, or choose a new "
-                    "checkpoint_dir; existing checkpoints are never overwritten."
+                    f"checkpoint_dir={str(self.directory)!r} (or checkpoint.local_dir) already "
+                    f"holds checkpoints ({where}) and resume=never. Fix: resume=auto to "
+                    "continue, or choose new directories; existing checkpoints are never "
+                    "overwritten."
                 )
             return None
-        if mode == "auto" and not steps:
-            return None
-        saved_data = read_meta(self.directory)[1].get("data", {})
-        self._check_data(saved_data)
-        self.saved_loader = (saved_data.get("identity") or {}).get("loader")
-        restored = restore(self.directory, self.setup)
+        if not found:
+            if mode == "auto":
+                return None
+            read_meta(self.directory)  # resume=require: says why there is none
+
+        def accept(meta: dict) -> None:
+            saved_data = meta.get("data", {})
+            self._check_data(saved_data)
+            self.saved_loader = (saved_data.get("identity") or {}).get("loader")
+
+        restored, skipped = restore_newest(found, self.setup, accept, self.say)
+        self.damaged = {c.path for c in skipped}
         self.say(f"resumed from {restored.path} (step {restored.step})")
         _check_schedule(restored.meta.get("config", {}), self.setup, restored.step)
         changed = _changed_settings(restored.meta.get("config", {}), self.setup)
@@ -149,26 +172,49 @@ class RunCheckpoints:
     def __enter__(self) -> RunCheckpoints:
         cfg = self.setup.cfg.checkpoint
         self._saver = Saver(self.directory, every=cfg.every, keep=cfg.keep)
+        if self.local_directory is not None:
+            self._local = Saver(
+                self.local_directory,
+                every=cfg.local_every,
+                keep=LOCAL_KEEP,
+                setting="checkpoint.local_dir",
+            )
         return self
+
+    def _savers(self) -> list[Saver]:
+        return [s for s in (self._saver, self._local) if s is not None]
 
     def after_step(self, state: dict, step: int, *, final: bool) -> None:
         """Start a save of the state after ``step`` steps if it is due (or ``final``); raise the
         error of an earlier save that failed in the background."""
-        self._saver.check()
-        if final or self._saver.due(step):
+        for saver in self._savers():
+            saver.check()
+        persistent = final or self._saver.due(step)
+        local = self._local is not None and not persistent and self._local.due(step)
+        if persistent or local:
+            saver = self._saver if persistent else self._local
             data = self.data
             if self.loader_state is not None:  # every process's, gathered: all call this
                 data = {**(data or {}), "loader": self.loader_state()}
-            self._saver.save(self.setup, state, step, data)  # None: this step is already saved
-            self.last = self.directory / str(step)
+            path = saver.directory / str(step)
+            if saver.save(self.setup, state, step, data) is None and path in self.damaged:
+                self.say(
+                    f"checkpoint: step {step} not saved: {path} is the damaged step skipped "
+                    "on resume (left as it is; move it away to save there)"
+                )
+            self.last = path
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self._saver.close()
-        except CheckpointError as err:
+        failure = None
+        for saver in self._savers():  # each is closed, whatever the other did
+            try:
+                saver.close()
+            except CheckpointError as err:
+                failure = failure or err
+        if failure is not None:
             if exc is None:
-                raise
-            self.say(f"also: {err}")  # the error already on its way out says it first
+                raise failure
+            self.say(f"also: {failure}")  # the error already on its way out says it first
 
 
 def _when(mtime: float | None) -> str:

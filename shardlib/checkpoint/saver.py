@@ -33,12 +33,27 @@ class _OrbaxSaveErrors(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.errors: list[BaseException] = []
+        self.directories: set[str] = set()
+        """The directories of the open savers (a run has one per checkpoint tier)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
             self.errors.append(record.exc_info[1])
             return False
         return True
+
+    def take(self, directory: str) -> BaseException | None:
+        """The first error of a save to ``directory``: one whose text names it, else one
+        that names no open saver's directory (it cannot be told apart)."""
+
+        def names(err: BaseException, d: str) -> bool:
+            return f"{d}{os.sep}" in str(err) or str(err).endswith(d)
+
+        for err in self.errors:
+            if names(err, directory) or not any(names(err, d) for d in self.directories):
+                self.errors.remove(err)
+                return err
+        return None
 
 
 _ORBAX_ERRORS = _OrbaxSaveErrors()
@@ -54,11 +69,15 @@ class Saver:
     and the manager is closed however the run ends, so that no orbax thread outlives it.
     """
 
-    def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
+    def __init__(
+        self, directory: str | Path, *, every: int, keep: int, setting: str = "checkpoint_dir"
+    ) -> None:
         ocp = load_orbax()
         logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: the same object
-        _ORBAX_ERRORS.errors.clear()
         self.directory = Path(directory)
+        if not _ORBAX_ERRORS.directories:  # the run's first saver: no earlier run's errors
+            _ORBAX_ERRORS.errors.clear()
+        _ORBAX_ERRORS.directories.add(str(self.directory.absolute()))
         self._manager = ocp.CheckpointManager(
             self.directory.absolute(),
             options=ocp.CheckpointManagerOptions(
@@ -70,6 +89,8 @@ class Saver:
             item_names=("state", "meta"),
         )
         self._every = every
+        self._setting = setting
+        """The setting that names the directory (its error says what to fix)."""
         self._saving: int | None = None
         """The step of the newest save started (its error names it)."""
         self._reported = False
@@ -82,7 +103,7 @@ class Saver:
         last = f"step {kept[-1]}" if kept else "none yet"
         return CheckpointError(
             f"checkpoint: saving step {self._saving} to {self.directory} failed "
-            f"({type(err).__name__}: {error_summary(err)}). Fix: make checkpoint_dir writable "
+            f"({type(err).__name__}: {error_summary(err)}). Fix: make {self._setting} writable "
             f"with room to spare, then run the same command to resume from the last complete "
             f"checkpoint ({last})."
         )
@@ -94,9 +115,10 @@ class Saver:
         ends (see ``_OrbaxSaveErrors``), but its error shows here and the run can stop.
         """
         while True:
-            if _ORBAX_ERRORS.errors:
+            err = _ORBAX_ERRORS.take(str(self.directory.absolute()))
+            if err is not None:
                 self._reported = True
-                raise self._failed(_ORBAX_ERRORS.errors.pop(0))
+                raise self._failed(err)
             if self._saving is None or not self._manager.is_saving_in_progress():
                 break
             if not wait:
@@ -136,6 +158,12 @@ class Saver:
         has been reported in a multi-process run, nothing is waited for: orbax's threads wait
         for the other processes, and the process is about to exit (``shardlib.distributed.peers``).
         """
+        try:
+            self._close()
+        finally:
+            _ORBAX_ERRORS.directories.discard(str(self.directory.absolute()))
+
+    def _close(self) -> None:
         if self._reported and jax.process_count() > 1:
             return
         failure = None

@@ -13,7 +13,10 @@ reads only the slices it will hold, so nothing is ever gathered onto one device.
 reading, shapes and dtypes are checked against the target (a checkpoint of another model
 fails naming the tensor); after reading, each tensor's fingerprint is recomputed on the
 devices and compared with the one recorded at save time, which catches damaged files that
-the storage layer would decode silently (a flipped byte in a compressed chunk). The batches
+the storage layer would decode silently (a flipped byte in a compressed chunk). Damage
+raises ``DamagedCheckpoint`` naming the tensor (one that fails to read is found by reading
+each tensor on its own), so that a resume can fall back to an older step
+(``shardlib.checkpoint.tiers``). The batches
 are a pure function of (seed, step), so the step *is* the data position. Writing is
 ``shardlib.checkpoint.saver``.
 """
@@ -21,7 +24,11 @@ are a pure function of (seed, step), so the step *is* the data position. Writing
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import logging
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,16 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 class CheckpointError(ShardingError):
     """A checkpoint directory that is missing, damaged, or belongs to another model."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """One step that cannot be read back as saved: a resume may fall back to an older one."""
+
+    def __init__(self, message: str, *, step: int, what: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.what = what
+        """What is damaged: ``tensor NAME`` where one is known, else the part of the step."""
 
 
 def load_orbax():
@@ -188,10 +205,12 @@ def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"checkpoint {path / str(step)} is damaged: its metadata ({meta_file.name}) cannot "
             f"be read ({type(err).__name__}: {err}). Fix: restore an earlier step, or delete "
-            "this step directory."
+            "this step directory.",
+            step=step,
+            what=f"its metadata ({meta_file.name})",
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(
@@ -241,6 +260,40 @@ def error_summary(err: Exception) -> str:
     return (text.splitlines() or [""])[0][:300]
 
 
+@contextmanager
+def _dropping_failed_reads():
+    """Collect the reads orbax leaves pending when one array of a restore fails, quietly, on
+    leaving: collected later, each prints a page ("Exception ignored in: <coroutine ...>",
+    asyncio's "exception was never retrieved") under the one line that reports the damage."""
+    hook, log = sys.unraisablehook, logging.getLogger("asyncio")
+    sys.unraisablehook, was_disabled, log.disabled = (lambda _: None), log.disabled, True
+    try:
+        yield
+        gc.collect()
+    finally:
+        sys.unraisablehook, log.disabled = hook, was_disabled
+
+
+def _unreadable(state_dir: Path, target) -> str:
+    """Which tensors of a step that failed to read cannot be read, each read on its own
+    (orbax's partial restore; one damaged data file can hold many tensors)."""
+    ocp = load_orbax()
+    leaves, treedef = jax.tree.flatten(target)
+    bad = []
+    reader = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    for i, name in enumerate(tensor_names(target)):
+        one = jax.tree.unflatten(treedef, [x if j == i else None for j, x in enumerate(leaves)])
+        try:
+            reader.restore(state_dir.absolute(), ocp.args.StandardRestore(one, strict=False))
+        except Exception:  # as in restore: every error means this tensor is unreadable
+            bad.append(name)
+    reader.close()
+    if not bad:
+        return "its arrays"
+    bad.sort(key=lambda n: not n.startswith("params/"))  # parameters say it best
+    return f"tensor {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+
+
 @dataclass(frozen=True)
 class Restored:
     """A state read back onto the target mesh, with the metadata it was saved with."""
@@ -263,23 +316,31 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
     target = setup.abstract_state()
     check_compatible(meta, target, setup.model_cfg, where)
     ocp = load_orbax()
+    failure = None
     try:
         with ocp.StandardCheckpointer() as reader:
             state = reader.restore((path / str(step) / "state").absolute(), target)
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
-        first = error_summary(err)
-        raise CheckpointError(
-            f"checkpoint {where} is damaged or incomplete and cannot be read "
-            f"({type(err).__name__}: {first}). Fix: restore an earlier step (complete steps: "
-            f"{complete_steps(path)}), or delete this step directory."
-        ) from None
+        failure = f"{type(err).__name__}: {error_summary(err)}"
+    if failure is not None:  # outside the handler: the error's frames can be collected
+        with _dropping_failed_reads():
+            what = _unreadable(path / str(step) / "state", target)
+        raise DamagedCheckpoint(
+            f"checkpoint {where} is damaged or incomplete and cannot be read: {what} "
+            f"({failure}). Fix: restore an earlier step (complete steps: "
+            f"{complete_steps(path)}), or delete this step directory.",
+            step=step,
+            what=what,
+        )
     saved = meta["tensors"]
     for name, fp in zip(tensor_names(state), fingerprints(state), strict=True):
         if saved[name]["fingerprint"] != fp:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"checkpoint {where} is damaged: tensor {name} reads back with fingerprint "
                 f"{fp}, but {saved[name]['fingerprint']} was saved. Fix: restore an earlier "
-                f"step (complete steps: {complete_steps(path)}), or delete this step directory."
+                f"step (complete steps: {complete_steps(path)}), or delete this step directory.",
+                step=step,
+                what=f"tensor {name}",
             )
     state = setup.stored(state, LayerOrder.from_meta(meta))  # saved under another plan
     return Restored(state=state, step=step, path=path / str(step), meta=meta)

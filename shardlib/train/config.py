@@ -238,6 +238,13 @@ class Checkpoint:
     resume: str = "auto"
     """auto: continue from the latest complete checkpoint if any; require: fail without one;
     never: start fresh (and refuse a checkpoint dir that already holds checkpoints)."""
+    local_dir: str | None = None
+    """The fast-restart tier: a directory on this host's local storage (a local SSD), saved
+    to every ``local_every`` steps and holding only the newest two; a resume takes the newest
+    complete checkpoint of either tier (``shardlib.checkpoint.tiers``). None: no local tier."""
+    local_every: int = 10
+    """Save to ``local_dir`` every this many steps (>= 1; steps the persistent tier saves
+    are not saved twice)."""
     init_from: str | None = None
     """A fresh run starts from these parameters (fresh optimizer, step 0): a shardlib
     checkpoint_dir or a Hugging Face Llama directory (``shardlib.train.init_from``)."""

@@ -184,7 +184,8 @@ def run(
     cache, cache_off = compile_cache(cfg.run.compile_cache, list(setup.mesh.devices.flat))
     if cache_off and cfg.run.compile_cache != "auto":
         say(cache_off)
-    ckpt = RunCheckpoints(setup, say) if cfg.checkpoint.dir else None
+    tiers = cfg.checkpoint.dir or cfg.checkpoint.local_dir  # a local_dir alone is refused
+    ckpt = RunCheckpoints(setup, say) if tiers else None
     with ExitStack() as stack:
         preempt = stack.enter_context(Preemption())  # a signal from here on stops the run
         if ckpt is not None:  # before reading or writing anything in its directory

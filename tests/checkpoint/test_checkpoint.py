@@ -3,8 +3,9 @@ bad input (missing, damaged, another model: a clear error and nothing on disk to
 and the signal handling behind preemption."""
 
 import gc
-import hashlib
+import io
 import json
+import re
 import shutil
 import signal
 import struct
@@ -13,6 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from checkpoint_damage import DAMAGE, WHAT, snapshot
+from rich.console import Console
 from tiny_runs import CUBE, ONE, cube_runs, setup
 
 from shardlib.checkpoint.store import TMP_MARK, CheckpointError, restore, tensor_names
@@ -111,54 +114,40 @@ def test_export_is_readable_without_shardlib(tmp_path):
 # --- bad input ----------------------------------------------------------------------------
 
 
-def _snapshot(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
 def _copy_of_cube_checkpoints(tmp_path: Path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(cube_runs().directory, copy)
     return copy
 
 
-def _largest_data_file(step_dir: Path) -> Path:
-    return max((step_dir / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
-
-
-def _flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-DAMAGE = {
-    "flipped-byte": lambda d: _flip_a_byte(_largest_data_file(d)),
-    "truncated": lambda d: _largest_data_file(d).write_bytes(b""),
-    "metadata-garbage": lambda d: (d / "meta" / "metadata").write_text("{not json"),
-    "array-index-missing": lambda d: shutil.rmtree(d / "state" / "ocdbt.process_0"),
-}
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_checkpoint_is_refused_and_left_alone(tmp_path, damage):
+def test_damaged_newest_checkpoint_falls_back_and_is_left_alone(tmp_path, damage):
+    """Step 40 damaged, 30 complete: the run resumes from 30 with one line naming what is
+    damaged and the step skipped, and trains to 40 without writing over the damaged step.
+    With no older step the damage is refused. Neither changes anything on disk."""
     directory = _copy_of_cube_checkpoints(tmp_path)
     DAMAGE[damage](directory / "40")
-    before = _snapshot(directory)
-    with pytest.raises(CheckpointError, match=r"40 is damaged.*Fix: restore an earlier step"):
-        run(setup(ONE, str(directory)), show=False)  # resume=auto finds step 40
+    before = snapshot(directory)
+    out = io.StringIO()
+    result = run(setup(ONE, str(directory)), show=False, console=Console(file=out, width=1000))
     gc.collect()  # orbax leaves the other arrays' reads pending when one fails: drop them here
-    assert _snapshot(directory) == before
-    assert np.isfinite(restore(directory, setup(ONE), step=30).state["step"])  # 30 is fine
+    skipped = rf"skipped step 40 \(persistent, {re.escape(str(directory / '40'))}\): "
+    line = skipped + WHAT[damage] + " is damaged; falling back to step 30 "
+    assert re.search(line, out.getvalue()), out.getvalue()
+    assert [r["step"] for r in result.records] == list(range(31, 41))
+    assert snapshot(directory) == before  # 40 is not written over; every=10 saves nothing else
+    shutil.rmtree(directory / "30")
+    before = snapshot(directory)
+    with pytest.raises(CheckpointError, match=r"40 is damaged.*Fix: restore an earlier step"):
+        run(setup(ONE, str(directory)), show=False)  # nothing older to fall back to
+    gc.collect()
+    assert snapshot(directory) == before
 
 
 def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
     directory = _copy_of_cube_checkpoints(tmp_path)
-    before = _snapshot(directory)
+    before = snapshot(directory)
     from shardlib.train.config import override
     from shardlib.train.setup import make_setup
 
@@ -169,7 +158,7 @@ def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
     wider = make_setup(override(base.cfg, {"model.layers": 1, "model.vocab": 512}), base.mesh)
     with pytest.raises(CheckpointError, match=r"params/embedding: checkpoint float32\[256, 64\]"):
         restore(directory, wider)
-    assert _snapshot(directory) == before
+    assert snapshot(directory) == before
 
 
 def test_missing_or_empty_directory(tmp_path):
@@ -201,11 +190,11 @@ def test_a_resume_that_would_move_the_schedule_is_refused_and_schedule_steps_kee
     shutil.rmtree(directory / "40")  # resume from step 30
     base = setup(CUBE, str(directory))
     longer = make_setup(override(base.cfg, {"steps": 50}), base.mesh)
-    before = _snapshot(directory)
+    before = snapshot(directory)
     with pytest.raises(ShardingError, match=r"run.steps 40 -> 50 changes the learning-rate "
                        r"schedule .*lr at step 30 .*Fix: schedule_steps=40"):  # fmt: skip
         run(longer, show=False)
-    assert _snapshot(directory) == before
+    assert snapshot(directory) == before
     kept = make_setup(override(base.cfg, {"steps": 50, "schedule_steps": 40}), base.mesh)
     losses = run(kept, show=False, stop_after=40).losses
     assert list(losses) == list(cube_runs().uninterrupted[30:40])
