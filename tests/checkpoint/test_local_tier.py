@@ -235,25 +235,47 @@ def test_processes_agree_on_the_newest_step_every_one_holds():
     assert common_steps(np.array([[4, -1], [6, -1]])) == []
 
 
-def test_a_failed_local_save_names_the_local_tier_and_its_step(tmp_path, monkeypatch):
+FAILED_SAVE = """
+import os, sys
+from pathlib import Path
+from fault_runs import chattr
+from test_local_tier import RunCheckpoints, run, tiered
+from shardlib.checkpoint.store import CheckpointError
+root = Path(sys.argv[1])
+after_step = RunCheckpoints.after_step
+def then_freeze(self, state, done, *, final):
+    if done == 1 and not chattr("+i", root / "local"):
+        print("no chattr", flush=True)
+        os._exit(3)
+    after_step(self, state, done, final=final)
+RunCheckpoints.after_step = then_freeze
+try:
+    run(tiered(sys.argv[1]), show=False)
+except CheckpointError as err:
+    print(err, flush=True)
+    os._exit(0)  # orbax's abandoned save would hold the exit for minutes
+os._exit(1)
+"""
+
+
+def test_a_failed_local_save_names_the_local_tier_and_its_step(tmp_path):
     """The local directory turns read-only after step 1 (``chattr +i``): the run stops with
-    the local save of step 2 named, not the persistent tier."""
-    root = reference()[0]
-    for d in dirs(root):
-        shutil.rmtree(d, ignore_errors=True)
-    after_step = RunCheckpoints.after_step
-
-    def then_freeze(self, state, done, *, final):
-        if done == 1 and not chattr("+i", root / "local"):
-            pytest.skip("chattr +i is not available here")
-        after_step(self, state, done, final=final)
-
-    monkeypatch.setattr(RunCheckpoints, "after_step", then_freeze)
+    the local save of step 2 named, not the persistent tier. In a child process: the failed
+    save leaves orbax's background signalling behind, which would time out the next save of
+    whatever test ran after it in the same process."""
+    root = tmp_path / "tiers"
+    env = child_env(tmp_path / "cache")
+    here = Path(__file__).resolve().parent
+    env["PYTHONPATH"] = f"{here}{os.pathsep}{here.parent}{os.pathsep}{env['PYTHONPATH']}"
     try:
-        with pytest.raises(
-            CheckpointError,
-            match=r"saving step 2 to \S+/local failed.*Fix: make checkpoint.local_dir writable",
-        ):
-            run(tiered(str(root)), show=False)
+        child = subprocess.run(
+            [sys.executable, "-c", FAILED_SAVE, str(root)], env=env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
     finally:
         chattr("-i", root / "local")
+    if child.returncode == 3:
+        pytest.skip("chattr +i is not available here")
+    assert child.returncode == 0, child.stdout + child.stderr
+    pattern = r"saving step 2 to \S+/local failed.*Fix: make checkpoint.local_dir writable"
+    assert re.search(pattern, child.stdout.replace("\n", " ")), child.stdout
