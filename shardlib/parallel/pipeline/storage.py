@@ -80,24 +80,21 @@ class LayerOrder:
 
     def store_rows(self, w_L, what: str = "stacked parameter"):
         """[L, ...] natural -> stage order: rows (r, s, i) -> (s, r, i)."""
-        if self.natural:
-            return w_L
-        self._check(w_L.shape[0], what)
-        p, v = self.stages, self.virtual
-        xp = np if isinstance(w_L, np.ndarray) else jnp
-        k = w_L.shape[0] // (p * v)
-        w = xp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
-        return w.reshape(w_L.shape)
+        return self._swap_groups(w_L, (self.virtual, self.stages), what)
 
     def natural_rows(self, w_L, what: str = "stacked parameter"):
         """Inverse of ``store_rows``: rows (s, r, i) -> (r, s, i)."""
+        return self._swap_groups(w_L, (self.stages, self.virtual), what)
+
+    def _swap_groups(self, w_L, groups: tuple[int, int], what: str):
+        """[L, ...] read as [a, b, k, ...] (``groups`` = (a, b)) with a and b swapped: host
+        arrays on the host, device arrays traced."""
         if self.natural:
             return w_L
         self._check(w_L.shape[0], what)
-        p, v = self.stages, self.virtual
         xp = np if isinstance(w_L, np.ndarray) else jnp
-        k = w_L.shape[0] // (p * v)
-        w = xp.swapaxes(w_L.reshape(p, v, k, *w_L.shape[1:]), 0, 1)
+        k = w_L.shape[0] // (self.stages * self.virtual)
+        w = xp.swapaxes(w_L.reshape(*groups, k, *w_L.shape[1:]), 0, 1)
         return w.reshape(w_L.shape)
 
 

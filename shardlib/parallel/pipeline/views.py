@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, logical_names, mesh_axes
 from shardlib.core.rules import resolve_spec
+from shardlib.parallel.pipeline.storage import LayerOrder
 
 
 def stage_axes():
@@ -51,20 +52,20 @@ def to_stages(w_L: jax.Array, names, p: int, v: int, stored: bool = False) -> ja
     """[L, ...] -> [p, v, k, ...]: virtual stage r·p + s (layers in order) on device s.
 
     ``stored``: the rows are in stage order already (``pipeline.storage``), so the view is a
-    local reshape; from natural order it is a regrouping over ``stage`` (an all-to-all)."""
-    k = w_L.shape[0] // (p * v)
-    if stored:
-        w = w_L.reshape(p, v, k, *w_L.shape[1:])
-    else:
-        w = jnp.swapaxes(w_L.reshape(v, p, k, *w_L.shape[1:]), 0, 1)
+    local reshape; from natural order they are put in stage order first, a regrouping over
+    ``stage`` (an all-to-all)."""
+    if not stored:
+        w_L = LayerOrder(p, v).store_rows(w_L)
+    w = w_L.reshape(p, v, w_L.shape[0] // (p * v), *w_L.shape[1:])
     return constrain_param(w, staged_names(names), "staged parameter")
 
 
 def from_stages(w_pvk: jax.Array, names, stored: bool = False) -> jax.Array:
     """Inverse of ``to_stages``: [p, v, k, ...] -> [L, ...] in the stored layout."""
     p, v, k = w_pvk.shape[:3]
-    w = w_pvk if stored else jnp.swapaxes(w_pvk, 0, 1)
-    w = w.reshape(p * v * k, *w_pvk.shape[3:])
+    w = w_pvk.reshape(p * v * k, *w_pvk.shape[3:])
+    if not stored:
+        w = LayerOrder(p, v).natural_rows(w)
     return constrain_param(w, names, "stacked parameter")
 
 
