@@ -163,26 +163,58 @@ def wire_rows(model: str, console) -> list[tuple]:
     return rows, psi
 
 
-def curves(steps: int, console) -> dict[str, list[float]]:
-    """Loss per step of AdamW, 1-bit Adam and ZeRO++ on the default data, 8 devices."""
+def train_curves(runs: dict[str, tuple[dict, object]], steps: int, console):
+    """{name: loss per step} of each ``(settings, mesh spec)`` run on the default data, the
+    same steps and schedule for all (``benchmarks/onebit_lamb.py`` uses it too)."""
     from shardlib.train.config import train_config
     from shardlib.train.loop import run
     from shardlib.train.setup import make_setup
 
-    runs = {
-        "AdamW (data=8)": (dict(), shardlib.mesh_spec(data=8)),
-        "1-bit Adam (data=8, freeze 20%)": (
-            dict(optimizer="onebit_adam", freeze_step=steps // 5), shardlib.mesh_spec(data=8)),
-        "ZeRO++ qwZ+hpZ+qgZ (data=2 x fsdp=4)": (
-            dict(zero=3, hpz=True, quantized_weights=True, quantized_gradients=True),
-            shardlib.mesh_spec(data=2, fsdp=4)),
-    }  # fmt: skip
     out = {}
     for name, (settings, spec) in runs.items():
         console.print(f"[bold]{name}[/]: {steps} steps")
         setup = make_setup(train_config(steps=steps, **settings), spec.build())
         out[name] = run(setup, console=console).losses
     return out
+
+
+def plot_curves(losses: dict[str, list[float]], png: Path, console, marks=()) -> None:
+    """The curves in one picture (``marks``: (step, label) vertical lines), then each run's
+    last loss and the gap of its last-10 mean to the first run's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in losses.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.2)
+    for step, label in marks:
+        ax.axvline(step, color="grey", ls=":", lw=1, label=label)
+    ax.set(xlabel="step", ylabel="loss", title="llama-tiny, embedded stdlib corpus, 8 CPU devices")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    first, ref = next(iter(losses.items()))
+    tail = lambda ys: sum(ys[-10:]) / len(ys[-10:])  # noqa: E731
+    for name, ys in losses.items():
+        gap = tail(ys) - tail(ref)
+        gaps = f"gap to {first} {gap:+.4f} ({gap / tail(ref):+.2%})"
+        console.print(f"{name}: loss at step {len(ys)} {ys[-1]:.4f}, mean of last 10 "
+                      f"{tail(ys):.4f}, {gaps}")  # fmt: skip
+    console.print(f"wrote {png}")
+
+
+def curves(steps: int, console) -> dict[str, list[float]]:
+    """Loss per step of AdamW, 1-bit Adam and ZeRO++ on the default data, 8 devices."""
+    return train_curves({
+        "AdamW (data=8)": (dict(), shardlib.mesh_spec(data=8)),
+        "1-bit Adam (data=8, freeze 20%)": (
+            dict(optimizer="onebit_adam", freeze_step=steps // 5), shardlib.mesh_spec(data=8)),
+        "ZeRO++ qwZ+hpZ+qgZ (data=2 x fsdp=4)": (
+            dict(zero=3, hpz=True, quantized_weights=True, quantized_gradients=True),
+            shardlib.mesh_spec(data=2, fsdp=4)),
+    }, steps, console)  # fmt: skip
 
 
 def main() -> None:
@@ -219,26 +251,7 @@ def main() -> None:
     )
     if args.steps <= 0:
         return
-    losses = curves(args.steps, console)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, ys in losses.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.2)
-    ax.set(xlabel="step", ylabel="loss", title="llama-tiny, embedded stdlib corpus, 8 CPU devices")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(PNG, dpi=120)
-    ref = losses["AdamW (data=8)"]
-    tail = lambda ys: sum(ys[-10:]) / len(ys[-10:])  # noqa: E731
-    for name, ys in losses.items():
-        gap = tail(ys) - tail(ref)
-        console.print(f"{name}: final loss (mean of last 10) {tail(ys):.4f}, gap to AdamW "
-                      f"{gap:+.4f} ({gap / tail(ref):+.2%})")  # fmt: skip
-    console.print(f"wrote {PNG}")
+    plot_curves(curves(args.steps, console), PNG, console)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 
 import shardlib
-from benchmarks.comm_compression import _step_program, collective_bytes
+from benchmarks.comm_compression import _step_program, collective_bytes, plot_curves, train_curves
 
 PNG = Path(__file__).with_name("onebit_lamb.png")
 N = 8
@@ -78,22 +78,12 @@ def wire_rows(model: str, console) -> tuple[list[tuple], int]:
 
 def curves(steps: int, console) -> dict[str, list[float]]:
     """Loss per step of LAMB and 1-bit LAMB on the default data, data=8."""
-    from shardlib.train.config import train_config
-    from shardlib.train.loop import run
-    from shardlib.train.setup import make_setup
-
-    runs = {
-        "LAMB (data=8)": dict(optimizer="lamb"),
-        f"1-bit LAMB (data=8, freeze {steps // 5})": dict(
-            optimizer="onebit_lamb", freeze_step=steps // 5),
-    }  # fmt: skip
-    out = {}
-    for name, settings in runs.items():
-        console.print(f"[bold]{name}[/]: {steps} steps")
-        mesh = shardlib.mesh_spec(data=N).build()
-        setup = make_setup(train_config(steps=steps, **settings), mesh)
-        out[name] = run(setup, console=console).losses
-    return out
+    spec = shardlib.mesh_spec(data=N)
+    return train_curves({
+        "LAMB (data=8)": (dict(optimizer="lamb"), spec),
+        f"1-bit LAMB (data=8, freeze {steps // 5})": (
+            dict(optimizer="onebit_lamb", freeze_step=steps // 5), spec),
+    }, steps, console)  # fmt: skip
 
 
 def main() -> None:
@@ -124,28 +114,9 @@ def main() -> None:
     )
     if args.steps <= 0:
         return
-    losses = curves(args.steps, console)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, ys in losses.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.2)
     freeze = args.steps // 5
-    ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"freeze_step = {freeze}")
-    ax.set(xlabel="step", ylabel="loss", title="llama-tiny, embedded stdlib corpus, 8 CPU devices")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(PNG, dpi=120)
-    ref = next(iter(losses.values()))
-    tail = lambda ys: sum(ys[-10:]) / len(ys[-10:])  # noqa: E731
-    for name, ys in losses.items():
-        gap = tail(ys) - tail(ref)
-        console.print(f"{name}: loss at step {len(ys)} {ys[-1]:.4f}, mean of last 10 "
-                      f"{tail(ys):.4f}, gap {gap:+.4f} ({gap / tail(ref):+.2%})")  # fmt: skip
-    console.print(f"wrote {PNG}")
+    marks = [(freeze, f"freeze_step = {freeze}")]
+    plot_curves(curves(args.steps, console), PNG, console, marks)
 
 
 if __name__ == "__main__":
