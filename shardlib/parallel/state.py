@@ -143,7 +143,9 @@ def _reduced_names(path: str, shape: tuple, names: tuple | None, leaf_shape: tup
 
     The same shape keeps the names; one dim fewer (a factored statistic) drops the dim whose
     removal gives ``leaf_shape`` (when several equal-sized dims qualify, the last one: any of
-    them is a valid layout). Size-1 placeholders are replicated; anything else is an error.
+    them is a valid layout); the parameter's leading dims alone (a per-layer statistic, such
+    as 1-bit LAMB's coefficients ``[layers]``) keep their names. Size-1 placeholders are
+    replicated; anything else is an error.
     """
     if leaf_shape == shape:
         return names
@@ -152,6 +154,8 @@ def _reduced_names(path: str, shape: tuple, names: tuple | None, leaf_shape: tup
         if dropped:
             d = dropped[-1]
             return None if names is None else names[:d] + names[d + 1 :]
+    if 0 < len(leaf_shape) < len(shape) and leaf_shape == shape[: len(leaf_shape)]:
+        return None if names is None else names[: len(leaf_shape)]  # per layer: LAMB's ratios
     if math.prod(leaf_shape) <= 1:
         return None
     raise ShardingError(

@@ -13,17 +13,61 @@ trust ratio ``||w|| / ||u||`` (1 where either norm is 0). DeepSpeed's FusedLamb
   where both norms are nonzero (DeepSpeed's ``lamb_coeff``; 1 elsewhere, as in optax).
 
 With bias correction and no bounds this is ``optax.lamb`` itself. The trust ratio is taken
-per parameter array, as optax's: a stacked ``[layers, ...]`` weight has one ratio for all of
-its layers.
+per *layer*, as the paper and DeepSpeed take it per parameter tensor of an unstacked model: a
+stacked ``[layers, ...]`` weight (its leading dims named ``layers``, read from the model's
+logical names by ``stacked_dims``) gets one ratio per layer, not one for all of them, which
+optax's per-array ``scale_by_trust_ratio`` would give. Without the names every array is one
+tensor (optax's convention).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from shardlib.core.layout import names_at
+from shardlib.core.workload import LAYERS
+
+Leads = Callable[[Any], Any]
+"""``params -> tree of int``: how many leading dims of each array are stacked layers."""
+
+
+def stacked_dims(names) -> Leads:
+    """The leading ``layers`` dims of each array, from the model's logical ``names`` (a tree
+    like the parameters, as ``inventory`` gives it): 1 for a block weight ``[layers, ...]``,
+    0 for the embedding, the head and a model without stacked blocks."""
+
+    def leads(params):
+        def count(key_path, _) -> int:
+            dims = names_at(names, key_path) or ()
+            n = 0
+            while n < len(dims) and dims[n] == LAYERS:
+                n += 1
+            return n
+
+        return jax.tree_util.tree_map_with_path(count, params)
+
+    return leads
+
+
+def per_array(params):
+    """No stacked dims anywhere: one trust ratio per array (optax's convention)."""
+    return jax.tree.map(lambda _: 0, params)
+
+
+def layer_norm(x: jax.Array, lead: int) -> jax.Array:
+    """``x.shape[:lead]``: the 2-norm of each layer's slice of ``x`` (of all of it at 0)."""
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=tuple(range(lead, x.ndim))))
+
+
+def per_layer(r: jax.Array, x: jax.Array) -> jax.Array:
+    """``r`` of shape ``x.shape[:lead]`` with trailing unit dims, to scale ``x`` by."""
+    return r.reshape(r.shape + (1,) * (x.ndim - r.ndim)).astype(x.dtype)
 
 
 def scale_by_uncorrected_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
@@ -43,22 +87,32 @@ def scale_by_uncorrected_adam(b1: float, b2: float, eps: float) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
-def trust_ratio(u: jax.Array, w: jax.Array, lo: float = 0.0, hi: float = math.inf):
-    """[] fp32: ``clip(||w|| / ||u||, lo, hi)`` for one parameter array, 1 where a norm is 0
-    (optax's and DeepSpeed's convention; 1-bit LAMB averages it, ``train/onebit_lamb.py``)."""
-    w_norm, u_norm = optax.safe_norm(w, 0.0), optax.safe_norm(u, 0.0)
-    ratio = jnp.clip(w_norm / jnp.where(u_norm == 0, 1, u_norm), lo, hi)
+def trust_ratio(
+    u: jax.Array, w: jax.Array, lo: float = 0.0, hi: float = math.inf, lead: int = 0,
+    coefficient: float = 1.0, eps: float = 0.0,
+):  # fmt: skip
+    """``u.shape[:lead]`` fp32: ``clip(c ||w|| / (||u|| + eps), lo, hi)`` per layer of one
+    parameter array, 1 where a norm is 0 (optax's and DeepSpeed's convention; 1-bit LAMB
+    averages it, ``train/onebit_lamb.py``; LARS sets ``coefficient`` and ``eps``)."""
+    w_norm, u_norm = layer_norm(w, lead), layer_norm(u, lead)
+    ratio = jnp.clip(coefficient * w_norm / jnp.where(u_norm == 0, 1, u_norm + eps), lo, hi)
     return jnp.where((w_norm == 0) | (u_norm == 0), 1.0, ratio).astype(jnp.float32)
 
 
-def scale_by_clipped_trust_ratio(lo: float, hi: float) -> optax.GradientTransformation:
-    """``u * clip(||w|| / ||u||, lo, hi)`` per parameter array; 1 where a norm is 0."""
+def scale_by_layer_trust_ratio(
+    lo: float = 0.0, hi: float = math.inf, leads: Leads = per_array, **ratio
+) -> optax.GradientTransformation:
+    """``u * clip(||w|| / ||u||, lo, hi)`` per layer of each parameter array (``leads``);
+    1 where a norm is 0. With ``per_array`` and no bounds: ``optax.scale_by_trust_ratio``."""
 
     def update(updates, state, params=None):
-        def one(u, w):
-            return u * trust_ratio(u, w, lo, hi).astype(u.dtype)
+        if params is None:
+            raise ValueError("the trust ratio needs the parameters.")
 
-        return jax.tree.map(one, updates, params), state
+        def one(u, w, lead):
+            return u * per_layer(trust_ratio(u, w, lo, hi, lead, **ratio), u)
+
+        return jax.tree.map(one, updates, params, leads(params)), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
 
@@ -82,16 +136,30 @@ def lamb(
     bias_correction: bool = True,
     trust_ratio_min: float = 0.0,
     trust_ratio_max: float = 0.0,
+    leads: Leads = per_array,
 ) -> optax.GradientTransformation:
-    """LAMB; ``trust_ratio_min``/``max`` of 0 leave that side unbounded."""
+    """LAMB; ``trust_ratio_min``/``max`` of 0 leave that side unbounded; ``leads`` says which
+    leading dims are stacked layers (``stacked_dims``), each with its own trust ratio."""
     direction = adam_direction(b1, b2, eps, bias_correction)
-    if trust_ratio_min or trust_ratio_max:
-        trust = scale_by_clipped_trust_ratio(trust_ratio_min, trust_ratio_max or math.inf)
-    else:
-        trust = optax.scale_by_trust_ratio()
+    trust = scale_by_layer_trust_ratio(trust_ratio_min, trust_ratio_max or math.inf, leads)
     return optax.chain(
         direction,
         optax.add_decayed_weights(weight_decay, mask),
         trust,
         optax.scale_by_learning_rate(lr),
+    )
+
+
+def lars(
+    lr: optax.ScalarOrSchedule, *, weight_decay: float, mask, momentum: float,
+    leads: Leads = per_array, trust_coefficient: float = 0.001, eps: float = 0.0,
+) -> optax.GradientTransformation:  # fmt: skip
+    """LARS (You et al. 2017) as ``optax.lars`` composes it (decay, masked trust ratio,
+    learning rate, momentum), with the trust ratio per layer of stacked arrays (``leads``)."""
+    trust = scale_by_layer_trust_ratio(leads=leads, coefficient=trust_coefficient, eps=eps)
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.masked(trust, mask),
+        optax.scale_by_learning_rate(lr),
+        optax.trace(decay=momentum, nesterov=False),
     )

@@ -4,7 +4,8 @@ DeepSpeed's ``OnebitLamb`` semantics, two stages:
 
 * **Warm-up** (``freeze_step`` steps): plain LAMB on the fp32-averaged gradient, built from
   the same pieces as ``optimizer=lamb`` (``train/lamb.py``: Adam direction, decoupled decay,
-  clipped trust ratio). Each step's trust ratio ``r`` (per parameter array) also feeds an
+  clipped trust ratio). Each step's trust ratio ``r`` (per layer of each parameter array, as
+  ``optimizer=lamb`` takes it: DeepSpeed's tensors are a stacked array's layers) also feeds an
   exponential average, the *frozen coefficient* ``c = coeff_beta·c + (1 - coeff_beta)·r``
   (from 0, skipped where ``r == 1``, i.e. a norm was 0). At the last warm-up step the variance
   ``v`` is copied to ``v_fresh`` and each array's momentum scale is fixed:
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from shardlib.train.lamb import adam_direction, trust_ratio
+from shardlib.train.lamb import Leads, adam_direction, layer_norm, per_array, per_layer, trust_ratio
 from shardlib.train.onebit import AXIS, compressed_allreduce, padded_size
 
 
@@ -51,9 +52,9 @@ class OneBitLambState(NamedTuple):
 
     adam: optax.ScaleByAdamState  # count, mu (replicated), nu (replicated; frozen after)
     nu_fresh: Any  # like params: the variance of the reconstructed gradients
-    coeff: Any  # like params, [] each: EMA of the warm-up trust ratios (frozen coefficient)
-    last_factor: Any  # like params, [] each: the previous step's scaling factor
-    momentum_scale: Any  # like params, [] each: s_p, fixed at the last warm-up step
+    coeff: Any  # like params, [layers] or [] each: EMA of the warm-up trust ratios
+    last_factor: Any  # like params, [layers] or []: the previous step's scaling factor
+    momentum_scale: Any  # like params, [layers] or []: s_p, fixed at the last warm-up step
     worker_error: jax.Array  # [N * P] fp32 global, [P] per device
     server_error: jax.Array  # [P] fp32 global, [P / N] per device
 
@@ -70,19 +71,25 @@ class Factors(NamedTuple):
 DEFAULTS = Factors()
 
 
-def momentum_scales(mu):
-    """``s_p = mean_q rms(m_q) / rms(m_p)`` per array (1 where ``m_p`` is all zero)."""
-    rms = jax.tree.map(lambda m: optax.safe_norm(m, 0.0) / math.sqrt(max(m.size, 1)), mu)
-    united = sum(jax.tree.leaves(rms)) / max(len(jax.tree.leaves(rms)), 1)
+def momentum_scales(mu, leads):
+    """``s_p = mean_q rms(m_q) / rms(m_p)`` per layer of each array, ``q`` over every layer
+    of every array (1 where ``m_p`` is all zero)."""
+
+    def rms(m, lead):
+        return layer_norm(m, lead) / math.sqrt(max(math.prod(m.shape[lead:]), 1))
+
+    rms = jax.tree.map(rms, mu, leads)
+    count = max(sum(r.size for r in jax.tree.leaves(rms)), 1)
+    united = sum(jnp.sum(r) for r in jax.tree.leaves(rms)) / count
     return jax.tree.map(lambda r: jnp.where(r > 0, united / jnp.where(r > 0, r, 1), 1.0), rms)
 
 
-def scaling_factor(denom, denom_fresh, prelim, u, last, f: Factors):
-    """One array's ``f`` (module docstring): the frozen-vs-fresh denominators' largest
-    ratio, weighted by the decay's share of ``u``, then clipped twice."""
-    factor = jnp.max(denom / denom_fresh)
-    u_norm = optax.safe_norm(u, 0.0)
-    share = jnp.minimum(1.0, optax.safe_norm(prelim, 0.0) / jnp.where(u_norm > 0, u_norm, 1))
+def scaling_factor(denom, denom_fresh, prelim, u, last, f: Factors, lead: int = 0):
+    """One array's ``f`` per layer (module docstring): the frozen-vs-fresh denominators'
+    largest ratio, weighted by the decay's share of ``u``, then clipped twice."""
+    factor = jnp.max(denom / denom_fresh, axis=tuple(range(lead, denom.ndim)))
+    u_norm = layer_norm(u, lead)
+    share = jnp.minimum(1.0, layer_norm(prelim, lead) / jnp.where(u_norm > 0, u_norm, 1))
     share = jnp.where(u_norm > 0, share, 1.0)
     factor = factor * share + (1.0 - share)
     factor = jnp.clip(factor, f.factor_min, f.factor_max)
@@ -93,11 +100,13 @@ def scale_by_onebit_lamb(
     *, b1: float, b2: float, eps: float, weight_decay: float, mask, freeze_step: int, n: int,
     steps: int, bias_correction: bool = True, trust_ratio_min: float = 0.0,
     trust_ratio_max: float = 0.0, factors: Factors = DEFAULTS, axis: str = AXIS,
+    leads: Leads = per_array,
 ) -> optax.GradientTransformation:  # fmt: skip
     """LAMB's update before the learning rate (direction, decay, trust ratio), with 1-bit
     momentum averaging after ``freeze_step`` (>= 1) steps. ``update`` takes each device's
     *local* gradient inside shard_map over ``axis`` (size ``n``). A run of at most
-    ``freeze_step`` steps holds only the fp32 path, equal to ``optimizer=lamb``."""
+    ``freeze_step`` steps holds only the fp32 path, equal to ``optimizer=lamb``. ``leads``:
+    the stacked layer dims of each array, each layer with its own coefficients."""
     direction = adam_direction(b1, b2, eps, bias_correction)
     decay = optax.add_decayed_weights(weight_decay, mask)
     lo, hi = trust_ratio_min, trust_ratio_max or math.inf
@@ -105,7 +114,11 @@ def scale_by_onebit_lamb(
 
     def init(params):
         p = padded_size(params, n)
-        scalar = lambda v: jax.tree.map(lambda _: jnp.full((), v, jnp.float32), params)  # noqa: E731
+        lead = leads(params)
+
+        def scalar(v):  # [layers] or [] per array
+            return jax.tree.map(lambda w, k: jnp.full(w.shape[:k], v, jnp.float32), params, lead)
+
         return OneBitLambState(
             adam=direction.init(params),
             nu_fresh=jax.tree.map(jnp.zeros_like, params),
@@ -116,12 +129,12 @@ def scale_by_onebit_lamb(
             server_error=jnp.zeros((p,), jnp.float32),
         )
 
-    def warmup(grads, state, params):
+    def warmup(grads, state, params, lead):
         g = jax.lax.pmean(grads, axis)  # the fp32 all-reduce
         u, adam = direction.update(g, state.adam)
         u, _ = decay.update(u, decay.init(params), params)
-        ratio = jax.tree.map(lambda x, w: trust_ratio(x, w, lo, hi), u, params)
-        out = jax.tree.map(lambda x, r: x * r.astype(x.dtype), u, ratio)
+        ratio = jax.tree.map(lambda x, w, k: trust_ratio(x, w, lo, hi, k), u, params, lead)
+        out = jax.tree.map(lambda x, r: x * per_layer(r, x), u, ratio)
         coeff = jax.tree.map(
             lambda c, r: jnp.where(r != 1, cb * c + (1 - cb) * r, c), state.coeff, ratio
         )
@@ -129,19 +142,21 @@ def scale_by_onebit_lamb(
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(last, a, b), new, old)  # noqa: E731
         return out, state._replace(
             adam=adam, coeff=coeff, nu_fresh=keep(adam.nu, state.nu_fresh),
-            momentum_scale=keep(momentum_scales(adam.mu), state.momentum_scale),
+            momentum_scale=keep(momentum_scales(adam.mu, lead), state.momentum_scale),
         )  # fmt: skip
 
-    def compressed(grads, state, params):
+    def compressed(grads, state, params, lead):
         m_last, scale = state.adam.mu, state.momentum_scale
-        local = jax.tree.map(lambda m, x, s: (b1 * m + (1 - b1) * x) * s, m_last, grads, scale)
+        local = jax.tree.map(
+            lambda m, x, s: (b1 * m + (1 - b1) * x) * per_layer(s, m), m_last, grads, scale
+        )
         flat, unravel = ravel_pytree(local)
         pad = state.worker_error.shape[0] - flat.shape[0]
         mean_P, werr, serr = compressed_allreduce(
             jnp.pad(flat.astype(jnp.float32), (0, pad)), state.worker_error,
             state.server_error, axis=axis, n=n,
         )  # fmt: skip
-        mu = jax.tree.map(lambda m, s: m / s, unravel(mean_P[: flat.shape[0]]), scale)
+        mu = jax.tree.map(lambda m, s: m / per_layer(s, m), unravel(mean_P[: flat.shape[0]]), scale)
         recon = jax.tree.map(lambda m, m0: (m - b1 * m0) / (1 - b1), mu, m_last)
         nu_fresh = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu_fresh, recon)
         count = optax.safe_increment(state.adam.count)
@@ -155,10 +170,12 @@ def scale_by_onebit_lamb(
         prelim = jax.tree.map(lambda m, d: m / d, mu_hat, denom)
         u, _ = decay.update(prelim, decay.init(params), params)
         factor = jax.tree.map(
-            lambda d, v, p0, x, last: scaling_factor(d, jnp.sqrt(v) + eps, p0, x, last, factors),
-            denom, fresh_hat, prelim, u, state.last_factor,
+            lambda d, v, p0, x, last, k: scaling_factor(
+                d, jnp.sqrt(v) + eps, p0, x, last, factors, k
+            ),
+            denom, fresh_hat, prelim, u, state.last_factor, lead,
         )  # fmt: skip
-        out = jax.tree.map(lambda x, c, f: x * (c * f).astype(x.dtype), u, state.coeff, factor)
+        out = jax.tree.map(lambda x, c, f: x * per_layer(c * f, x), u, state.coeff, factor)
         adam = optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
         return out, state._replace(
             adam=adam, nu_fresh=nu_fresh, last_factor=factor, worker_error=werr,
@@ -168,10 +185,14 @@ def scale_by_onebit_lamb(
     def update(grads, state, params=None):
         if params is None:
             raise ValueError("1-bit LAMB's trust ratio needs the parameters.")
+        lead = leads(params)
         if freeze_step >= steps:
-            return warmup(grads, state, params)
+            return warmup(grads, state, params, lead)
         return jax.lax.cond(
-            state.adam.count < freeze_step, warmup, compressed, grads, state, params
-        )
+            state.adam.count < freeze_step,
+            lambda *a: warmup(*a, lead),
+            lambda *a: compressed(*a, lead),
+            grads, state, params,
+        )  # fmt: skip
 
     return optax.GradientTransformation(init, update)

@@ -18,7 +18,14 @@ import optax
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.train import cycles
-from shardlib.train.lamb import lamb, scale_by_uncorrected_adam
+from shardlib.train.lamb import (
+    Leads,
+    lamb,
+    lars,
+    per_array,
+    scale_by_uncorrected_adam,
+    stacked_dims,
+)
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -211,7 +218,9 @@ def resolve_optimizer(opt, plan: ParallelPlan):
     return dataclasses.replace(opt, name=name), plan
 
 
-def _onebit(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransformation:
+def _onebit(
+    cfg, lr: optax.Schedule, steps: int, n: int, leads: Leads = per_array
+) -> optax.GradientTransformation:
     """Adam(W) or LAMB whose momentum is averaged over the ``n`` data devices in 1 bit
     (``train/onebit.py``, ``train/onebit_lamb.py``); decoupled decay after the direction,
     as DeepSpeed's."""
@@ -229,7 +238,7 @@ def _onebit(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransf
             b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-6, weight_decay=cfg.weight_decay,
             mask=decay_mask, freeze_step=cfg.freeze_step, n=n, steps=steps,
             bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
-            trust_ratio_max=cfg.trust_ratio_max, factors=factors,
+            trust_ratio_max=cfg.trust_ratio_max, factors=factors, leads=leads,
         )  # fmt: skip
         return optax.chain(direction, optax.scale_by_learning_rate(lr))
     from shardlib.train.onebit import scale_by_onebit_adam
@@ -243,7 +252,7 @@ def _onebit(cfg, lr: optax.Schedule, steps: int, n: int) -> optax.GradientTransf
     return optax.chain(direction, *decay, optax.scale_by_learning_rate(lr))
 
 
-def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
+def _optimizer(cfg, lr: optax.Schedule, leads: Leads = per_array) -> optax.GradientTransformation:
     wd, mask = cfg.weight_decay, decay_mask
     eps = {"eps": cfg.eps} if cfg.eps else {}  # 0: the optimizer's own default
     if cfg.name in ("adamw", "adam") and not cfg.bias_correction:  # optax's chain, uncorrected
@@ -268,14 +277,11 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
         return lamb(
             lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-6, weight_decay=wd, mask=mask,
             bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
-            trust_ratio_max=cfg.trust_ratio_max,
+            trust_ratio_max=cfg.trust_ratio_max, leads=leads,
         )  # fmt: skip
     if cfg.name == "lars":
         # Norms and biases get neither decay nor a trust ratio (You et al. 2017).
-        return optax.lars(
-            lr, weight_decay=wd, weight_decay_mask=mask, trust_ratio_mask=mask,
-            momentum=cfg.momentum,
-        )  # fmt: skip
+        return lars(lr, weight_decay=wd, mask=mask, momentum=cfg.momentum, leads=leads)
     return optax.adafactor(
         lr,
         min_dim_size_to_factor=cfg.factored_min_dim,
@@ -285,14 +291,16 @@ def _optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
 
 
 def build_optimizer(
-    cfg, steps: int, plan: ParallelPlan | None = None
+    cfg, steps: int, plan: ParallelPlan | None = None, names=None
 ) -> optax.GradientTransformation:
     """Global-norm clipping (if set), then the named optimizer with the named schedule.
 
     A ``SPELLINGS`` name is resolved against ``plan`` first (``resolve_optimizer``). With the
     plan's ``data.onebit_momentum`` the Adam or LAMB update averages the momentum over the ``data``
     axis in 1 bit; it sees each device's local gradient, so its clipping uses the local norm
-    (the averaged gradient is never formed after warm-up).
+    (the averaged gradient is never formed after warm-up). With the model's logical
+    ``names`` the trust ratios of LAMB and LARS are per layer of a stacked ``[layers, ...]``
+    array (``train/lamb.py``), as the papers take them per tensor; without, per array.
     """
     if plan is not None:
         cfg, plan = resolve_optimizer(cfg, plan)
@@ -305,10 +313,11 @@ def build_optimizer(
     if cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     lr = schedule(cfg, steps)
+    leads = per_array if names is None else stacked_dims(names)
     if plan is not None and plan.data.onebit_momentum:
-        parts.append(_onebit(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1)))
+        parts.append(_onebit(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1), leads))
     else:
-        parts.append(_optimizer(cfg, lr))
+        parts.append(_optimizer(cfg, lr, leads))
     return optax.chain(*parts)
 
 

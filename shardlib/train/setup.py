@@ -330,7 +330,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         mesh=mesh,
         param_specs=specs,
         tx=freeze_base(
-            build_optimizer(cfg.optimizer, cfg.run.steps, plan),
+            build_optimizer(cfg.optimizer, cfg.run.steps, plan, names=inv.names),
             cfg.lora.rank,
         ),
         attention=attention,

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from shardlib.train.config import train_config
+from shardlib.train.lamb import stacked_dims
 from shardlib.train.optim import _optimizer, decay_mask
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.01, 0.5
@@ -118,3 +119,30 @@ def test_adamw_without_bias_correction_matches_the_formula():
     want, _ = _by_hand(3, bias_correction=False, lo=1.0, hi=1.0)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
+def _stacked(name: str):
+    """Three layers of ``name`` stacked ``[layers, ...]``, the way blocks are stored."""
+    rng = np.random.default_rng(7)
+    scales = np.array([10.0, 1.0, 1e-3], np.float32)[:, None, None]  # ratios far apart
+    return {name: scales * rng.standard_normal((3, 4, 8)).astype(np.float32)}
+
+
+def test_trust_ratio_is_per_layer_of_a_stacked_array():
+    """A stacked ``[layers, ...]`` weight gets one trust ratio per layer (the paper's per
+    tensor of an unstacked model), LAMB and LARS alike: the same updates as three separate
+    arrays, and not what one ratio for the whole stack (optax's per-array) gives."""
+    names = {"w": ("layers", "embed", "mlp")}
+    leads = stacked_dims(names)
+    stacked = jax.tree.map(jnp.asarray, _stacked("w"))
+    grads = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x) + 0.01 * x, stacked)
+    split = lambda t: {f"w{i}": t["w"][i] for i in range(3)}  # noqa: E731
+    for name in ("lamb", "lars"):
+        cfg = train_config(optimizer=name, b1=B1, b2=B2, eps=EPS, weight_decay=WD).optimizer
+        per_layer, per_array = _optimizer(cfg, LR, leads), _optimizer(cfg, LR)
+        got, _ = per_layer.update(grads, per_layer.init(stacked), stacked)
+        whole, _ = per_array.update(grads, per_array.init(stacked), stacked)
+        ref, _ = per_array.update(split(grads), per_array.init(split(stacked)), split(stacked))
+        np.testing.assert_allclose(got["w"], np.stack([ref[f"w{i}"] for i in range(3)]),
+                                   rtol=1e-6)  # fmt: skip
+        assert not np.allclose(got["w"], whole["w"], rtol=1e-2)

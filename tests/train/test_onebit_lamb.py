@@ -26,6 +26,7 @@ from benchmarks.comm_compression import collective_bytes
 from shardlib.core.errors import ShardingError
 from shardlib.tools.parity import random_state, trace
 from shardlib.train.config import train_config
+from shardlib.train.lamb import per_array, stacked_dims
 from shardlib.train.onebit import padded_size
 from shardlib.train.onebit_lamb import Factors, scale_by_onebit_lamb
 from shardlib.train.setup import make_setup
@@ -185,3 +186,39 @@ def test_onebit_lamb_refuses_zero_like_onebit_adam():
     mesh = shardlib.mesh_spec(data=8).build(jax.devices()[:8])
     with pytest.raises(ShardingError, match="onebit_lamb.*zero=1.*Fix"):
         make_setup(train_config(optimizer="onebit_lamb", zero=1, **BASE), mesh)
+
+
+def test_coefficients_are_per_layer_of_a_stacked_array():
+    """``b`` stacked ``[2 layers, 4]`` with ``leads`` gives the same coefficients, factors and
+    updates as its two layers as separate arrays (the same flat vector crosses in 1 bit)."""
+    mesh = shardlib.mesh_spec(data=2).build(jax.devices()[:2])
+    split = lambda t: {"a": t["a"], "b0": t["b"][..., 0, :], "b1": t["b"][..., 1, :]}  # noqa: E731
+
+    def run(tree_of, leads):
+        tx = scale_by_onebit_lamb(
+            b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=lambda p: jax.tree.map(lambda _: True, p),
+            freeze_step=2, n=2, steps=3, bias_correction=False, factors=F, leads=leads,
+        )  # fmt: skip
+        params = jax.tree.map(jnp.asarray, tree_of(_tree()))
+        state = tx.init(params)
+        specs = jax.tree.map(lambda _: P(), state)._replace(worker_error=P("data"),
+                                                            server_error=P("data"))  # fmt: skip
+
+        def one(grads, state, params):
+            return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+
+        step = jax.jit(jax.shard_map(
+            one, mesh=mesh, in_specs=(jax.tree.map(lambda _: P("data"), params), specs, P()),
+            out_specs=(P(), specs), check_vma=False))  # fmt: skip
+        for t in range(3):
+            updates, state = step(tree_of(_grads(t)), state, params)
+            params = jax.tree.map(lambda w, u: w - LR * u, params, updates)
+        return updates, state
+
+    got, got_state = run(lambda t: t, stacked_dims({"a": (None,), "b": ("layers", None)}))
+    ref, ref_state = run(split, per_array)
+    assert got_state.coeff["b"].shape == (2,)
+    for field in ("coeff", "last_factor", "momentum_scale"):
+        mine, theirs = getattr(got_state, field), getattr(ref_state, field)
+        np.testing.assert_allclose(mine["b"], [theirs["b0"], theirs["b1"]], rtol=1e-5)
+    np.testing.assert_allclose(got["b"], np.stack([ref["b0"], ref["b1"]]), rtol=1e-4, atol=1e-7)
