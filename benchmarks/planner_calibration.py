@@ -2,12 +2,14 @@
 
     python benchmarks/planner_calibration.py          # the tables
     python benchmarks/planner_calibration.py --fit    # also refit the two fitted constants
+    python benchmarks/planner_calibration.py --blocks # the GPT block beside the stand-in
 
 Each published run is costed as the planner costs a layout (``planner.estimate`` on the
 ``a100-8`` preset with ``--hosts``), running the publication's own program
 (``planner.calibrate.megatron``: Megatron-LM's GPT block, tensor, pipeline and data-parallel
-traffic, recompute) on the planner's hardware model: a GPT-3 style model of the published shape
-(SwiGLU width 8h/3: GPT's 4h MLP FLOPs; vocab 51,200), 1F1B costed as ``gpipe`` (the same
+traffic, recompute) on the planner's hardware model: the GPT block of the published shape
+(``models/gpt``: GELU MLP of 4h, learned positions, tied embeddings; vocab 51,200; its
+parameter counts are Table 1's model names, 1.7B to 1008.0B), 1F1B costed as ``gpipe`` (the same
 (p-1)/m bubble). Published and predicted throughput are counted with the publication's own
 FLOP formula, so predicted/published = published step time / predicted step time.
 
@@ -168,9 +170,24 @@ HELD_OUT = [
 ]  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
-def gpt_workload(run: Run) -> Workload:
-    """A GPT-3 style model of ``run``'s shape (SwiGLU width 8h/3, rounded to 64·t)."""
+BLOCKS = ("stand-in", "gpt")
+"""How a run's model is costed: ``stand-in``, a Llama of GPT's widths with the SwiGLU width
+8h/3 (GPT's 4h MLP FLOPs; what was costed before the GPT model existed, kept for the
+side-by-side ``--blocks``), or ``gpt`` (the default), the GPT block as published
+(``models/gpt``: LayerNorm with bias, GELU MLP of 4h, learned positions, tied embeddings, as
+Megatron-LM's GPT)."""
+
+
+@functools.lru_cache(maxsize=128)
+def gpt_workload(run: Run, block: str = "gpt") -> Workload:
+    """A GPT-3 style model of ``run``'s shape: the SwiGLU stand-in (width 8h/3, rounded to
+    64·t) or the GPT block itself (``BLOCKS``)."""
+    if block == "gpt":
+        return Workload.from_preset(
+            "gpt3-175b", run.global_batch, run.seq, embed=run.hidden, heads=run.heads,
+            head_dim=run.hidden // run.heads, layers=run.layers, vocab=run.vocab,
+            max_positions=run.seq,
+        )  # fmt: skip
     mlp = round(8 * run.hidden / 3 / (64 * run.tensor)) * 64 * run.tensor
     return Workload.from_preset(
         "llama-70b",
@@ -194,7 +211,7 @@ def _plan(run: Run, micro_batch: int, schedule: str = "gpipe"):
     )
 
 
-def micro_batch(run: Run, cluster) -> int:
+def micro_batch(run: Run, cluster, block: str = "gpt") -> int:
     """The published micro-batch size, else the fastest whose plan fits in memory under
     1F1B (shardlib's ``1f1b`` memory model: Megatron's schedule keeps at most p
     micro-batches in flight); 1 if none fits."""
@@ -202,7 +219,7 @@ def micro_batch(run: Run, cluster) -> int:
         return run.micro_batch
     per_replica = run.global_batch // run.data
     sizes = [b for b in range(1, min(per_replica, 16) + 1) if per_replica % b == 0]
-    workload, program = gpt_workload(run), megatron_program(run.program)
+    workload, program = gpt_workload(run, block), megatron_program(run.program)
     fitting = [
         b
         for b in sizes
@@ -215,12 +232,13 @@ def micro_batch(run: Run, cluster) -> int:
     )
 
 
-def predict(run: Run, cluster_name: str = "a100-8", **cluster_fields):
+def predict(run: Run, cluster_name: str = "a100-8", block: str = "gpt", **cluster_fields):
     """(predicted TFLOP/s per GPU by the publication's formula, the estimate)."""
     cluster = load_cluster(cluster_name).with_hosts(max(1, run.gpus // 8))
     cluster = dataclasses.replace(cluster, **cluster_fields)
-    plan = _plan(run, micro_batch(run, cluster))
-    est = estimate(gpt_workload(run), plan, cluster, program=megatron_program(run.program))
+    plan = _plan(run, micro_batch(run, cluster, block))
+    workload = gpt_workload(run, block)
+    est = estimate(workload, plan, cluster, program=megatron_program(run.program))
     return run.flops() / (est.step_s * run.gpus) / 1e12, est
 
 
@@ -326,6 +344,36 @@ def parity_axes(lo: float, hi: float, *, log: bool = False):
     return fig, ax
 
 
+def compare_blocks(console: Console, markdown: bool) -> dict[str, list[float]]:
+    """Every published run costed twice, with the SwiGLU stand-in and with the GPT block
+    (``BLOCKS``), side by side; returns each block's predicted/published ratios."""
+    header = ("set", "model", "GPUs", "published TFLOP/s/GPU", "stand-in", "GPT block",
+              "params stand-in / GPT")  # fmt: skip
+    sets = (("calibration", CALIBRATION), ("MT-NLG", OTHER_STACK), ("Table 1", HELD_OUT))
+    lines, ratios = [], {b: [] for b in BLOCKS}
+    for label, runs in sets:
+        for run in runs:
+            r = {b: predict(run, block=b)[0] / run.published_tflops() for b in BLOCKS}
+            for b in BLOCKS:
+                ratios[b].append(r[b])
+            params = [gpt_workload(run, b).param_count / 1e9 for b in BLOCKS]
+            lines.append([label, run.name, str(run.gpus), f"{run.published_tflops():.1f}",
+                          f"{r['stand-in']:.3f}", f"{r['gpt']:.3f}",
+                          f"{params[0]:.1f}B / {params[1]:.1f}B"])  # fmt: skip
+    if markdown:
+        console.print("\n| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+        for cells in lines:
+            console.print("| " + " | ".join(cells) + " |", highlight=False)
+    else:
+        table = Table(title="the GPT block against the SwiGLU stand-in: predicted / published")
+        for col in header:
+            table.add_column(col)
+        for cells in lines:
+            table.add_row(*cells)
+        console.print(table)
+    return ratios
+
+
 def plot(path: str, cal: list, other: list, held: list) -> None:
     """Predicted against published TFLOP/s per GPU, the ±15% band around parity."""
     fig, ax = parity_axes(100, 200)
@@ -357,8 +405,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true", help="refit the two fitted constants first")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw predicted vs published")
+    parser.add_argument(
+        "--blocks", action="store_true", help="cost every run with the GPT block and the stand-in"
+    )
     args = parser.parse_args(argv)
     console = Console(width=1000 if args.markdown else 200)
+    if args.blocks:
+        for name, rs in compare_blocks(console, args.markdown).items():
+            within = sum(0.85 <= r <= 1.15 for r in rs)
+            console.print(
+                f"{name}: {within}/{len(rs)} within 15%, ratios {min(rs):.3f}-{max(rs):.3f}"
+            )
+        return 0
     fields = {}
     if args.fit:
         fields = fit(console)
