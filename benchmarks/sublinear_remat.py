@@ -10,6 +10,9 @@ layer's working set; weights and their gradients are arguments and results, not 
 FLOPs counted from the optimized HLO with loop trips applied (REFERENCE.md), and the
 planner's activation bytes for the same plan (``estimate``'s ``activations``).
 
+With ``--validate``: the planner's memory and wire bytes against the compiled train step
+(``planner.validate``, 8 simulated CPU devices) on plans no coefficient was fitted to.
+
 Printed fit: log-log slope of temp bytes in L (1 for per-layer policies, 1/2 for sqrt), and
 Chen et al.'s k·x + (L/k)·r with x (a segment input) and r (one layer's residuals under the
 inner policy) fitted by least squares, its worst relative residual.
@@ -23,6 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 
 import argparse  # noqa: E402
+
+from shardlib import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 import math  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -73,10 +80,36 @@ def chen_fit(policy: str, layers, temps) -> tuple[float, float, float, float]:
     return (*map(float, coef), worst)
 
 
+HELD_OUT = (  # (model, global batch, seq, layers, plan kwargs)
+    ("llama-tiny", 16, 128, 16, dict(data=2, fsdp=2, tensor=2, remat="sqrt")),
+    ("llama-tiny", 16, 128, 16, dict(data=8, remat="segments:2")),
+    ("llama-small", 16, 256, 8, dict(fsdp=8, remat="sqrt")),
+    ("llama-small", 16, 256, 8, dict(data=4, tensor=2, remat="segments:4+selective")),
+    ("llama-small", 16, 256, 9, dict(data=2, fsdp=4, remat="sqrt+full")),
+)
+
+
+def validate_held_out() -> None:
+    from shardlib.planner import Workload, candidate
+    from shardlib.planner.validate import validate
+
+    print("planner against the compiled step (8 simulated CPU devices, fp32)")
+    for model, batch, seq, layers, kwargs in HELD_OUT:
+        w = Workload.from_preset(model, batch, seq, "fp32", layers=layers)
+        c = validate(w, candidate(**kwargs))
+        print(f"{model} b{batch} s{seq} L{layers} {kwargs}: memory {c.predicted_memory / 1e6:.1f}"
+              f" / {c.compiled_memory / 1e6:.1f} MB = {c.memory_ratio:.3f}, wire "
+              f"{c.wire_ratio:.3f}")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 64])
+    parser.add_argument("--validate", action="store_true", help="planner vs compiled only")
     args = parser.parse_args()
+    if args.validate:
+        validate_held_out()
+        return 0
     layers = args.layers
     results = {}
     print(f"layer stack, llama-tiny block, {SHAPE}, one CPU device (temp bytes, MB)")

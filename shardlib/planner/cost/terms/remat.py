@@ -35,6 +35,7 @@ pipeline (a GPipe stage's trips and segments are not modelled together).
 
 from __future__ import annotations
 
+from shardlib.core.errors import ShardingError
 from shardlib.parallel.segments import parse_segments, segment_count
 from shardlib.planner.cost.terms.base import Knob, Step, Term
 
@@ -70,6 +71,16 @@ def segmented(policy: str) -> tuple[int, str] | None:
     outer, _, inner = policy.partition("+")
     segments = parse_segments(outer, policy)
     return (segments, inner or "none") if segments else None
+
+
+def modelled_segments(policy: str) -> bool:
+    """Whether ``policy`` is a ``segments:k``/``sqrt`` spelling the cost model describes
+    (its inner policy one of ``REMAT``); ``plan --fix remat=sqrt+full`` searches it."""
+    try:
+        seg = segmented(policy)
+    except ShardingError:
+        return False
+    return seg is not None and seg[1] in REMAT
 
 
 def per_layer(policy: str) -> str:
