@@ -11,7 +11,8 @@ FLOPs counted from the optimized HLO with loop trips applied (REFERENCE.md), and
 planner's activation bytes for the same plan (``estimate``'s ``activations``).
 
 With ``--validate``: the planner's memory and wire bytes against the compiled train step
-(``planner.validate``, 8 simulated CPU devices) on plans no coefficient was fitted to.
+(``planner.validate``, 8 simulated CPU devices) on plans no coefficient was fitted to
+(GPipe ones included: the segments are a stage's layers, kept per loop trip).
 
 Printed fit: log-log slope of temp bytes in L (1 for per-layer policies, 1/2 for sqrt), and
 Chen et al.'s k·x + (L/k)·r with x (a segment input) and r (one layer's residuals under the
@@ -86,6 +87,9 @@ HELD_OUT = (  # (model, global batch, seq, layers, plan kwargs)
     ("llama-small", 16, 256, 8, dict(fsdp=8, remat="sqrt")),
     ("llama-small", 16, 256, 8, dict(data=4, tensor=2, remat="segments:4+selective")),
     ("llama-small", 16, 256, 9, dict(data=2, fsdp=4, remat="sqrt+full")),
+    ("llama-tiny", 16, 128, 16, dict(data=2, fsdp=2, tensor=2, remat="sqrt+full")),
+    ("llama-tiny", 16, 128, 16, dict(stage=2, data=2, tensor=2, microbatches=4, remat="sqrt")),
+    ("llama-tiny", 16, 128, 16, dict(stage=2, data=2, tensor=2, microbatches=4, remat="sqrt+full")),
 )
 
 

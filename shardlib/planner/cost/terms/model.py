@@ -118,7 +118,10 @@ def activations(step: Step) -> dict[str, float]:
         # the recomputed probabilities of one layer are live again (unless a term keeps no
         # score matrix: ring attention, a fused kernel)
         scores = w.heads * step.local_seq / view["tensor"]
-        working += c["remat_scores"] * b * step.local_seq * scores * w.compute_bytes
+        live = c["remat_scores"] * b * step.local_seq * scores * w.compute_bytes
+        # full inside segments: the segment's recompute and the layer's hold one each
+        # (compiled: +1 score set over this count on 3 layouts, benchmarks/sublinear_remat.py)
+        working += live * (2 if segments and policy == "full" else 1)
     if policy == "full":  # and the rest of the recomputed layer: part of the none set
         working += c["full_layer_live"] * layer_activation_bytes(step, b, "none", scores=False)
     working += sum(live(step, b) for live in step.hooks("working"))

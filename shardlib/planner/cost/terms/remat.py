@@ -29,8 +29,10 @@ Sublinear-memory checkpointing (``segments:k``, ``sqrt``, each with an optional
 ``+policy`` inside; Chen et al. 2016, ``parallel.segments``): a device keeps the k
 segment inputs (``full``'s per-layer count, k times) and, while one segment's backward
 runs, that segment's L/k layers under the inner policy (``segment_working``); the outer
-recompute is one more forward pass on top of the inner policy's. Costed outside a
-pipeline (a GPipe stage's trips and segments are not modelled together).
+recompute is one more forward pass on top of the inner policy's. Under GPipe the segments
+are a stage's L/p layers and each loop trip keeps its k inputs (``Term.scales_saved``:
+the trips); circular's per-trip rounds and 1F1B (which saves what it decides) are not
+costed with segments.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def _unmodelled(view) -> str:
         return f"remat={view.remat}" if view.remat not in REMAT else ""
     if seg[1] not in REMAT:
         return f"remat={view.remat} (inner policy {seg[1]})"
-    return f"remat={view.remat} with pipeline stages" if view["stage"] > 1 else ""
+    if view["stage"] > 1 and view.schedule != "gpipe":  # per-trip rounds; 1F1B's own saves
+        return f"remat={view.remat} with the {view.schedule} schedule"
+    return ""
 
 
 def by_definition(step: Step) -> bool:
