@@ -12,7 +12,12 @@ planner's activation bytes for the same plan (``estimate``'s ``activations``).
 
 With ``--validate``: the planner's memory and wire bytes against the compiled train step
 (``planner.validate``, 8 simulated CPU devices) on plans no coefficient was fitted to
-(GPipe ones included: the segments are a stage's layers, kept per loop trip).
+(GPipe and circular ones included: the segments are a stage's layers per loop trip).
+
+With ``--scale``: the 39B-class layout of ``pipeline_scale.py`` (hidden 8192, 64 heads, 48
+layers, seq 2048, GPipe over stage 2 x data 32 x tensor 8 = 512 simulated devices, m = 2,
+fp32) compiled from abstract shapes under full, sqrt and sqrt+full (``planner.validate``):
+memory, wire bytes and FLOPs per device, compiled and the planner's.
 
 Printed fit: log-log slope of temp bytes in L (1 for per-layer policies, 1/2 for sqrt), and
 Chen et al.'s k·x + (L/k)·r with x (a segment input) and r (one layer's residuals under the
@@ -30,7 +35,7 @@ import argparse  # noqa: E402
 
 from shardlib import simulate_cpu_devices  # noqa: E402
 
-simulate_cpu_devices(8)
+simulate_cpu_devices(512)
 import math  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -90,6 +95,30 @@ HELD_OUT = (  # (model, global batch, seq, layers, plan kwargs)
     ("llama-tiny", 16, 128, 16, dict(data=2, fsdp=2, tensor=2, remat="sqrt+full")),
     ("llama-tiny", 16, 128, 16, dict(stage=2, data=2, tensor=2, microbatches=4, remat="sqrt")),
     ("llama-tiny", 16, 128, 16, dict(stage=2, data=2, tensor=2, microbatches=4, remat="sqrt+full")),
+    (
+        "llama-tiny",
+        16,
+        128,
+        16,
+        dict(
+            stage=2, data=2, tensor=2, microbatches=4, schedule="circular", virtual=2, remat="sqrt"
+        ),
+    ),
+    (
+        "llama-tiny",
+        16,
+        128,
+        16,
+        dict(
+            stage=2,
+            data=2,
+            tensor=2,
+            microbatches=4,
+            schedule="circular",
+            virtual=2,
+            remat="sqrt+full",
+        ),
+    ),
 )
 
 
@@ -106,11 +135,32 @@ def validate_held_out() -> None:
               f"{c.wire_ratio:.3f}")  # fmt: skip
 
 
+def at_scale() -> None:
+    from benchmarks.pipeline_scale import LAYOUTS, SEQ, VOCAB
+    from shardlib.planner import Workload, candidate
+    from shardlib.planner.validate import validate
+
+    model, axes, per_replica = LAYOUTS["39b"]
+    batch, m = per_replica * axes["data"], axes["stage"]
+    w = Workload.from_preset("llama-70b", batch, SEQ, "fp32", **model, vocab=VOCAB)
+    print(f"39B-class, {axes}, GPipe m={m}, seq {SEQ}, fp32, per device")
+    for policy in ("full", "sqrt", "sqrt+full"):
+        c = validate(w, candidate(**axes, microbatches=m, remat=policy))
+        print(f"{policy:>10}: compiled {c.compiled_memory / 1e9:.2f} GB, planner "
+              f"{c.predicted_memory / 1e9:.2f} GB ({c.memory_ratio:.3f}); wire "
+              f"{c.wire_ratio:.3f}; FLOPs {c.compiled_flops / 1e15:.3f} PFLOP compiled, "
+              f"{c.predicted_flops / 1e15:.3f} planner")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 64])
     parser.add_argument("--validate", action="store_true", help="planner vs compiled only")
+    parser.add_argument("--scale", action="store_true", help="the 39B layout only")
     args = parser.parse_args()
+    if args.scale:
+        at_scale()
+        return 0
     if args.validate:
         validate_held_out()
         return 0

@@ -33,6 +33,7 @@ from shardlib.planner.cost.terms.remat import (
     saved_coefficients,
     saved_input_split,
     segments_of,
+    trip_layers,
 )
 
 
@@ -111,9 +112,10 @@ def activations(step: Step) -> dict[str, float]:
     w, view, c = step.workload, step.view, step.calib
     policy = per_layer(view.remat)
     segments = segments_of(step)
-    if segments:  # Chen et al.: k segment inputs kept, one segment's layers live
-        saved = layer_activation_bytes(step, b, "full") * segments * sets
-        working = layer_bytes * step.layers_per_device / segments
+    if segments:  # Chen et al.: k segment inputs per layer-loop call, one segment's layers live
+        calls = step.layers_per_device / trip_layers(step)  # circular: v rounds per set
+        saved = layer_activation_bytes(step, b, "full") * segments * sets * calls
+        working = layer_bytes * trip_layers(step) / segments
     if policy != "none" and "attention" not in replaced:
         # the recomputed probabilities of one layer are live again (unless a term keeps no
         # score matrix: ring attention, a fused kernel)

@@ -31,8 +31,8 @@ segment inputs (``full``'s per-layer count, k times) and, while one segment's ba
 runs, that segment's L/k layers under the inner policy (``segment_working``); the outer
 recompute is one more forward pass on top of the inner policy's. Under GPipe the segments
 are a stage's L/p layers and each loop trip keeps its k inputs (``Term.scales_saved``:
-the trips); circular's per-trip rounds and 1F1B (which saves what it decides) are not
-costed with segments.
+the trips); under circular a round's L/(p·v) (``trip_layers``). 1F1B, which saves what
+its schedule decides, is not costed with segments.
 """
 
 from __future__ import annotations
@@ -96,10 +96,18 @@ def recomputes_forward(policy: str) -> bool:
     return policy == "full" or segmented(policy) is not None
 
 
+def trip_layers(step: Step) -> int:
+    """Layers one call of the layer loop runs on a device: all of its layers, or under the
+    circular schedule one round's, L/(p·v) (``parallel.layer_loop.stage_layers``)."""
+    view = step.view
+    v = view.virtual if view["stage"] > 1 and view.schedule == "circular" else 1
+    return step.layers_per_device // v
+
+
 def segments_of(step: Step) -> int:
-    """k segments of the device's layers under ``segments``/``sqrt`` (0 otherwise)."""
+    """k segments of one layer-loop call's layers under ``segments``/``sqrt`` (0 otherwise)."""
     seg = segmented(step.view.remat)
-    return segment_count(seg[0], step.layers_per_device) if seg else 0
+    return segment_count(seg[0], trip_layers(step)) if seg else 0
 
 
 def _unmodelled(view) -> str:
@@ -108,8 +116,8 @@ def _unmodelled(view) -> str:
         return f"remat={view.remat}" if view.remat not in REMAT else ""
     if seg[1] not in REMAT:
         return f"remat={view.remat} (inner policy {seg[1]})"
-    if view["stage"] > 1 and view.schedule != "gpipe":  # per-trip rounds; 1F1B's own saves
-        return f"remat={view.remat} with the {view.schedule} schedule"
+    if view["stage"] > 1 and view.schedule == "1f1b":  # the schedule saves what it decides
+        return f"remat={view.remat} with the 1f1b schedule"
     return ""
 
 
