@@ -45,12 +45,18 @@ def reference():
 
 
 @pytest.mark.slow
-def test_segments_train_like_one_device(reference):
-    """sqrt segments with dots inside, over data x fsdp x tensor (GPipe stages run the same
-    ``stage_layers`` per stage: the segments are a stage's layers)."""
+@pytest.mark.parametrize(
+    ("axes", "remat"),
+    [
+        ({"data": 2, "fsdp": 2, "tensor": 2}, "sqrt+dots"),
+        ({"stage": 2, "data": 2, "tensor": 2}, "segments:2+dots"),  # in GPipe's stages
+    ],
+)
+def test_segments_train_like_one_device(axes, remat, reference):
+    """Segments with dots inside, over data x fsdp x tensor and inside GPipe stages (a
+    stage's 2 layers as 2 segments of 1), against one device without remat."""
     state, ref = reference
-    mesh = mesh_spec(data=2, fsdp=2, tensor=2).build()
-    setup = make_setup(override(BASE, {"remat": "sqrt+dots"}), mesh)
+    setup = make_setup(override(BASE, {"remat": remat}), mesh_spec(**axes).build())
     result = compare_traces(trace(setup, state, grads=False), ref)
     assert result.max_rel_loss_err <= FP32_TOLERANCE, result
     assert result.max_rel_grad_norm_err <= FP32_TOLERANCE, result
