@@ -91,11 +91,6 @@ def per_layer(policy: str) -> str:
     return seg[1] if seg else policy
 
 
-def recomputes_forward(policy: str) -> bool:
-    """Whether the backward re-runs whole layer forwards (their collectives too)."""
-    return policy == "full" or segmented(policy) is not None
-
-
 def trip_layers(step: Step) -> int:
     """Layers one call of the layer loop runs on a device: all of its layers, or under the
     circular schedule one round's, L/(p·v) (``parallel.layer_loop.stage_layers``)."""
