@@ -10,14 +10,15 @@ from shardlib.core.layout import constrain, use_layout
 from shardlib.parallel.layer_loop import cast_params, master_blocks
 
 
-def layer_stack_program(setup):
+def layer_stack_program(setup, *, forward_only: bool = False):
     """``(jitted, args)``: the stacked blocks alone, forward and backward, as the step runs them.
 
     The pipeline's bubble is extra FLOPs of the blocks; the embedding, head and optimizer
     stay replicated over ``stage`` and would blur it. ``explain(jitted, *args)`` of this
     program on p stages against the same on one device gives the bubble ratio directly.
     The blocks run through the plan's layer loop (remat policy, pipeline schedule, parameter
-    offload) on one gradient-accumulation micro-batch.
+    offload) on one gradient-accumulation micro-batch; ``forward_only``: the loss alone,
+    whose FLOPs are the forward pass a recompute repeats.
     """
     plan, workload = setup.plan, setup.workload
     graphdef, dtype = setup.graphdef, setup.compute_dtype
@@ -45,5 +46,6 @@ def layer_stack_program(setup):
         sharding=x_sharding,
     )
     shardings = (setup.param_shardings, x_sharding)
-    jitted = jax.jit(jax.grad(stack_loss, argnums=(0, 1)), in_shardings=shardings)
+    fn = stack_loss if forward_only else jax.grad(stack_loss, argnums=(0, 1))
+    jitted = jax.jit(fn, in_shardings=shardings)
     return jitted, (params, x)

@@ -5,7 +5,8 @@ in this one place:
 
 * ``remat`` wraps the per-layer ``block_fn`` in ``jax.checkpoint`` (parallel/remat.py);
   ``full`` outside a pipeline keeps each block's input split over ``tensor`` where the
-  residual stream is replicated there (``partition_saved_inputs``);
+  residual stream is replicated there (``partition_saved_inputs``); ``segments:k``/``sqrt``
+  nest that per-layer policy in checkpointed segments of layers (``parallel.segments``);
 * a ``stage`` mesh axis of size p > 1 switches the pipeline on: GPipe and circular replace
   the model's ``layers`` function (``pipeline/gpipe.py``); the 1F1B schedule replaces
   ``jax.value_and_grad`` itself and runs the loss's parts (``parallel/gradients.py``,
@@ -34,6 +35,7 @@ from shardlib.core.ops import scan_blocks
 from shardlib.parallel.pipeline.gpipe import pipeline_layers
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.remat import partition_saved_inputs, remat_block
+from shardlib.parallel.segments import scan_segments
 
 FETCHED = "fetched_param"  # checkpoint name of a layer's weights fetched from host
 
@@ -68,10 +70,12 @@ def layer_loop(plan, workload, dtype):
     def stage_layers(block_fn, blocks_state, x):
         if offload:
             block_fn = _fetch(block_fn, dtype)
-        if remat.mode == "full" and not offload and spec is None:
+        if remat.mode == "full" and not offload and spec is None and not remat.segments:
             block_fn = partition_saved_inputs(block_fn)  # split over tensor where replicated
         else:
             block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
+        if remat.segments:
+            return scan_segments(block_fn, blocks_state, x, remat.segments)
         return scan_blocks(block_fn, blocks_state, x)
 
     spec = plan.pipeline_spec()

@@ -12,7 +12,9 @@
 * ``names:a,b``: keep only the intermediates the model tagged ``a`` and ``b``
   (``jax.ad_checkpoint.checkpoint_name``; see the model's ``CHECKPOINT_NAMES``);
 * ``offload:a,b``: keep ``a`` and ``b`` too, but move them to ``pinned_host`` memory in the
-  forward pass and back to the device in the backward pass; recompute everything else.
+  forward pass and back to the device in the backward pass; recompute everything else;
+* ``segments:k`` / ``sqrt``, optionally ``+policy``: Chen et al.'s sublinear-memory
+  checkpointing over k segments of layers, the policy inside each (``parallel.segments``).
 
 The policy wraps the per-layer ``block_fn`` that the model hands to its ``layers``
 function, so it applies the same way inside the plain scan and inside pipeline stages.
@@ -43,6 +45,7 @@ from shardlib.core.layout import activation_spec, active_layout, mesh_axes
 from shardlib.core.mesh import Axis
 from shardlib.core.model import RESIDUAL
 from shardlib.core.rules import entry_axes
+from shardlib.parallel.segments import parse_segments, segment_count
 
 MODES = ("none", "full", "dots", "selective", "names", "offload")
 
@@ -55,6 +58,8 @@ class RematSpec:
     """One of ``MODES``."""
     names: tuple[str, ...] = ()
     """Checkpoint names kept (``names``) or offloaded to host (``offload``)."""
+    segments: int = 0
+    """Chen et al.'s segments around the per-layer policy: 0 none, k, or ``segments.SQRT``."""
 
     @property
     def active(self) -> bool:
@@ -82,13 +87,21 @@ class RematSpec:
 
 
 def parse_remat(text: str, known_names: tuple[str, ...] = ()) -> RematSpec:
-    """``"offload:mlp_hidden,attn_context"`` -> RematSpec, checking names against the model."""
+    """``"offload:mlp_hidden,attn_context"`` -> RematSpec, checking names against the model;
+    ``"sqrt+full"`` -> the per-layer policy ``full`` inside sqrt(L) segments."""
+    outer, plus, inner = text.partition("+")
+    segments = parse_segments(outer, text)
+    if segments:
+        spec = parse_remat(inner if plus else "none", known_names)
+        if spec.segments:
+            raise ShardingError(f"remat={text!r} nests segments twice. Fix: remat={outer}.")
+        return RematSpec(mode=spec.mode, names=spec.names, segments=segments)
     mode, _, rest = text.partition(":")
     names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if mode not in MODES:
         raise ShardingError(
             f"remat={text!r}: unknown mode {mode!r}. Fix: one of none, full, dots, selective, "
-            "names:<a,b>, offload:<a,b>."
+            "names:<a,b>, offload:<a,b>, segments:<k>[+policy], sqrt[+policy]."
         )
     if mode in ("names", "offload"):
         if not names:
@@ -115,7 +128,8 @@ class Remat:
     logical_names: ClassVar[dict[str, str]] = {}
 
     policy: str = "none"
-    """none | full | dots | selective | names:<a,b> | offload:<a,b> (module docstring)."""
+    """none | full | dots | selective | names:<a,b> | offload:<a,b>, or segments:<k> | sqrt
+    with an optional ``+policy`` inside the segments (module docstring)."""
 
     def __post_init__(self) -> None:
         parse_remat(self.policy)  # unknown modes fail when the plan is made
@@ -125,7 +139,9 @@ class Remat:
         return parse_remat(self.policy, workload.checkpoint_names if workload else ())
 
     def check(self, mesh_axes, rules, workload) -> None:
-        self.spec(workload)
+        spec = self.spec(workload)
+        if spec.segments > 0 and workload.blocks and mesh_axes.get(Axis.STAGE, 1) == 1:
+            segment_count(spec.segments, workload.blocks)  # a pipeline's stage: when traced
 
 
 def remat_block(block_fn: Callable, spec: RematSpec, never_save: tuple[str, ...] = ()) -> Callable:

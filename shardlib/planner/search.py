@@ -210,10 +210,15 @@ def rank_key(est: Estimate) -> tuple[float, float, float, float]:
 
 def trade_ranks(space: Space) -> list[tuple[int, ...]]:
     """How heavy each plan of a knob group is on each trade (its value's place in
-    ``Knob.values``), in the group's order (``knob_groups``: the product of the menus)."""
+    ``Knob.values``; a value given outside them, such as remat=sqrt, after them), in the
+    group's order (``knob_groups``: the product of the menus)."""
     menus = [space.menu(knob.name) for knob in TRADES]
+
+    def rank(knob, value) -> int:
+        return knob.values.index(value) if value in knob.values else len(knob.values)
+
     return [
-        tuple(knob.values.index(v) for knob, v in zip(TRADES, heavier, strict=True))
+        tuple(rank(knob, v) for knob, v in zip(TRADES, heavier, strict=True))
         for heavier in itertools.product(*menus)
     ]
 

@@ -27,6 +27,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
 from shardlib.planner.cost.terms import SEARCH_AXES
+from shardlib.planner.cost.terms.remat import modelled_segments
 from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
@@ -97,8 +98,8 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
         if not sep or not value:
             raise ShardingError(f"{flag} {word!r} is not NAME=VALUE. {example}")
         if key in ("schedule", "remat"):
-            allowed = SCHEDULES if key == "schedule" else REMAT
-            if value not in allowed:
+            allowed = SCHEDULES if key == "schedule" else (*REMAT, "segments:<k>", "sqrt")
+            if value not in allowed and not (key == "remat" and modelled_segments(value)):
                 raise ShardingError(f"{flag} {word}: {key} is one of {', '.join(allowed)}.")
             out[key] = value
         elif key == "attention":

@@ -34,6 +34,7 @@ from shardlib.planner.cost.terms.base import (
     per_step,
 )
 from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions, layer_runs
+from shardlib.planner.cost.terms.remat import segmented
 
 FSDP = str(Axis.FSDP)
 
@@ -115,8 +116,8 @@ def fsdp(step: Step) -> Contribution:
     layer_grads, outer_grads = gradient_reductions(step, axes)
     recompute = view.schedule == "1f1b" or view.remat == "full"
     passes = 3 if view["stage"] > 1 and recompute else 2
-    if view["stage"] == 1:
-        layer_gathers = 2 * step.layers_per_device * m
+    if view["stage"] == 1:  # segments (remat=sqrt): the segment's recompute gathers again
+        layer_gathers = (3 if segmented(view.remat) else 2) * step.layers_per_device * m
     elif view.virtual == 1 and step.layers_per_device == 1:
         layer_gathers = passes * step.layers_per_device
     else:

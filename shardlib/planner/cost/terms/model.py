@@ -28,9 +28,12 @@ from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
     by_definition,
+    per_layer,
     recompute_flops,
     saved_coefficients,
     saved_input_split,
+    segments_of,
+    trip_layers,
 )
 
 
@@ -52,7 +55,7 @@ def _layer_parts(
     w, view = step.workload, step.view
     t = view["tensor"]
     tokens = micro_batch * step.local_seq
-    policy = view.remat if policy is None else policy
+    policy = per_layer(view.remat) if policy is None else policy
     k = saved_coefficients(policy, step.calib, defined=by_definition(step))
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
@@ -100,19 +103,28 @@ def activations(step: Step) -> dict[str, float]:
     """Saved activations per device: the layers' sets the terms keep (one, or a pipeline's),
     what is live once, and the loss head's on the batch it runs on."""
     b = step.micro_batch
-    per_layer, replaced = _layer_parts(step, b, None, True)
+    layer_bytes, replaced = _layer_parts(step, b, None, True)
     sets = 1
     for scales in step.hooks("scales_saved"):
         sets *= scales(step)
-    saved = per_layer * step.layers_per_device * sets
+    saved = layer_bytes * step.layers_per_device * sets
     working = 0.0
     w, view, c = step.workload, step.view, step.calib
-    if view.remat != "none" and "attention" not in replaced:
+    policy = per_layer(view.remat)
+    segments = segments_of(step)
+    if segments:  # Chen et al.: k segment inputs per layer-loop call, one segment's layers live
+        calls = step.layers_per_device / trip_layers(step)  # circular: v rounds per set
+        saved = layer_activation_bytes(step, b, "full") * segments * sets * calls
+        working = layer_bytes * trip_layers(step) / segments
+    if policy != "none" and "attention" not in replaced:
         # the recomputed probabilities of one layer are live again (unless a term keeps no
         # score matrix: ring attention, a fused kernel)
         scores = w.heads * step.local_seq / view["tensor"]
-        working = c["remat_scores"] * b * step.local_seq * scores * w.compute_bytes
-    if view.remat == "full":  # and the rest of the recomputed layer: part of the none set
+        live = c["remat_scores"] * b * step.local_seq * scores * w.compute_bytes
+        # full inside segments: the segment's recompute and the layer's hold one each
+        # (compiled: +1 score set over this count on 3 layouts, benchmarks/sublinear_remat.py)
+        working += live * (2 if segments and policy == "full" else 1)
+    if policy == "full":  # and the rest of the recomputed layer: part of the none set
         working += c["full_layer_live"] * layer_activation_bytes(step, b, "none", scores=False)
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]

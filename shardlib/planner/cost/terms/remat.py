@@ -24,10 +24,21 @@ A term whose backward recomputes q·kᵀ whatever the policy says so
 Either way one layer's recomputed intermediates are live while its backward runs
 (``working_bytes``): the attention probabilities (``remat_scores``) and, under ``full``,
 the rest of the layer's residuals (``full_layer_live``: a fraction of the ``none`` set).
+
+Sublinear-memory checkpointing (``segments:k``, ``sqrt``, each with an optional
+``+policy`` inside; Chen et al. 2016, ``parallel.segments``): a device keeps the k
+segment inputs (``full``'s per-layer count, k times) and, while one segment's backward
+runs, that segment's L/k layers under the inner policy (``segment_working``); the outer
+recompute is one more forward pass on top of the inner policy's. Under GPipe the segments
+are a stage's L/p layers and each loop trip keeps its k inputs (``Term.scales_saved``:
+the trips); under circular a round's L/(p·v) (``trip_layers``). 1F1B, which saves what
+its schedule decides, is not costed with segments.
 """
 
 from __future__ import annotations
 
+from shardlib.core.errors import ShardingError
+from shardlib.parallel.segments import parse_segments, segment_count
 from shardlib.planner.cost.terms.base import Knob, Step, Term
 
 REMAT = ("none", "selective", "full")
@@ -54,6 +65,55 @@ on a GPU/TPU (``by_definition``); the CPU backend's is fitted (``layer_*`` coeff
 
 WIDTHS = ("h", "q", "qkv", "mlp", "scores")
 """The widths the saved counts are given in (``terms.model``)."""
+
+
+def segmented(policy: str) -> tuple[int, str] | None:
+    """(segments: k or ``segments.SQRT``, the per-layer policy inside) of ``segments:k`` /
+    ``sqrt`` with an optional ``+policy``; None for a per-layer policy."""
+    outer, _, inner = policy.partition("+")
+    segments = parse_segments(outer, policy)
+    return (segments, inner or "none") if segments else None
+
+
+def modelled_segments(policy: str) -> bool:
+    """Whether ``policy`` is a ``segments:k``/``sqrt`` spelling the cost model describes
+    (its inner policy one of ``REMAT``); ``plan --fix remat=sqrt+full`` searches it."""
+    try:
+        seg = segmented(policy)
+    except ShardingError:
+        return False
+    return seg is not None and seg[1] in REMAT
+
+
+def per_layer(policy: str) -> str:
+    """The per-layer policy: the one inside the segments, or the policy itself."""
+    seg = segmented(policy)
+    return seg[1] if seg else policy
+
+
+def trip_layers(step: Step) -> int:
+    """Layers one call of the layer loop runs on a device: all of its layers, or under the
+    circular schedule one round's, L/(p·v) (``parallel.layer_loop.stage_layers``)."""
+    view = step.view
+    v = view.virtual if view["stage"] > 1 and view.schedule == "circular" else 1
+    return step.layers_per_device // v
+
+
+def segments_of(step: Step) -> int:
+    """k segments of one layer-loop call's layers under ``segments``/``sqrt`` (0 otherwise)."""
+    seg = segmented(step.view.remat)
+    return segment_count(seg[0], trip_layers(step)) if seg else 0
+
+
+def _unmodelled(view) -> str:
+    seg = segmented(view.remat)
+    if seg is None:
+        return f"remat={view.remat}" if view.remat not in REMAT else ""
+    if seg[1] not in REMAT:
+        return f"remat={view.remat} (inner policy {seg[1]})"
+    if view["stage"] > 1 and view.schedule == "1f1b":  # the schedule saves what it decides
+        return f"remat={view.remat} with the 1f1b schedule"
+    return ""
 
 
 def by_definition(step: Step) -> bool:
@@ -97,8 +157,10 @@ def recompute_flops(step: Step, tokens: float, layer_flops: float, attn_flops: f
     A term may recompute the attention's probabilities in its backward whatever the policy
     (``Term.recomputes_scores``: ring attention's blocks): q·kᵀ again, as selective does.
     """
-    policy, layers = step.view.remat, step.layers_per_device
+    policy, layers = per_layer(step.view.remat), step.layers_per_device
     extra = 0.0
+    if segmented(step.view.remat):  # the outer recompute: each segment's forward once more
+        extra += tokens * layers * (layer_flops + attn_flops)
     scores = policy == "selective" or any(
         recomputes(step) for recomputes in step.hooks("recomputes_scores")
     )
@@ -113,6 +175,6 @@ TERM = Term(
     "remat",
     knobs=(Knob("remat", REMAT, trades=True),),
     settings=lambda view: {"remat": view.plan.remat.policy},
-    unmodelled=lambda view: f"remat={view.remat}" if view.remat not in REMAT else "",
+    unmodelled=_unmodelled,
     knobs_text=lambda view: f"remat={view.remat}" if view.remat != "none" else "",
 )

@@ -22,7 +22,7 @@ from shardlib.core.mesh import Axis
 from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
 from shardlib.planner.cost.terms.pipeline_loop import executed, layer_runs
-from shardlib.planner.cost.terms.remat import saved_input_split
+from shardlib.planner.cost.terms.remat import saved_input_split, segmented
 from shardlib.planner.cost.terms.tensor25d import grid_active
 
 FORWARD_PER_LAYER = 2
@@ -67,6 +67,8 @@ def tensor(step: Step) -> Contribution:
     forward = FORWARD_PER_LAYER
     if view.remat == "full" or (view["stage"] > 1 and view.schedule == "1f1b"):
         forward += RECOMPUTED_PER_LAYER
+    if seg := segmented(view.remat):  # the segment's forward again, its inner recompute
+        forward += FORWARD_PER_LAYER + (RECOMPUTED_PER_LAYER if seg[1] == "full" else 0)
     per_layer = (forward + BACKWARD_PER_LAYER) * layer_runs(step)  # with stages: loop trips
     if w.experts:  # an MoE block's MLP is its experts': the expert term's all-reduces
         per_layer -= (forward // 2 + 1) * layer_runs(step) / w.moe_every
