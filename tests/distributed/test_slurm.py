@@ -136,3 +136,51 @@ def test_a_batch_script_of_two_tasks_without_srun_is_told_to_use_srun(slurm, tmp
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1 and "start it with srun (srun shardlib train" in lines[0], text
     assert "coordinator_address" not in text
+
+
+def _task(marker: str, rank: int) -> tuple[int, str]:
+    """(PID, job id) of task ``rank`` of the step whose command line holds ``marker``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            words = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in words and b"srun" not in words[0]:
+            if f"SLURM_PROCID={rank}".encode() in environ:
+                job = next(w for w in environ if w.startswith(b"SLURM_JOB_ID="))
+                return int(proc.name), job.decode().partition("=")[2]
+    raise AssertionError(f"no task {rank} runs {marker}")
+
+
+@pytest.mark.slow
+def test_losing_rank_0_under_srun_is_one_line_within_the_heartbeat_bound(slurm, tmp_path):
+    """Under srun, with no rank flags, process 0 also hosts the coordination service in a
+    process of its own: SIGKILL to it ends the other with one line within half the
+    heartbeat timeout (6 s here), not JAX's C++ abort, and the step's output holds nothing
+    else of it."""
+    (tmp_path / "two.toml").write_text(TWO)
+    metrics, out = tmp_path / "m.jsonl", tmp_path / "step.out"
+    command = ["srun", "-N1", "-n2", *TRAIN[:2], "--mesh", str(tmp_path / "two.toml")]
+    command += ["--cpu-devices", "1", "--heartbeat-timeout", "6", *TRAIN[2:], "steps=100000"]
+    command += [f"metrics={metrics}"]
+    step = subprocess.Popen(command, env=slurm.env, stdout=out.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(records_of(metrics)) >= 3, [step], 150, 0.05, out.read_text)
+        (first, job), (second, _) = _task(f"metrics={metrics}", 0), _task(f"metrics={metrics}", 1)
+        os.kill(first, 9)
+        t0 = time.monotonic()
+        wait_for(lambda: not Path(f"/proc/{second}").exists(), [], 30, 0.05, out.read_text)
+        seconds = time.monotonic() - t0
+        # srun relays the line, then waits for the service host to linger out (11 s): ended
+        wait_for(lambda: "lost process 0" in out.read_text(), [], 10, 0.05, out.read_text)
+        slurm.run("scancel", job)
+        assert step.wait(timeout=30) != 0
+    finally:
+        step.kill()
+    text = out.read_text()
+    lost = [line for line in text.splitlines() if "lost process 0" in line]
+    assert lost == ["process 1: stopping: lost process 0: no sign of life for 3 s"], text
+    assert not re.search(r"Traceback|stack trace|Check failure|client\.h|coordination_se", text)
+    print(f"\nrank 0 killed under srun: rank 1 ended {seconds:.1f} s later (bound 6 s)")
+    assert seconds < 6
