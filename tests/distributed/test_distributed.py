@@ -74,3 +74,23 @@ def test_slurm_steps_of_one_job_get_their_own_coordinator(monkeypatch):
         launchers.launched()
     monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: a run of one process
     assert launchers.launched() is None
+
+
+def test_every_row_of_the_readme_fault_table_names_tests_that_exist():
+    """The README's table of staged faults: each row names at least one test, and each test
+    named is defined in the file named (``tests/distributed/`` unless a folder is given)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    start = text.index("| fault | bound | what is printed | exit | test |")
+    end = text.find("\n\n", start)
+    rows = text[start : end if end > 0 else None].splitlines()[2:]
+    assert len(rows) >= 16, rows  # the issue's 14 staged faults, rank 0 lost, preemption
+    for row in rows:
+        named = re.findall(r"`((?:tests/[\w/]+/)?\w+\.py)::(\w+)`", row.split(" | ")[-1])
+        assert named, row
+        for file, test in named:
+            path = root / (file if file.startswith("tests/") else f"tests/distributed/{file}")
+            assert f"def {test}(" in path.read_text(), (file, test)
