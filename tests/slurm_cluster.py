@@ -9,6 +9,7 @@ the foreground as a child of the test process and is ended by its PID.
 """
 
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -21,6 +22,7 @@ START_S = 20.0
 
 CONF = """\
 ClusterName=shardlibtest
+FirstJobId={first_job}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
@@ -115,7 +117,11 @@ def start(root: Path, env: dict[str, str], ports: tuple[int, int]) -> Slurm:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     conf = root / "slurm.conf"
-    conf.write_text(CONF.format(root=root, ctld_port=ports[0], d_port=ports[1]))
+    # job ids (and so the coordinator ports derived from them) unlike another such cluster's
+    first_job = random.randrange(1000, 1_000_000)
+    conf.write_text(
+        CONF.format(root=root, ctld_port=ports[0], d_port=ports[1], first_job=first_job)
+    )
     env = dict(env, SLURM_CONF=str(conf))
     munge = [_which("munged"), "--foreground", "--force", f"--key-file={key}"]
     munge += [f"--socket={root}/munge/socket", f"--pid-file={root}/munge/pid"]

@@ -118,7 +118,8 @@ def process_group(args, table: dict) -> ProcessGroup:
 def port_fix(launcher: str | None, host: str = "HOST") -> str:
     """How to give a run another coordinator port: a flag, or JAX's variable under a launcher."""
     if launcher:
-        return f"export JAX_COORDINATOR_PORT={_free_port() & ~1} (an even port) before {launcher}"
+        command = {"slurm": "srun", "openmpi": "mpirun"}.get(launcher, launcher)
+        return f"export JAX_COORDINATOR_PORT={_free_port() & ~1} (an even port) before {command}"
     return f"--coordinator {host}:{_free_port()}"
 
 
