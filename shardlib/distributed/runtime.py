@@ -186,7 +186,7 @@ def wait_for_coordinator(group: ProcessGroup) -> None:
 
 
 def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
-    """Join the run described by ``group`` (or by the launcher's environment).
+    """Join the run described by ``group`` (the flags', or the launcher's: ``process_group``).
 
     Returns the number of processes (1 when there is nothing to join). Must run before
     anything starts JAX's backend, and before ``simulate_cpu_devices``, which then counts
