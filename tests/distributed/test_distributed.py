@@ -94,3 +94,18 @@ def test_every_row_of_the_readme_fault_table_names_tests_that_exist():
         for file, test in named:
             path = root / (file if file.startswith("tests/") else f"tests/distributed/{file}")
             assert f"def {test}(" in path.read_text(), (file, test)
+
+
+def test_an_mpirun_job_gets_a_coordinator_on_mpiruns_host(monkeypatch):
+    for var in ("SLURM_JOB_ID", "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911")
+    got = launchers.launched()
+    host, _, port = got.coordinator.rpartition(":")
+    assert host == "10.96.0.1" and int(port) % 2 == 0 and 61440 <= int(port) < 65535
+    assert (got.num_processes, got.process_id, got.job_id) == (2, 1, "openmpi:373920")
+    monkeypatch.delenv("OMPI_MCA_orte_hnp_uri")  # Open MPI 5 / PMIx: the host is unknown
+    with pytest.raises(ShardingError, match=r"Fix: pass --coordinator HOST:PORT"):
+        launchers.launched()
