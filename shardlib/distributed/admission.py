@@ -89,8 +89,17 @@ def _read_desk(host: str, port: int) -> dict | None:
     return answer if isinstance(answer, dict) and answer.get("service") == SERVICE else None
 
 
-def ask_to_join(coordinator: str, job_id: str | None, process_id: int, timeout_s: float) -> None:
-    """Processes > 0: wait for process 0's desk, then join only a forming run of our job."""
+def ask_to_join(
+    coordinator: str,
+    job_id: str | None,
+    process_id: int,
+    timeout_s: float,
+    port_fix: str = "--coordinator HOST:PORT",
+) -> None:
+    """Processes > 0: wait for process 0's desk, then join only a forming run of our job.
+
+    ``port_fix``: how this job is given another coordinator port (a flag, or under a
+    launcher ``JAX_COORDINATOR_PORT``), named in the refusals."""
     host, port = desk_address(coordinator)
     deadline = time.monotonic() + timeout_s
     while (answer := _read_desk(host, port)) is None:
@@ -106,11 +115,11 @@ def ask_to_join(coordinator: str, job_id: str | None, process_id: int, timeout_s
         raise ShardingError(
             f"distributed: the coordinator at {coordinator} runs job {answer['job'] or '(none)'}"
             f", but this process was started for job {mine or '(none)'}; it did not join, and "
-            "that job is untouched. Fix: give every job its own --coordinator port."
+            f"that job is untouched. Fix: give every job its own coordinator port ({port_fix})."
         )
     if answer["running"]:
         raise ShardingError(
             f"distributed: the run at {coordinator} already has all its processes; this process "
             f"(process {process_id}) did not join, and that run is untouched. Fix: give every "
-            "job its own --coordinator port (and --job-id)."
+            f"job its own coordinator port ({port_fix}) and --job-id."
         )

@@ -11,7 +11,7 @@ outermost mesh axes, which is the order presets already follow (last axis = fast
 
 Joining is guarded: process 0 refuses a coordinator port that something already listens on
 (gRPC would share it with another job's coordinator, or crash), and the others ask process
-0's join desk (``join_desk.py``, the coordinator's port + 1) *before* joining whether the
+0's join desk (``admission.py``, the coordinator's port + 1) *before* joining whether the
 run there is of their job and still forming: a process of another job never reaches a
 running job's coordinator, which would abort it. The timeouts are settings (CLI flags, or a
 ``[distributed]`` table in the mesh file); ``heartbeat_timeout_s`` bounds how long a lost
@@ -30,20 +30,16 @@ from dataclasses import dataclass
 
 from shardlib.core.errors import ShardingError
 from shardlib.distributed.admission import JoinDesk, ask_to_join
+from shardlib.distributed.launchers import launched
 from shardlib.distributed.service_host import service_in_own_process
-
-# (marker, task count) environment variables by which JAX's cluster detection recognises a
-# launcher. A job launched by one of these needs no flags at all:
-# ``jax.distributed.initialize()`` reads the coordinator, process count and id from there.
-LAUNCHER_ENV = {
-    "slurm": ("SLURM_JOB_ID", "SLURM_NTASKS"),
-    "openmpi": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
-}
 
 
 @dataclass(frozen=True)
 class ProcessGroup:
-    """How this process joins a multi-process run (all None: let JAX detect it)."""
+    """How this process joins a multi-process run (all None: a run of one process).
+
+    The three values come from the flags, or from the launcher that started the process
+    (``launchers.launched``): either way the run joins through the same guards."""
 
     coordinator: str | None = None
     """``host:port`` of process 0's coordinator service."""
@@ -59,8 +55,10 @@ class ProcessGroup:
     """How long a finished process waits for the others to finish too."""
     job_id: str | None = None
     """Names the job: a process refuses to join a coordinator of another job (default:
-    ``$SHARDLIB_JOB_ID``, else ``$SLURM_JOB_ID``; None matches only None). Whatever the id,
-    nobody joins a run whose processes have all joined."""
+    ``$SHARDLIB_JOB_ID``, else the launcher's job and step, else ``$SLURM_JOB_ID``; None
+    matches only None). Whatever the id, nobody joins a run whose processes have all joined."""
+    launcher: str | None = None
+    """``"slurm"`` / ``"openmpi"`` when the launcher's environment gave the three values."""
 
     def __post_init__(self) -> None:
         given = [self.coordinator, self.num_processes, self.process_id]
@@ -104,12 +102,28 @@ def process_group(args, table: dict) -> ProcessGroup:
         flag = getattr(args, name, None)
         if flag is not None:
             values[name] = flag
+    where = (args.coordinator, args.num_processes, args.process_id)
+    by = launched() if all(v is None for v in where) else None  # the flags win
+    if by is not None:
+        where, values["launcher"] = (by.coordinator, by.num_processes, by.process_id), by.launcher
     if values.get("job_id") is None:
-        values["job_id"] = os.environ.get("SHARDLIB_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    return ProcessGroup(args.coordinator, args.num_processes, args.process_id, **values)
+        values["job_id"] = (
+            os.environ.get("SHARDLIB_JOB_ID")
+            or (by and by.job_id)
+            or os.environ.get("SLURM_JOB_ID")
+        )
+    return ProcessGroup(*where, **values)
 
 
-def check_port_free(coordinator: str) -> None:
+def port_fix(launcher: str | None, host: str = "HOST") -> str:
+    """How to give a run another coordinator port: a flag, or JAX's variable under a launcher."""
+    if launcher:
+        command = {"slurm": "srun", "openmpi": "mpirun"}.get(launcher, launcher)
+        return f"export JAX_COORDINATOR_PORT={_free_port() & ~1} (an even port) before {command}"
+    return f"--coordinator {host}:{_free_port()}"
+
+
+def check_port_free(coordinator: str, launcher: str | None = None) -> None:
     """Process 0: nothing may listen on the coordinator's port (gRPC shares ports)."""
     host, _, port = coordinator.rpartition(":")
     for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
@@ -128,7 +142,7 @@ def check_port_free(coordinator: str) -> None:
         raise ShardingError(
             f"distributed: coordinator port {port} is already in use on this host (another "
             f"job's coordinator, or another program). Fix: start the job with a free port, "
-            f"e.g. --coordinator {host or 'HOST'}:{_free_port()}."
+            f"e.g. {port_fix(launcher, host or 'HOST')}."
         )
 
 
@@ -171,45 +185,8 @@ def wait_for_coordinator(group: ProcessGroup) -> None:
         time.sleep(0.25)
 
 
-def detected_launcher() -> str | None:
-    """``"slurm"`` / ``"openmpi"`` when this process was started by one with >1 task."""
-    for name, (marker, size) in LAUNCHER_ENV.items():
-        if marker in os.environ and int(os.environ.get(size, "1") or 1) > 1:
-            return name
-    return None
-
-
-MPIRUN_GRACE_S = 30
-"""Seconds from a preemption to ``mpirun``'s SIGKILL of the ranks that a run of some size
-needs to finish its step and write a checkpoint."""
-
-
-def launcher_grace_note() -> str | None:
-    """Under ``mpirun``: how long the ranks live after a preemption, when that is short.
-
-    A scheduler preempts an MPI job by sending TERM to ``mpirun``. Open MPI 4.1 then sends
-    the ranks CONT at once (the run's preemption notice under mpirun: ``preempt.watched``),
-    TERM ``odls_base_sigkill_timeout`` seconds later and KILL as long after that (default 1
-    s each). The ranks stop at the next step boundary with a checkpoint, which a small run
-    does in a second and a large one does not, so the run says at start which setting gives
-    it room (mpirun passes ``--mca`` settings to the ranks as ``OMPI_MCA_*``)."""
-    if detected_launcher() != "openmpi":
-        return None
-    raw = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")
-    grace = 2 * (int(raw) if raw.strip().isdigit() else 1)
-    if grace >= MPIRUN_GRACE_S:
-        return None
-    return (
-        f"mpirun kills the ranks {grace} s after it is sent a TERM (twice "
-        "odls_base_sigkill_timeout): a preempted run stops at the next step with a "
-        "checkpoint only if the step and the save fit in that. Fix: mpirun --mca "
-        f"odls_base_sigkill_timeout {MPIRUN_GRACE_S} (or "
-        f"OMPI_MCA_odls_base_sigkill_timeout={MPIRUN_GRACE_S} in the environment)."
-    )
-
-
 def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
-    """Join the run described by ``group`` (or by the launcher's environment).
+    """Join the run described by ``group`` (the flags', or the launcher's: ``process_group``).
 
     Returns the number of processes (1 when there is nothing to join). Must run before
     anything starts JAX's backend, and before ``simulate_cpu_devices``, which then counts
@@ -217,7 +194,7 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
     """
     import jax
 
-    if not group.explicit and detected_launcher() is None:
+    if not group.explicit:
         return 1
     if jax.distributed.is_initialized():
         return jax.process_count()
@@ -225,15 +202,15 @@ def initialize(group: ProcessGroup, *, cpu: bool = False) -> int:
         # Collectives between CPU processes; the in-process default cannot cross processes.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     desk = None
-    if group.explicit:
-        from shardlib.distributed.peers import started_as
+    from shardlib.distributed.peers import started_as
 
-        started_as(group.process_id)
-    if group.explicit and group.process_id == 0:
-        check_port_free(group.coordinator)
+    started_as(group.process_id)
+    if group.process_id == 0:
+        check_port_free(group.coordinator, group.launcher)
         desk = JoinDesk(group.coordinator, group.job_id)
-    elif group.explicit:
-        ask_to_join(group.coordinator, group.job_id, group.process_id, group.init_timeout_s)
+    else:
+        fix = port_fix(group.launcher)
+        ask_to_join(group.coordinator, group.job_id, group.process_id, group.init_timeout_s, fix)
         wait_for_coordinator(group)
     wanted = {
         "initialization_timeout": group.init_timeout_s,

@@ -47,6 +47,10 @@ class HostedService:
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            # the service's own log lines (``coordination_service.cc``: tasks unhealthy) would
+            # land in the job's output under srun, after the one line the survivors print;
+            # a failure to start still reaches process 0, on stdout
+            stderr=subprocess.DEVNULL,
             text=True,
             start_new_session=True,  # a terminal's Ctrl-C reaches the trainers, not the host
         )

@@ -192,7 +192,7 @@ def cmd_train(args, console: Console) -> int:
         f"devices); {setup.attention.describe()}",
         soft_wrap=True,
     )
-    from shardlib.distributed.runtime import launcher_grace_note
+    from shardlib.distributed.launchers import launcher_grace_note
     from shardlib.train.fp8 import advice
 
     for hint in (advice(cfg.precision, setup.plan.remat.policy, platform), launcher_grace_note()):

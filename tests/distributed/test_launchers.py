@@ -15,7 +15,7 @@ import time
 import pytest
 from fault_runs import TINY, child_env, records_of, wait_for
 
-from shardlib.distributed.runtime import launcher_grace_note
+from shardlib.distributed.launchers import launcher_grace_note
 
 MPIRUN = shutil.which("mpirun")
 
