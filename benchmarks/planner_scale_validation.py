@@ -1,6 +1,7 @@
 """The planner's memory model at published scale: held-out plans, compiled.
 
-    python benchmarks/planner_scale_validation.py               # 7B/64, 70B/512, 175B/1024
+    python benchmarks/planner_scale_validation.py               # every scale below
+    python benchmarks/planner_scale_validation.py --scales gpt3-13b,gpt3-175b  # the GPT block
     python benchmarks/planner_scale_validation.py --scales 7b   # one scale
     python benchmarks/planner_scale_validation.py --json rows.json
 
@@ -72,6 +73,27 @@ SCALES = {
             "pick",
             dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
             dict(data=8, stage=16, tensor=8, schedule="1f1b", microbatches=24, remat="full"),
+        ],
+    ),
+    # the GPT block itself (models/gpt, issue 38), vocabulary padded to 50304 as Megatron pads
+    # GPT-2's 50257 (a multiple of 128, so tensor 8 splits the tied table)
+    "gpt3-13b": (
+        64,
+        "gpt3-13b",
+        {"vocab": 50304},
+        1024,
+        2048,
+        ["pick", dict(data=8, tensor=8, microbatches=8, remat="selective")],
+    ),
+    "gpt3-175b": (
+        1024,
+        "gpt3-175b",
+        {"vocab": 50304},
+        1536,
+        2048,
+        [
+            "pick",
+            dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
         ],
     ),
 }
@@ -166,7 +188,9 @@ def render(rows: list[dict], console) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scales", default=",".join(SCALES), help="comma-separated: 7b,70b,175b")
+    parser.add_argument(
+        "--scales", default=",".join(SCALES), help="comma-separated: " + ",".join(SCALES)
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     scales = args.scales.split(",")

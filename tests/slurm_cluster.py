@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import debian_packages
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scancel", "scontrol", "sinfo", "salloc")
 START_S = 20.0
@@ -53,7 +55,11 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
 
 def missing() -> str | None:
-    """Why no Slurm can be started here (None: it can)."""
+    """Why no Slurm can be started here (None: it can), after installing Debian's packages
+    where they are missing and apt and root allow (``debian_packages.ensure``)."""
+    why = debian_packages.ensure(("slurm-wlm", "munge"), DAEMONS + CLIENTS)
+    if why:
+        return why
     absent = [name for name in DAEMONS + CLIENTS if shutil.which(name) is None]
     for sbin in ("/usr/sbin", "/sbin"):  # daemons live in sbin, not always on PATH
         absent = [name for name in absent if not Path(sbin, name).exists()]

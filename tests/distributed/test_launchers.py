@@ -12,12 +12,20 @@ import subprocess
 import sys
 import time
 
+import debian_packages
 import pytest
 from fault_runs import TINY, child_env, records_of, wait_for
 
 from shardlib.distributed.launchers import launcher_grace_note
 
-MPIRUN = shutil.which("mpirun")
+
+def mpirun() -> str:
+    """Open MPI's ``mpirun``, installed from Debian's ``openmpi-bin`` if missing (where apt
+    and root allow; else the test skips with the reason)."""
+    why = debian_packages.ensure(("openmpi-bin",), ("mpirun",))
+    if why:
+        pytest.skip(why)
+    return shutil.which("mpirun")
 
 
 def test_under_mpirun_the_run_names_the_grace_setting_it_needs(monkeypatch):
@@ -33,7 +41,6 @@ def test_under_mpirun_the_run_names_the_grace_setting_it_needs(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed (openmpi-bin)")
 def test_term_to_mpirun_stops_both_ranks_at_a_step_with_a_checkpoint(tmp_path):
     """A scheduler preempts an MPI job with TERM to ``mpirun``, which sends the ranks CONT at
     once and TERM only ``odls_base_sigkill_timeout`` (30 s here) later: the ranks take the
@@ -46,7 +53,7 @@ def test_term_to_mpirun_stops_both_ranks_at_a_step_with_a_checkpoint(tmp_path):
     mesh, metrics, directory = tmp_path / "two.toml", tmp_path / "m.jsonl", tmp_path / "run"
     mesh.write_text('# Use this when: two processes\nplatform = "cpu"\n[mesh]\ndata = 2\n')
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    command = [MPIRUN, "-n", "2", "--oversubscribe", *root, "--mca", "btl_tcp_if_include", "lo"]
+    command = [mpirun(), "-n", "2", "--oversubscribe", *root, "--mca", "btl_tcp_if_include", "lo"]
     command += ["--mca", "odls_base_sigkill_timeout", "30"]
     command += ["--output-filename", str(tmp_path / "out"), sys.executable, "-m"]
     command += ["shardlib.tools.entry", "train", "--mesh", str(mesh), "--cpu-devices", "1"]
