@@ -47,9 +47,16 @@ comes first so that FSDP splits the embedding table and the output projection on
 (the lookup and the logits then run vocab-parallel; no whole table is gathered) and the
 logits [batch, seq, vocab] keep the vocab split rather than the batch split."""
 SHARED_MIN_ELEMENTS = 16_384
-"""A parameter with fewer elements none of whose dims divides stays replicated over a
-shared axis (a bias of 100 on 8 devices) instead of failing: it saves less memory than a
-refusal costs. A larger one that cannot be split is an error that names the dim."""
+"""A parameter with fewer elements per layer none of whose dims divides stays replicated
+over a shared axis (a bias of 100 on 8 devices; GPT-3 175B's key bias, 96 x 128 per layer,
+on fsdp=256) instead of failing: it saves less memory than a refusal costs. Counted per
+layer (the stacked ``layers`` dim left out), so a stacked bias is judged as the bias of one
+block is. A larger one that cannot be split is an error that names the dim."""
+
+
+def per_layer_elements(shape: tuple[int, ...], names: tuple[str | None, ...]) -> int:
+    """Elements of one layer's slice of a parameter (all of it without a ``layers`` dim)."""
+    return math.prod(s for s, n in zip(shape, names, strict=True) if n != "layers")
 
 
 def _freeze(table: Mapping[str, tuple[str, ...] | str | None]) -> Mapping[str, tuple[str, ...]]:
@@ -183,8 +190,8 @@ def shared_dims(
 
     Each shared axis goes to the first dim, in ``SHARED_ORDER`` (then dim order), whose
     name maps to it and whose size divides by it and the axes already there; every other
-    dim drops it. If none divides, a parameter under ``SHARED_MIN_ELEMENTS`` elements is
-    replicated over the axis; any other tensor leaves it on its first such dim, for
+    dim drops it. If none divides, a parameter under ``SHARED_MIN_ELEMENTS`` elements per
+    layer is replicated over the axis; any other tensor leaves it on its first such dim, for
     ``resolve_spec`` to report. Without ``shape`` (a spec with no tensor) every dim counts
     as divisible.
     """
@@ -196,7 +203,11 @@ def shared_dims(
         (d for d, n in enumerate(names) if n is not None and n in table),
         key=lambda d: (rank.get(names[d], len(rank)), d),
     )
-    small = kind == "params" and shape is not None and math.prod(shape) < SHARED_MIN_ELEMENTS
+    small = (
+        kind == "params"
+        and shape is not None
+        and per_layer_elements(shape, names) < (SHARED_MIN_ELEMENTS)
+    )
     dims = {
         d: tuple(a for a in table[n] if a not in rules.shared)
         for d, n in enumerate(names)
