@@ -24,8 +24,9 @@ correction and learning rate as the whole update would.
 That is exact for optimizers whose update is elementwise given those scalars (Adam, AdamW,
 SGD with momentum): ``ELEMENTWISE``. LAMB, LARS (a trust ratio per tensor) and Adafactor
 (factored statistics) are not, and are refused with the fix. Gradient clipping by the
-global norm is applied once, before the loop, over the whole gradient; the chain's own clip
-then sees slices whose norm is at most the clipped global norm and leaves them alone.
+global norm scales each slice by the whole gradient's norm (``grad_norm``, offloaded rows
+summed one at a time); the chain's own clip then sees slices whose norm is at most the
+clipped global norm and leaves them alone.
 """
 
 from __future__ import annotations
@@ -42,20 +43,28 @@ ELEMENTWISE = ("adamw", "adam", "sgd")
 """Optimizers whose update of one element reads only that element and the shared scalars."""
 
 
-def check(plan, optimizer) -> None:
+def streams(plan) -> bool:
+    """Whether the train step updates per layer: something is offloaded and ``per_layer``."""
+    return plan.offload.per_layer and (plan.offload.optimizer or plan.offload.params)
+
+
+def check(plan, optimizer, *, loss_scaled: bool = False) -> None:
     """Refuse a streamed update that would not equal the whole one, before compiling."""
-    if not (plan.offload.optimizer and plan.offload.per_layer):
+    if not streams(plan):
         return
     problems = []
+    if loss_scaled and plan.offload.params:
+        problems.append("fp16 loss scaling tests every gradient for finiteness at once, and "
+                        "offloaded weights' gradients stay in host memory")  # fmt: skip
     if optimizer.name not in ELEMENTWISE or plan.data.onebit_momentum:
         problems.append(f"optimizer={optimizer.name} is not elementwise (a per-tensor trust "
                         "ratio, factored statistics or a momentum exchange)")  # fmt: skip
-    if plan.pipeline_spec() is not None:
+    if plan.pipeline_spec() is not None:  # (offload.params refuses a stage axis itself)
         problems.append("a stage axis splits the stacked layers' dim over devices")
     if problems:
         raise ShardingError(
-            f"offload.optimizer with offload.per_layer (the state updated one layer at a time "
-            f"on the device): {'; '.join(problems)}. Fix: offload_per_layer=false (the whole "
+            f"offload with offload.per_layer (the update streamed one layer at a time through "
+            f"the device): {'; '.join(problems)}. Fix: offload_per_layer=false (the whole "
             f"state visits the device for the update), or optimizer={'/'.join(ELEMENTWISE)} "
             "without a stage axis."
         )
@@ -96,6 +105,27 @@ def _put_row(x, row, i):
     return jax.lax.dynamic_update_slice_in_dim(x, jax.device_put(row, space), i, 0)
 
 
+def _sum_squares(x, layers: int) -> jax.Array:
+    """``sum(x**2)`` in fp32; a host-memory stacked ``x`` one row at a time on the device."""
+    if jax.typeof(x).memory_space != jax.memory.Space.Host:
+        return jnp.sum(jnp.square(x.astype(jnp.float32)))
+    row_sum = lambda i, acc: acc + _sum_squares(_layer(x, i), layers)  # noqa: E731
+    return jax.lax.fori_loop(0, layers, row_sum, jnp.zeros((), jnp.float32))
+
+
+def grad_norm(grads, layers: int) -> jax.Array:
+    """The global norm of ``grads``, whose stacked leaves may be in host memory."""
+    return jnp.sqrt(sum(_sum_squares(g, layers) for g in jax.tree.leaves(grads)))
+
+
+def _clipper(norm, clip_norm: float):
+    """optax.clip_by_global_norm's scaling by an already known global ``norm`` (its own
+    update would compute the norm of whatever slice it is given)."""
+    if clip_norm <= 0:
+        return lambda g: g
+    return lambda g: jnp.where(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm)
+
+
 def streamed_update(
     tx: optax.GradientTransformation,
     grads: dict,
@@ -105,17 +135,20 @@ def streamed_update(
     layers: int,
     state_shardings=None,
     clip_norm: float = 0.0,
+    state_on_host: bool = True,
 ):
-    """``(new_params, new_opt_state)`` as ``tx.update`` + ``optax.apply_updates`` give them,
-    with the stacked state moved to the device one layer per loop trip (module docstring).
+    """``(new_params, new_opt_state, grad_norm)``: what ``tx.update`` + ``optax.apply_updates``
+    give, with the stacked state moved to the device one layer per loop trip (module
+    docstring), and the gradient's global norm (``grad_norm``).
 
-    ``grads`` and ``params`` are ``{"blocks": {... [layers, ...]}, ...}`` trees in device
-    memory (stacked parameters may be in host memory: they are streamed alike);
-    ``opt_state`` is optax's state, its leaves in host memory; ``state_shardings`` (a tree
-    like it) keeps each device slice in its state tensor's layout.
+    ``grads`` and ``params`` are ``{"blocks": {... [layers, ...]}, ...}`` trees; the stacked
+    ones may be in host memory (offloaded weights and their gradients): they stream alike;
+    ``opt_state`` is optax's state, its leaves in host memory (``state_on_host``, ZeRO-Offload)
+    or on the device (parameter offload alone: then the stacked weights stream);
+    ``state_shardings`` (a tree like it) keeps each device slice in its state tensor's layout.
     """
-    if clip_norm > 0:  # once, over the whole gradient (the per-layer clip is then a no-op)
-        grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+    norm = grad_norm(grads, layers)
+    clip = _clipper(norm, clip_norm)
     leaves, treedef = jax.tree.flatten(opt_state)
     kinds = state_kinds(tx, opt_state, params)
     if len(kinds) != len(leaves):
@@ -128,7 +161,8 @@ def streamed_update(
     )  # fmt: skip
     scalars = [jax.device_put(x, jax.memory.Space.Device) if k == OTHER else None
                for x, k in zip(leaves, kinds, strict=True)]  # fmt: skip
-    host = [jax.device_put(x, jax.memory.Space.Host) if k == STACKED else None
+    space = jax.memory.Space.Host if state_on_host else jax.memory.Space.Device
+    rows = [jax.device_put(x, space) if k == STACKED else None
             for x, k in zip(leaves, kinds, strict=True)]  # fmt: skip
 
     def call(state_leaves, g, p):
@@ -143,7 +177,7 @@ def streamed_update(
     on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731
     rest_state = [_empty(x) if k == STACKED else s if k == OTHER else on_device(x)
                   for x, k, s in zip(leaves, kinds, scalars, strict=True)]  # fmt: skip
-    rest_params, rest_new = call(rest_state, rest_only(grads, lambda v: v),
+    rest_params, rest_new = call(rest_state, rest_only(grads, lambda v: jax.tree.map(clip, v)),
                                  rest_only(params, lambda v: v))  # fmt: skip
 
     def trip(i, carry):
@@ -154,7 +188,7 @@ def streamed_update(
             for x, h, k, s, sh in zip(leaves, state_rows, kinds, scalars, shards, strict=True)
         ]  # fmt: skip
         g = {**jax.tree.map(_empty, {k: v for k, v in grads.items() if k != BLOCKS}),
-             BLOCKS: row(grads[BLOCKS])}  # fmt: skip
+             BLOCKS: jax.tree.map(clip, row(grads[BLOCKS]))}  # fmt: skip
         p = {**jax.tree.map(_empty, {k: v for k, v in params.items() if k != BLOCKS}),
              BLOCKS: row(blocks)}  # fmt: skip
         new_p, new_leaves = call(layer_state, g, p)
@@ -163,8 +197,8 @@ def streamed_update(
                       for h, r, k in zip(state_rows, new_leaves, kinds, strict=True)]  # fmt: skip
         return blocks, state_rows
 
-    blocks, state_rows = jax.lax.fori_loop(0, layers, trip, (params[BLOCKS], host))
+    blocks, state_rows = jax.lax.fori_loop(0, layers, trip, (params[BLOCKS], rows))
     new_leaves = [h if k == STACKED else r
                   for h, r, k in zip(state_rows, rest_new, kinds, strict=True)]  # fmt: skip
     new_params = {k: (blocks if k == BLOCKS else v) for k, v in rest_params.items()}
-    return new_params, jax.tree.unflatten(treedef, new_leaves)
+    return new_params, jax.tree.unflatten(treedef, new_leaves), norm

@@ -27,7 +27,7 @@ from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
-from shardlib.parallel.offload_stream import streamed_update
+from shardlib.parallel.offload_stream import streamed_update, streams
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
@@ -288,15 +288,18 @@ def build_train_step(setup: TrainSetup):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
-            if plan.offload.optimizer and plan.offload.per_layer:  # one layer on the device
-                grads = jax.lax.with_sharding_constraint(on_device(grads), setup.update_shardings)
-                new_params, new_opt_state = streamed_update(
+            if streams(plan):  # offloaded state and weights visit the device one layer at a time
+                if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
+                    grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
+                new_params, new_opt_state, grad_norm = streamed_update(
                     tx, grads, opt_state, params, layers=setup.workload.blocks,
                     state_shardings=setup.opt_state_shardings, clip_norm=cfg.optimizer.clip_norm,
+                    state_on_host=plan.offload.optimizer,
                 )  # fmt: skip
             else:
                 new_params, new_opt_state = _whole_update(setup, grads, opt_state, params)
-        metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
+                grad_norm = global_norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
