@@ -88,7 +88,7 @@ def state_kinds(tx: optax.GradientTransformation, opt_state, params) -> list[str
 
 def _empty(x):
     """A zero-size stand-in of ``x`` with its rank (dim 0 of length 0), on the device."""
-    return jnp.zeros((0, *x.shape[1:]) if x.ndim else (0,), x.dtype)
+    return jnp.zeros((0, *x.shape[1:]) if len(x.shape) else (0,), x.dtype)
 
 
 def _layer(x, i, sharding=None):
@@ -124,6 +124,48 @@ def _clipper(norm, clip_norm: float):
     if clip_norm <= 0:
         return lambda g: g
     return lambda g: jnp.where(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm)
+
+
+def _call(tx, treedef, state_leaves, g, p):
+    """optax's update + apply_updates on one part: (new params, new state leaves)."""
+    updates, new_state = tx.update(g, jax.tree.unflatten(treedef, state_leaves), p)
+    return optax.apply_updates(p, updates), jax.tree.leaves(new_state)
+
+
+def _stand_ins(tree: dict, blocks=None) -> dict:
+    """``tree`` with every part but ``blocks`` replaced by zero-size stand-ins."""
+    out = {k: jax.tree.map(_empty, v) for k, v in tree.items() if k != BLOCKS}
+    return {**out, BLOCKS: blocks}
+
+
+def rest_update(tx, treedef, kinds, leaves, rest, scalars, grads, params, clip):
+    """The parameters that are not stacked, in one call: ``rest`` holds their state leaves
+    (device arrays at the REST positions), ``scalars`` the OTHER ones. Returns the new
+    parameters (``blocks`` a stand-in) and every new state leaf (OTHER ones from here)."""
+    state = [_empty(x) if k == STACKED else s if k == OTHER else r
+             for x, k, s, r in zip(leaves, kinds, scalars, rest, strict=True)]  # fmt: skip
+    g = {k: (v if k == BLOCKS else jax.tree.map(clip, v)) for k, v in grads.items()}
+    g[BLOCKS] = jax.tree.map(_empty, grads[BLOCKS])
+    p = {**params, BLOCKS: jax.tree.map(_empty, params[BLOCKS])}
+    return _call(tx, treedef, state, g, p)
+
+
+def layer_update(tx, treedef, kinds, leaves, layer_rows, scalars, grads, blocks, i, clip):
+    """Layer ``i``: ``layer_rows`` holds its state rows ([1, ...], device, at the STACKED
+    positions), ``grads`` is ``(the gradient tree, its blocks' row i)``; ``blocks`` the
+    stacked weights, returned with row ``i`` updated in place, with the new state leaves."""
+    grads, grads_row = grads
+    state = [r if k == STACKED else s if k == OTHER else _empty(x)
+             for x, k, s, r in zip(leaves, kinds, scalars, layer_rows, strict=True)]  # fmt: skip
+    g = _stand_ins(grads, jax.tree.map(clip, grads_row))
+    p = _stand_ins(_rest_shapes(grads), jax.tree.map(lambda x: _layer(x, i), blocks))
+    new_p, new_leaves = _call(tx, treedef, state, g, p)
+    blocks = jax.tree.map(lambda x, r: _put_row(x, r, i), blocks, new_p[BLOCKS])
+    return blocks, new_leaves
+
+
+def _rest_shapes(tree: dict) -> dict:
+    return {k: v for k, v in tree.items() if k != BLOCKS}
 
 
 def streamed_update(
@@ -165,34 +207,19 @@ def streamed_update(
     rows = [jax.device_put(x, space) if k == STACKED else None
             for x, k in zip(leaves, kinds, strict=True)]  # fmt: skip
 
-    def call(state_leaves, g, p):
-        state = jax.tree.unflatten(treedef, state_leaves)
-        updates, new_state = tx.update(g, state, p)
-        return optax.apply_updates(p, updates), jax.tree.leaves(new_state)
-
-    def rest_only(tree, fill):
-        return {k: (jax.tree.map(_empty, v) if k == BLOCKS else fill(v)) for k, v in tree.items()}
-
     # the parameters that are not stacked: one call, their state whole on the device
     on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731
-    rest_state = [_empty(x) if k == STACKED else s if k == OTHER else on_device(x)
-                  for x, k, s in zip(leaves, kinds, scalars, strict=True)]  # fmt: skip
-    rest_params, rest_new = call(rest_state, rest_only(grads, lambda v: jax.tree.map(clip, v)),
-                                 rest_only(params, lambda v: v))  # fmt: skip
+    rest = [on_device(x) if k == REST else None for x, k in zip(leaves, kinds, strict=True)]
+    rest_params, rest_new = rest_update(tx, treedef, kinds, leaves, rest, scalars, grads,
+                                        params, clip)  # fmt: skip
 
     def trip(i, carry):
         blocks, state_rows = carry
-        row = lambda tree: jax.tree.map(lambda x: _layer(x, i), tree)  # noqa: E731
-        layer_state = [
-            _layer(h, i, sh) if k == STACKED else s if k == OTHER else _empty(x)
-            for x, h, k, s, sh in zip(leaves, state_rows, kinds, scalars, shards, strict=True)
-        ]  # fmt: skip
-        g = {**jax.tree.map(_empty, {k: v for k, v in grads.items() if k != BLOCKS}),
-             BLOCKS: jax.tree.map(clip, row(grads[BLOCKS]))}  # fmt: skip
-        p = {**jax.tree.map(_empty, {k: v for k, v in params.items() if k != BLOCKS}),
-             BLOCKS: row(blocks)}  # fmt: skip
-        new_p, new_leaves = call(layer_state, g, p)
-        blocks = jax.tree.map(lambda x, r: _put_row(x, r, i), blocks, new_p[BLOCKS])
+        layer_rows = [_layer(h, i, sh) if k == STACKED else None
+                      for h, k, sh in zip(state_rows, kinds, shards, strict=True)]  # fmt: skip
+        grads_row = jax.tree.map(lambda x: _layer(x, i), grads[BLOCKS])
+        blocks, new_leaves = layer_update(tx, treedef, kinds, leaves, layer_rows, scalars,
+                                          (grads, grads_row), blocks, i, clip)  # fmt: skip
         state_rows = [_put_row(h, r, i) if k == STACKED else h
                       for h, r, k in zip(state_rows, new_leaves, kinds, strict=True)]  # fmt: skip
         return blocks, state_rows

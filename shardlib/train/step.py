@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, use_layout
 from shardlib.core.model import embed_takes_positions
 from shardlib.core.ops import Packed, run_blocks, use_matmul
@@ -265,6 +266,12 @@ def build_train_step(setup: TrainSetup):
     scaled, and a step with non-finite gradients changes neither parameters nor optimizer
     state.
     """
+    if setup.plan.offload.nvme_path:
+        raise ShardingError(
+            f"offload.nvme_path={setup.plan.offload.nvme_path!r}: the update reads its state "
+            "from files between device calls, outside one compiled step. Fix: train with "
+            "shardlib.train.nvme.build_nvme_step, or drop nvme_path (host memory)."
+        )
     loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
     if setup.plan.data.onebit_momentum:  # the optimizer's update communicates: shard_map
         from shardlib.train.onebit import build_onebit_step
