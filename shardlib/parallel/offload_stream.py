@@ -48,14 +48,11 @@ def streams(plan) -> bool:
     return plan.offload.per_layer and (plan.offload.optimizer or plan.offload.params)
 
 
-def check(plan, optimizer, *, loss_scaled: bool = False) -> None:
+def check(plan, optimizer) -> None:
     """Refuse a streamed update that would not equal the whole one, before compiling."""
     if not streams(plan):
         return
     problems = []
-    if loss_scaled and plan.offload.params:
-        problems.append("fp16 loss scaling tests every gradient for finiteness at once, and "
-                        "offloaded weights' gradients stay in host memory")  # fmt: skip
     if optimizer.name not in ELEMENTWISE or plan.data.onebit_momentum:
         problems.append(f"optimizer={optimizer.name} is not elementwise (a per-tensor trust "
                         "ratio, factored statistics or a momentum exchange)")  # fmt: skip
@@ -126,10 +123,17 @@ def _clipper(norm, clip_norm: float):
     return lambda g: jnp.where(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm)
 
 
-def _call(tx, treedef, state_leaves, g, p):
-    """optax's update + apply_updates on one part: (new params, new state leaves)."""
+def _call(tx, treedef, state_leaves, g, p, keep=None):
+    """optax's update + apply_updates on one part: (new params, new state leaves); where
+    ``keep`` (a boolean scalar: fp16's finite gradients) is false, the old ones."""
     updates, new_state = tx.update(g, jax.tree.unflatten(treedef, state_leaves), p)
-    return optax.apply_updates(p, updates), jax.tree.leaves(new_state)
+    new_p, new_leaves = optax.apply_updates(p, updates), jax.tree.leaves(new_state)
+    if keep is None:
+        return new_p, new_leaves
+    pick = lambda new, old: jnp.where(keep, new, old)  # noqa: E731
+    return jax.tree.map(pick, new_p, p), [
+        pick(n, o) for n, o in zip(new_leaves, state_leaves, strict=True)
+    ]
 
 
 def _stand_ins(tree: dict, blocks=None) -> dict:
@@ -138,7 +142,7 @@ def _stand_ins(tree: dict, blocks=None) -> dict:
     return {**out, BLOCKS: blocks}
 
 
-def rest_update(tx, treedef, kinds, leaves, rest, scalars, grads, params, clip):
+def rest_update(tx, treedef, kinds, leaves, rest, scalars, grads, params, clip, keep=None):
     """The parameters that are not stacked, in one call: ``rest`` holds their state leaves
     (device arrays at the REST positions), ``scalars`` the OTHER ones. Returns the new
     parameters (``blocks`` a stand-in) and every new state leaf (OTHER ones from here)."""
@@ -147,10 +151,11 @@ def rest_update(tx, treedef, kinds, leaves, rest, scalars, grads, params, clip):
     g = {k: (v if k == BLOCKS else jax.tree.map(clip, v)) for k, v in grads.items()}
     g[BLOCKS] = jax.tree.map(_empty, grads[BLOCKS])
     p = {**params, BLOCKS: jax.tree.map(_empty, params[BLOCKS])}
-    return _call(tx, treedef, state, g, p)
+    return _call(tx, treedef, state, g, p, keep)
 
 
-def layer_update(tx, treedef, kinds, leaves, layer_rows, scalars, grads, blocks, i, clip):
+def layer_update(tx, treedef, kinds, leaves, layer_rows, scalars, grads, blocks, i, clip,
+                 keep=None):  # fmt: skip
     """Layer ``i``: ``layer_rows`` holds its state rows ([1, ...], device, at the STACKED
     positions), ``grads`` is ``(the gradient tree, its blocks' row i)``; ``blocks`` the
     stacked weights, returned with row ``i`` updated in place, with the new state leaves."""
@@ -159,7 +164,7 @@ def layer_update(tx, treedef, kinds, leaves, layer_rows, scalars, grads, blocks,
              for x, k, s, r in zip(leaves, kinds, scalars, layer_rows, strict=True)]  # fmt: skip
     g = _stand_ins(grads, jax.tree.map(clip, grads_row))
     p = _stand_ins(_rest_shapes(grads), jax.tree.map(lambda x: _layer(x, i), blocks))
-    new_p, new_leaves = _call(tx, treedef, state, g, p)
+    new_p, new_leaves = _call(tx, treedef, state, g, p, keep)
     blocks = jax.tree.map(lambda x, r: _put_row(x, r, i), blocks, new_p[BLOCKS])
     return blocks, new_leaves
 
@@ -178,6 +183,8 @@ def streamed_update(
     state_shardings=None,
     clip_norm: float = 0.0,
     state_on_host: bool = True,
+    keep=None,
+    norm=None,
 ):
     """``(new_params, new_opt_state, grad_norm)``: what ``tx.update`` + ``optax.apply_updates``
     give, with the stacked state moved to the device one layer per loop trip (module
@@ -187,9 +194,12 @@ def streamed_update(
     ones may be in host memory (offloaded weights and their gradients): they stream alike;
     ``opt_state`` is optax's state, its leaves in host memory (``state_on_host``, ZeRO-Offload)
     or on the device (parameter offload alone: then the stacked weights stream);
-    ``state_shardings`` (a tree like it) keeps each device slice in its state tensor's layout.
+    ``state_shardings`` (a tree like it) keeps each device slice in its state tensor's layout;
+    ``keep`` (fp16: whether the gradients are finite) keeps the old values where false, on
+    the device, row by row (a select between host and device buffers does not compile);
+    ``norm``: ``grad_norm(grads, layers)`` where the caller has it already.
     """
-    norm = grad_norm(grads, layers)
+    norm = grad_norm(grads, layers) if norm is None else norm
     clip = _clipper(norm, clip_norm)
     leaves, treedef = jax.tree.flatten(opt_state)
     kinds = state_kinds(tx, opt_state, params)
@@ -211,7 +221,7 @@ def streamed_update(
     on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731
     rest = [on_device(x) if k == REST else None for x, k in zip(leaves, kinds, strict=True)]
     rest_params, rest_new = rest_update(tx, treedef, kinds, leaves, rest, scalars, grads,
-                                        params, clip)  # fmt: skip
+                                        params, clip, keep)  # fmt: skip
 
     def trip(i, carry):
         blocks, state_rows = carry
@@ -219,7 +229,7 @@ def streamed_update(
                       for h, k, sh in zip(state_rows, kinds, shards, strict=True)]  # fmt: skip
         grads_row = jax.tree.map(lambda x: _layer(x, i), grads[BLOCKS])
         blocks, new_leaves = layer_update(tx, treedef, kinds, leaves, layer_rows, scalars,
-                                          (grads, grads_row), blocks, i, clip)  # fmt: skip
+                                          (grads, grads_row), blocks, i, clip, keep)  # fmt: skip
         state_rows = [_put_row(h, r, i) if k == STACKED else h
                       for h, r, k in zip(state_rows, new_leaves, kinds, strict=True)]  # fmt: skip
         return blocks, state_rows

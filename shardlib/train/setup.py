@@ -320,7 +320,7 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     optimizer, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
     plan.check(workload)
     # the streamed update needs an elementwise optimizer
-    offload_stream.check(plan, optimizer, loss_scaled=precision.uses_loss_scale(cfg.precision))
+    offload_stream.check(plan, optimizer)
     fp8.check(cfg, plan, workload)  # the layouts FP8 training refuses
     with suggest_presets(batch=workload.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")

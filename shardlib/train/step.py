@@ -28,6 +28,7 @@ from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
+from shardlib.parallel.offload_stream import grad_norm as streamed_grad_norm
 from shardlib.parallel.offload_stream import streamed_update, streams
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
@@ -295,13 +296,17 @@ def build_train_step(setup: TrainSetup):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
+            finite = precision.all_finite(grads) if scaled and not streams(plan) else None
             if streams(plan):  # offloaded state and weights visit the device one layer at a time
                 if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
                     grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
-                new_params, new_opt_state, grad_norm = streamed_update(
+                grad_norm = streamed_grad_norm(grads, setup.workload.blocks)
+                if scaled:  # offloaded gradients are in host memory: finite iff the norm is
+                    finite = jnp.isfinite(grad_norm)
+                new_params, new_opt_state, _ = streamed_update(
                     tx, grads, opt_state, params, layers=setup.workload.blocks,
                     state_shardings=setup.opt_state_shardings, clip_norm=cfg.optimizer.clip_norm,
-                    state_on_host=plan.offload.optimizer,
+                    state_on_host=plan.offload.optimizer, keep=finite, norm=grad_norm,
                 )  # fmt: skip
             else:
                 new_params, new_opt_state = _whole_update(setup, grads, opt_state, params)
@@ -311,10 +316,10 @@ def build_train_step(setup: TrainSetup):
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta
-        if scaled:
-            finite = precision.all_finite(grads)
+        if scaled and not streams(plan):  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
+        if scaled:
             new_state["loss_scale"] = precision.update_loss_scale(
                 cfg.precision, state["loss_scale"], finite
             )
