@@ -89,11 +89,12 @@ def _empty(x):
 
 
 def _layer(x, i, sharding=None):
-    """Row ``i`` of the stacked ``x`` ([1, ...], rank kept), in device memory."""
-    row = jax.device_put(jax.lax.dynamic_slice_in_dim(x, i, 1), jax.memory.Space.Device)
-    if sharding is not None:
-        row = jax.lax.with_sharding_constraint(row, sharding.with_memory_kind("device"))
-    return row
+    """Row ``i`` of the stacked ``x`` ([1, ...], rank kept), in device memory (laid out as
+    ``sharding``, the stacked tensor's, where given)."""
+    row = jax.lax.dynamic_slice_in_dim(x, i, 1)
+    if sharding is None:
+        return jax.device_put(row, jax.memory.Space.Device)
+    return jax.device_put(row, sharding.with_memory_kind("device"))
 
 
 def _put_row(x, row, i):
@@ -218,8 +219,12 @@ def streamed_update(
             for x, k in zip(leaves, kinds, strict=True)]  # fmt: skip
 
     # the parameters that are not stacked: one call, their state whole on the device
-    on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731
-    rest = [on_device(x) if k == REST else None for x, k in zip(leaves, kinds, strict=True)]
+    def on_device(x, sharding):  # in its own layout where known
+        kind = jax.memory.Space.Device if sharding is None else sharding.with_memory_kind("device")
+        return jax.device_put(x, kind)
+
+    rest = [on_device(x, sh) if k == REST else None
+            for x, k, sh in zip(leaves, kinds, shards, strict=True)]  # fmt: skip
     rest_params, rest_new = rest_update(tx, treedef, kinds, leaves, rest, scalars, grads,
                                         params, clip, keep)  # fmt: skip
 

@@ -66,7 +66,13 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> float:
-        return sum(v for k, v in self.memory.items() if not k.startswith("host"))
+        """Bytes per device in device memory (not ``host: ...`` or ``nvme: ...`` parts)."""
+        return sum(v for k, v in self.memory.items() if not k.startswith(("host", "nvme")))
+
+    @property
+    def nvme_bytes(self) -> float:
+        """Bytes per device kept on the NVMe tier (``nvme: ...`` parts)."""
+        return sum(v for k, v in self.memory.items() if k.startswith("nvme"))
 
     @property
     def host_bytes(self) -> float:
