@@ -233,7 +233,7 @@ def estimate(
     update_s = throughput.update_seconds(step, cluster)
     step_s = compute_s + exposed_s + bubble_s + host_s + update_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
-    total = sum(v for k, v in memory.items() if not k.startswith("host"))
+    total = sum(v for k, v in memory.items() if not k.startswith(("host", "nvme")))
     return Estimate(
         plan=given,
         memory=dict(memory),

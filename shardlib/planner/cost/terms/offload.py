@@ -14,7 +14,8 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
   overlaps the current update, so the slower of disk and host link sets the time);
 * weights (``offload.params``): the stacked layers' fp32 weights and their gradients live in
   host memory; the device holds the layer being computed and the next (prefetched), in the
-  forward and the backward pass (2 x a layer's weights), and one layer's gradient. The
+  forward and the backward pass (2 x a layer's weights), and one layer's gradient; the
+  update's temporaries shrink to a row's, as the update streams the weights too. The
   fetches (4 bytes a parameter forward, 4 backward) and the gradients' way out (4) are
   assumed hidden behind the layer's compute; the update's trip (weights in and out, the
   gradient in: 12 bytes a parameter) is not.
@@ -68,7 +69,11 @@ def offload(step: Step) -> Contribution:
         stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
         layer = step.layer_elements * MASTER_BYTES
         memory["params"] = PREFETCHED_LAYERS * layer - stacked
-        memory["grads"] = layer - stacked
+        # and the update's temporaries are one row's (state term: ``update_live`` of all):
+        # compiled, llama-tiny x 32 layers, the step's total fell by 3.8 MB of 9.5 MB weights
+        shards = step.view["data"] if step.view.zero >= 1 else 1
+        update = step.calib["update_live"] * (stacked - layer) / shards
+        memory["grads"] = layer - stacked - update
         memory["host: params"] = memory["host: grads"] = stacked
         seconds += 3 * stacked / host_bw  # the update's trip: weights in and out, grads in
         notes.append(f"layer fetches assumed hidden: {3 * stacked / host_bw:.3f} s of transfers")
