@@ -18,6 +18,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, use_layout
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel.offload_nvme import NvmeOptimizerState
+from shardlib.train import fp8, precision
 from shardlib.train.step import grad_function, make_loss_fn, normalise_weights
 
 if TYPE_CHECKING:
@@ -25,7 +26,14 @@ if TYPE_CHECKING:
 
 
 def check(setup: TrainSetup) -> None:
-    """The NVMe tier keeps each state tensor whole in one file: no ZeRO split of the state."""
+    """The NVMe tier keeps each state tensor whole in one file (no ZeRO split of the state),
+    and its step is the plain one: no fp16 loss scaling, no FP8 scales to carry."""
+    if precision.uses_loss_scale(setup.cfg.precision) or fp8.enabled(setup.cfg.precision):
+        raise ShardingError(
+            f"offload.nvme_path with precision.compute={setup.cfg.precision.compute}: the NVMe "
+            "step carries no fp16 loss scale and no FP8 scales. Fix: precision=bf16 or fp32, "
+            "or drop nvme_path (offload_optimizer streams the state from host memory)."
+        )
     if setup.plan.data.zero or setup.plan.offload.params or setup.plan.pipeline_spec():
         raise ShardingError(
             "offload.nvme_path keeps every optimizer-state tensor whole in one file, but this "

@@ -61,3 +61,7 @@ def test_nvme_tier_refuses_what_it_cannot_hold():
     )
     with pytest.raises(ShardingError, match="build_nvme_step"):
         setup.train_step  # noqa: B018
+    with pytest.raises(ShardingError, match="zero=0"):
+        nvme_state(make_setup(override(setup.cfg, {"zero": 1}), single_device_mesh()), {})
+    with pytest.raises(ShardingError, match="loss scale"):
+        nvme_state(make_setup(override(setup.cfg, {"precision": "fp16"}), single_device_mesh()), {})
