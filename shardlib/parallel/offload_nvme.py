@@ -36,9 +36,9 @@ from shardlib.parallel.offload_stream import (
     OTHER,
     REST,
     STACKED,
-    _clipper,
-    _layer,
+    clipper,
     grad_norm,
+    layer_row,
     layer_update,
     rest_update,
     state_kinds,
@@ -108,7 +108,7 @@ class NvmeOptimizerState:
         return self
 
     def _rest_call(self, rest, scalars, grads, params, norm):
-        clip = _clipper(norm, self.clip_norm)
+        clip = clipper(norm, self.clip_norm)
         rest = [None if r is None else jax.device_put(r, jax.memory.Space.Device) for r in rest]
         new_params, new = rest_update(self.tx, self.treedef, self.kinds, self.leaves, rest,
                                       scalars, grads, params, clip)  # fmt: skip
@@ -118,9 +118,9 @@ class NvmeOptimizerState:
                                   for r, k in zip(new, self.kinds, strict=True)]  # fmt: skip
 
     def _layer_call(self, i, rows, scalars, blocks, grads, norm):
-        clip = _clipper(norm, self.clip_norm)
+        clip = clipper(norm, self.clip_norm)
         rows = [None if r is None else jax.device_put(r, jax.memory.Space.Device) for r in rows]
-        grads_row = jax.tree.map(lambda x: _layer(x, i), grads[BLOCKS])
+        grads_row = jax.tree.map(lambda x: layer_row(x, i), grads[BLOCKS])
         blocks, new = layer_update(self.tx, self.treedef, self.kinds, self.leaves, rows,
                                    scalars, (grads, grads_row), blocks, i, clip)  # fmt: skip
         return blocks, [jax.device_put(r, jax.memory.Space.Host) if k == STACKED else None

@@ -88,7 +88,7 @@ def _empty(x):
     return jnp.zeros((0, *x.shape[1:]) if len(x.shape) else (0,), x.dtype)
 
 
-def _layer(x, i, sharding=None):
+def layer_row(x, i, sharding=None):
     """Row ``i`` of the stacked ``x`` ([1, ...], rank kept), in device memory (laid out as
     ``sharding``, the stacked tensor's, where given)."""
     row = jax.lax.dynamic_slice_in_dim(x, i, 1)
@@ -107,7 +107,7 @@ def _sum_squares(x, layers: int) -> jax.Array:
     """``sum(x**2)`` in fp32; a host-memory stacked ``x`` one row at a time on the device."""
     if jax.typeof(x).memory_space != jax.memory.Space.Host:
         return jnp.sum(jnp.square(x.astype(jnp.float32)))
-    row_sum = lambda i, acc: acc + _sum_squares(_layer(x, i), layers)  # noqa: E731
+    row_sum = lambda i, acc: acc + _sum_squares(layer_row(x, i), layers)  # noqa: E731
     return jax.lax.fori_loop(0, layers, row_sum, jnp.zeros((), jnp.float32))
 
 
@@ -116,7 +116,7 @@ def grad_norm(grads, layers: int) -> jax.Array:
     return jnp.sqrt(sum(_sum_squares(g, layers) for g in jax.tree.leaves(grads)))
 
 
-def _clipper(norm, clip_norm: float):
+def clipper(norm, clip_norm: float):
     """optax.clip_by_global_norm's scaling by an already known global ``norm`` (its own
     update would compute the norm of whatever slice it is given)."""
     if clip_norm <= 0:
@@ -164,7 +164,7 @@ def layer_update(tx, treedef, kinds, leaves, layer_rows, scalars, grads, blocks,
     state = [r if k == STACKED else s if k == OTHER else _empty(x)
              for x, k, s, r in zip(leaves, kinds, scalars, layer_rows, strict=True)]  # fmt: skip
     g = _stand_ins(grads, jax.tree.map(clip, grads_row))
-    p = _stand_ins(_rest_shapes(grads), jax.tree.map(lambda x: _layer(x, i), blocks))
+    p = _stand_ins(_rest_shapes(grads), jax.tree.map(lambda x: layer_row(x, i), blocks))
     new_p, new_leaves = _call(tx, treedef, state, g, p, keep)
     blocks = jax.tree.map(lambda x, r: _put_row(x, r, i), blocks, new_p[BLOCKS])
     return blocks, new_leaves
@@ -201,7 +201,7 @@ def streamed_update(
     ``norm``: ``grad_norm(grads, layers)`` where the caller has it already.
     """
     norm = grad_norm(grads, layers) if norm is None else norm
-    clip = _clipper(norm, clip_norm)
+    clip = clipper(norm, clip_norm)
     leaves, treedef = jax.tree.flatten(opt_state)
     kinds = state_kinds(tx, opt_state, params)
     if len(kinds) != len(leaves):
@@ -230,9 +230,9 @@ def streamed_update(
 
     def trip(i, carry):
         blocks, state_rows = carry
-        layer_rows = [_layer(h, i, sh) if k == STACKED else None
+        layer_rows = [layer_row(h, i, sh) if k == STACKED else None
                       for h, k, sh in zip(state_rows, kinds, shards, strict=True)]  # fmt: skip
-        grads_row = jax.tree.map(lambda x: _layer(x, i), grads[BLOCKS])
+        grads_row = jax.tree.map(lambda x: layer_row(x, i), grads[BLOCKS])
         blocks, new_leaves = layer_update(tx, treedef, kinds, leaves, layer_rows, scalars,
                                           (grads, grads_row), blocks, i, clip, keep)  # fmt: skip
         state_rows = [_put_row(h, r, i) if k == STACKED else h
