@@ -13,7 +13,7 @@ Every key is accounted for, one of three ways:
   note says so, and nothing changes. ``"auto"`` (Hugging Face's placeholder) leaves
   shardlib's own setting;
 * refused: a feature shardlib does not have (``deepspeed_keys.NO_COUNTERPART``, NVMe
-  offload, 0/1 Adam), or a value it cannot honour. All of them are named in one
+  offload of parameters, 0/1 Adam), or a value it cannot honour. All of them are named in one
   error (``DeepSpeedRefusal``), with the reason for each, before anything is built: nothing is
   silently ignored.
 
@@ -45,6 +45,7 @@ from shardlib.interop.deepspeed_keys import (
     NO_COUNTERPART,
     NOTES,
     NVME,
+    NVME_DEFAULT_PATH,
 )
 
 
@@ -230,6 +231,14 @@ def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
     device = r.get(f"zero_optimization.{part}.device", "none")
     if device == "cpu":
         return {f"parallel.offload.{setting}": True}
+    if device == "nvme" and part == "offload_optimizer":  # ZeRO-Infinity's state tier
+        path = r.get(f"zero_optimization.{part}.nvme_path", NVME_DEFAULT_PATH)
+        r.used.add(f"zero_optimization.{part}")  # buffer_count, pipeline_*: its own streaming
+        r.notes.append(
+            f"zero_optimization.{part}: nvme, the state in files under {path} "
+            "(parallel.offload.nvme_path; trained by shardlib.train.nvme)"
+        )
+        return {f"parallel.offload.{setting}": True, "parallel.offload.nvme_path": str(path)}
     if device == "nvme":
         r.refuse(f"zero_optimization.{part}.device", NVME, listed=True)
         r.used.add(f"zero_optimization.{part}")  # its NVMe tuning means nothing without it

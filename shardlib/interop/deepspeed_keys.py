@@ -88,7 +88,11 @@ DEFAULTS_ONLY = {  # accepted at DeepSpeed's default value, refused otherwise
     "optimizer.params.amsgrad": False,
     "zero_optimization.zero_quantized_nontrainable_weights": False,
 }
-NVME = "NVMe offload (ZeRO-Infinity): shardlib offloads to host memory only; use 'cpu'"
+NVME = (
+    "NVMe offload of parameters (ZeRO-Infinity): shardlib keeps offloaded weights in host "
+    "memory; use 'cpu' (offload_optimizer's state can go to NVMe)"
+)
+NVME_DEFAULT_PATH = "/local_nvme"  # DeepSpeed's default nvme_path
 NO_COUNTERPART = {
     "sparse_attention": "DeepSpeed's block-sparse attention kernels; shardlib's attention is "
     "dense (flash, ring or Ulysses); remove the section to train dense",

@@ -2,6 +2,8 @@
 
 * ``optimizer``: the optimizer state lives in host memory; each step moves it to the
   device for the update and back (the train step's in/out shardings say so);
+  with ``per_layer`` (the default) the update streams it one layer at a time instead
+  (``offload_stream.py``), so the device never holds more than a layer's worth of it;
 * ``params``: the stacked block weights (and their optimizer state) live in host memory;
   the layer loop fetches one layer at a time and never saves the fetched copy for the
   backward pass (it is fetched again there).
@@ -35,8 +37,21 @@ class Offload:
     """Keep optimizer state in pinned host memory between steps (ZeRO-Offload)."""
     params: bool = False
     """Keep the stacked block weights in pinned host memory; fetch one layer at a time."""
+    nvme_path: str = ""
+    """With ``optimizer``: keep the optimizer state in files under this directory
+    (ZeRO-Infinity's NVMe tier, ``offload_nvme``), streamed one layer at a time through
+    pinned host buffers; trained by ``shardlib.train.nvme``. Empty: host memory."""
+    per_layer: bool = True
+    """With ``optimizer``: update the offloaded state one stacked layer at a time, so the
+    device holds one layer's state during the update (``offload_stream``; Adam, AdamW,
+    SGD). False: the whole state visits the device for the update (any optimizer)."""
 
     def check(self, mesh_axes: Mapping[str, int], rules, workload) -> None:
+        if self.nvme_path and not self.optimizer:
+            raise ShardingError(
+                f"offload.nvme_path={self.nvme_path!r} holds the optimizer state, but "
+                "offload.optimizer is off. Fix: offload_optimizer=true, or drop nvme_path."
+            )
         if self.params and mesh_axes.get(Axis.STAGE, 1) > 1:
             raise ShardingError(
                 "offload_params with a stage axis: pipelined weights stay on the device. Fix: "

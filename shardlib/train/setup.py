@@ -27,6 +27,7 @@ from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_mode
 from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES
+from shardlib.parallel import offload_stream
 from shardlib.parallel import state as layouts
 from shardlib.parallel.context import choice
 from shardlib.parallel.context.choice import AttentionChoice
@@ -316,8 +317,10 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     device = choice.device_of(mesh.devices.flat[0])  # the mesh's, not the default backend's
     attention = plan.attention_choice(workload, device)  # ``auto``'s pick, with its reason
     plan = plan.with_attention(attention).for_workload(workload, device)
-    _, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
+    optimizer, plan = resolve_optimizer(cfg.optimizer, plan)  # onebit_adam: 1-bit momentum
     plan.check(workload)
+    # the streamed update needs an elementwise optimizer
+    offload_stream.check(plan, optimizer)
     fp8.check(cfg, plan, workload)  # the layouts FP8 training refuses
     with suggest_presets(batch=workload.micro_batch):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, use_layout
 from shardlib.core.model import embed_takes_positions
 from shardlib.core.ops import Packed, run_blocks, use_matmul
@@ -27,6 +28,8 @@ from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
 from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
+from shardlib.parallel.offload_stream import grad_norm as streamed_grad_norm
+from shardlib.parallel.offload_stream import streamed_update, streams
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
@@ -241,15 +244,35 @@ def build_eval_step(setup: TrainSetup):
     return jax.jit(eval_step, in_shardings=(params_shardings, setup.batch_sharding))
 
 
+def _whole_update(setup: TrainSetup, grads, opt_state, params):
+    """optax's update with the whole state in device memory (moved there if offloaded)."""
+    plan = setup.plan
+    if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
+        grads, opt_state, params = on_device((grads, opt_state, params))
+    grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
+    if plan.offload.optimizer:
+        opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)
+    updates, new_opt_state = setup.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+
+
 def build_train_step(setup: TrainSetup):
     """``step(state, tokens) -> (state, metrics)``, jitted with the state donated.
 
     Gradients accumulate in ``setup.grad_shardings`` and enter the optimizer in
     ``setup.update_shardings`` (the ZeRO stage decides both). With ``offload_optimizer`` the
-    optimizer state arrives in host memory, is moved to the device for the update and leaves
-    to host memory again (the output shardings say so). With fp16 the loss is scaled, and a
-    step with non-finite gradients changes neither parameters nor optimizer state.
+    optimizer state arrives in host memory and leaves to host memory again (the output
+    shardings say so); the update moves it to the device one stacked layer at a time
+    (``offload_stream``), or whole with ``offload.per_layer=false``. With fp16 the loss is
+    scaled, and a step with non-finite gradients changes neither parameters nor optimizer
+    state.
     """
+    if setup.plan.offload.nvme_path:
+        raise ShardingError(
+            f"offload.nvme_path={setup.plan.offload.nvme_path!r}: the update reads its state "
+            "from files between device calls, outside one compiled step. Fix: train with "
+            "shardlib.train.nvme.build_nvme_step, or drop nvme_path (host memory)."
+        )
     loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
     if setup.plan.data.onebit_momentum:  # the optimizer's update communicates: shard_map
         from shardlib.train.onebit import build_onebit_step
@@ -273,22 +296,30 @@ def build_train_step(setup: TrainSetup):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
-            if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
-                grads, opt_state, params = on_device((grads, opt_state, params))
-            grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
-            if plan.offload.optimizer:
-                opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)
-            updates, new_opt_state = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": global_norm(grads), "lr": sched(state["step"])}
+            finite = precision.all_finite(grads) if scaled and not streams(plan) else None
+            if streams(plan):  # offloaded state and weights visit the device one layer at a time
+                if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
+                    grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
+                grad_norm = streamed_grad_norm(grads, setup.workload.blocks)
+                if scaled:  # offloaded gradients are in host memory: finite iff the norm is
+                    finite = jnp.isfinite(grad_norm)
+                new_params, new_opt_state, _ = streamed_update(
+                    tx, grads, opt_state, params, layers=setup.workload.blocks,
+                    state_shardings=setup.opt_state_shardings, clip_norm=cfg.optimizer.clip_norm,
+                    state_on_host=plan.offload.optimizer, keep=finite, norm=grad_norm,
+                )  # fmt: skip
+            else:
+                new_params, new_opt_state = _whole_update(setup, grads, opt_state, params)
+                grad_norm = global_norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta
-        if scaled:
-            finite = precision.all_finite(grads)
+        if scaled and not streams(plan):  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
+        if scaled:
             new_state["loss_scale"] = precision.update_loss_scale(
                 cfg.precision, state["loss_scale"], finite
             )

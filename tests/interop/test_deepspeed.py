@@ -347,3 +347,11 @@ def test_onebit_lamb_maps_to_onebit_lamb_with_deepspeeds_settings():
     assert (opt.trust_ratio_min, opt.trust_ratio_max) == (0.01, 0.3)
     assert opt.bias_correction is False
     assert any(n.startswith("optimizer.params.bias_correction: OnebitLamb") for n in ds.notes)
+
+
+def test_nvme_optimizer_offload_maps_to_the_nvme_tier():
+    config = {**CONFIG_JSON, "zero_optimization": {"stage": 0, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/nvme_data", "pipeline_read": True}}}  # fmt: skip
+    s = from_deepspeed(config, devices=8).settings
+    assert s["parallel.offload.optimizer"] is True
+    assert s["parallel.offload.nvme_path"] == "/nvme_data"

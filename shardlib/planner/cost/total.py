@@ -66,7 +66,13 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> float:
-        return sum(v for k, v in self.memory.items() if not k.startswith("host"))
+        """Bytes per device in device memory (not ``host: ...`` or ``nvme: ...`` parts)."""
+        return sum(v for k, v in self.memory.items() if not k.startswith(("host", "nvme")))
+
+    @property
+    def nvme_bytes(self) -> float:
+        """Bytes per device kept on the NVMe tier (``nvme: ...`` parts)."""
+        return sum(v for k, v in self.memory.items() if k.startswith("nvme"))
 
     @property
     def host_bytes(self) -> float:
@@ -227,7 +233,7 @@ def estimate(
     update_s = throughput.update_seconds(step, cluster)
     step_s = compute_s + exposed_s + bubble_s + host_s + update_s
     mfu = workload.model_flops / (cluster.num_devices * cluster.peak_flops * step_s)
-    total = sum(v for k, v in memory.items() if not k.startswith("host"))
+    total = sum(v for k, v in memory.items() if not k.startswith(("host", "nvme")))
     return Estimate(
         plan=given,
         memory=dict(memory),

@@ -60,6 +60,9 @@ class Cluster:
     tail), paid per kernel (``throughput.launch_seconds``). Unset: none."""
     host_link_bw: float = 25e9
     """Bytes/s between a device and its host memory (PCIe), for offload."""
+    nvme_bw: float = 3e9
+    """Bytes/s each way between host memory and the NVMe tier (``offload.nvme_path``): one
+    PCIe 4 drive's sequential rate; ``benchmarks/offload_tiers.py`` measures a machine's."""
     matmul_efficiency: float = 0.75
     """Fraction of peak a large, compute-bound bf16 matmul reaches: the ceiling of the
     throughput model's roofline (``planner.cost.throughput``). The A100 presets carry the value
@@ -133,6 +136,7 @@ _FIELDS = {
     "intra_host_latency_us": ("intra_host_latency", float, 1e-6),
     "inter_host_latency_us": ("inter_host_latency", float, 1e-6),
     "host_link_gbps": ("host_link_bw", float, 1e9),
+    "nvme_gbps": ("nvme_bw", float, 1e9),
     "kernel_launch_us": ("kernel_launch", float, 1e-6),
     "matmul_efficiency": ("matmul_efficiency", float, 1.0),
     "hbm_gbps": ("hbm_bw", float, 1e9),

@@ -1,0 +1,67 @@
+"""The NVMe tier (``offload.nvme_path``): the optimizer state in files trains like the
+in-memory step, moves exactly its own size each way per step, and resumes exactly."""
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import ShardingError
+from shardlib.core.mesh import single_device_mesh
+from shardlib.tools import parity
+from shardlib.train.config import override, train_config
+from shardlib.train.nvme import build_nvme_step, nvme_state
+from shardlib.train.setup import make_setup
+
+CFG = train_config(steps=3, batch=8, seq=16, clip_norm=0.5, **{"model.layers": 2})
+
+
+def _batches(n):
+    return [np.random.default_rng(s).integers(0, 256, (8, 17)).astype(np.int32) for s in range(n)]
+
+
+@pytest.mark.slow
+def test_nvme_state_trains_like_memory_moves_its_size_and_resumes_exactly(tmp_path):
+    plain = make_setup(CFG, single_device_mesh())
+    setup = make_setup(
+        override(CFG, {"offload_optimizer": True, "offload_nvme_path": str(tmp_path / "a")}),
+        single_device_mesh(),
+    )
+    start = parity.random_state(plain)
+    state = nvme_state(setup, jax.device_put(start["params"], setup.param_shardings))
+    step, kept = build_nvme_step(setup, state), None
+    params = jax.device_put(start["params"], setup.param_shardings)
+    reference = jax.device_put(start, plain.state_shardings)
+    for n, batch in enumerate(_batches(3)):
+        if n == 2:  # a checkpoint after two steps: the files, the scalars, the parameters
+            state.save(tmp_path / "ckpt")
+            kept = jax.device_get(params)
+        state.io.read = state.io.written = 0
+        params, metrics = step(params, batch)
+        reference, ref_metrics = plain.train_step(reference, batch)
+        assert state.io.read == state.io.written == state.nbytes  # the state, once each way
+        assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=1e-6)
+    for got, want in zip(
+        jax.tree.leaves(params), jax.tree.leaves(reference["params"]), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+    final = jax.device_get(params)
+    state.load(tmp_path / "ckpt")  # the files copied back into nvme_path, the scalars read
+    resumed, _ = step(jax.device_put(kept, setup.param_shardings), _batches(3)[2])
+    for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(final), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # bit for bit
+
+
+def test_nvme_tier_refuses_what_it_cannot_hold():
+    with pytest.raises(ShardingError, match="offload_optimizer=true"):
+        make_setup(override(CFG, {"offload_nvme_path": "/tmp/x"}), single_device_mesh())
+    setup = make_setup(
+        override(CFG, {"offload_optimizer": True, "offload_nvme_path": "/tmp/x"}),
+        single_device_mesh(),
+    )
+    with pytest.raises(ShardingError, match="build_nvme_step"):
+        setup.train_step  # noqa: B018
+    with pytest.raises(ShardingError, match="zero=0"):
+        nvme_state(make_setup(override(setup.cfg, {"zero": 1}), single_device_mesh()), {})
+    with pytest.raises(ShardingError, match="loss scale"):
+        nvme_state(make_setup(override(setup.cfg, {"precision": "fp16"}), single_device_mesh()), {})
