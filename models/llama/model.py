@@ -22,7 +22,7 @@ from models.llama.lora import adapted, add_lora, update
 from models.llama.norm import rms_norm
 from models.llama.rotary import rotary
 from models.llama.swiglu import swiglu
-from shardlib.core.layout import constrain
+from shardlib.core.layout import constrain, splits_alike
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
 from shardlib.core.ops import attention, lookup, matmul, run_blocks
 
@@ -224,16 +224,21 @@ class Attention(nnx.Module):
         dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
         wq, wk, wv, wo = self.wq[...], self.wk[...], self.wv[...], self.wo[...]
-        # One product for q, k and v (each K/V head next to its query heads): the backward
-        # pass then sums the three input gradients before one reduction, not after three.
-        w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
-            [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
-            axis=2,
-        ).astype(dt)
-        qkv_BLGJK = matmul("bld,dgjk->blgjk", x_BLD, w_DGJK, name="qkv")
-        # split, not sliced: the gradient is then one concatenation, not a padded copy each
-        q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
-        q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
+        if splits_alike({"heads": h, "kv_heads": g}):
+            # One product for q, k and v (each K/V head next to its query heads): the
+            # backward pass then sums the three input gradients before one reduction.
+            w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
+                [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
+                axis=2,
+            ).astype(dt)
+            qkv_BLGJK = matmul("bld,dgjk->blgjk", x_BLD, w_DGJK, name="qkv")
+            # split, not sliced: the gradient is one concatenation, not a padded copy each
+            q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
+            q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
+        else:  # K/V heads whole where the query heads split (fewer than the tensor degree)
+            q = matmul("bld,dhk->blhk", x_BLD, wq.astype(dt), name="q")
+            w_DJGK = jnp.stack([wk, wv], axis=1).astype(dt)  # [embed, 2, kv_heads, head_dim]
+            k, v = jnp.unstack(matmul("bld,djgk->jblgk", x_BLD, w_DJGK, name="kv"))
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
                    v + update(self, "v", x_BLD, 1, s))  # fmt: skip
