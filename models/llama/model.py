@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.llama.lora import adapted, add_lora, update
 from models.llama.norm import rms_norm
-from models.llama.rotary import rotary
+from models.llama.rotary import check_scaling, rotary
 from models.llama.swiglu import swiglu
 from shardlib.core.layout import constrain, splits_alike
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
@@ -61,9 +61,17 @@ class LlamaConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    rope_scaling: tuple[float, float, float, int] | None = None
-    """Llama 3's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
-    original_max_positions), as in Hugging Face's ``rope_type="llama3"``; None: plain RoPE."""
+    rope_scaling: tuple[float, ...] | None = None
+    """RoPE frequency scaling, the fields ``rope_type`` names (``rotary.ROPE_TYPES``); Llama
+    3's: (factor, low_freq_factor, high_freq_factor, original_max_positions). None: plain."""
+    rope_type: str = "llama3"
+    """Which scaling ``rope_scaling`` holds: llama3, linear, dynamic or yarn (Hugging Face's
+    ``rope_type``); unused without ``rope_scaling``."""
+    qkv_bias: bool = False
+    """The q, k and v projections add biases (Qwen2)."""
+    sliding_window: int = 0
+    """Each token attends to itself and the ``sliding_window - 1`` tokens before it
+    (Mistral); 0: to every earlier token."""
     max_positions: int = 8192
     """Longest sequence (prompt + generated tokens) ``shardlib generate`` accepts; Hugging
     Face's ``max_position_embeddings``."""
@@ -89,6 +97,9 @@ class LlamaConfig:
                 f"model: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}. "
                 "Fix: choose kv_heads dividing heads."
             )
+        check_scaling(self.rope_type, self.rope_scaling)
+        if self.sliding_window < 0:
+            raise ValueError(f"model: sliding_window={self.sliding_window} must be >= 0.")
         if self.head_dim % 2:
             raise ValueError(f"model: head_dim={self.head_dim} must be even for rotary embeddings.")
 
@@ -103,6 +114,7 @@ class LlamaConfig:
             self.layers,
         )
         block = 2 * e + e * h * d * 2 + e * k * d * 2 + 3 * e * f
+        block += (h + 2 * k) * d if self.qkv_bias else 0
         r = self.lora_rank
         sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
         sizes |= {"gate": (e, f), "up": (e, f), "down": (f, e)}
@@ -173,6 +185,10 @@ def preset(name: str, **overrides) -> LlamaConfig:
     return replace(PRESETS[name], **overrides)
 
 
+def _bias(shape: tuple[int, ...], names: tuple[str, ...]):
+    return nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, names)(None, shape, jnp.float32))
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int):
     init = nnx.with_partitioning(init_normal(fan_in**-0.5), names)
     return nnx.Param(init(rngs.params(), shape, jnp.float32))
@@ -196,12 +212,21 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         e, h, g, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.theta, self.rope_scaling, self.rope_type = (
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.rope_type,
+        )
+        self.window = cfg.sliding_window
         self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
         self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)  # [embed, heads, hd]
         self.wk = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
+        if cfg.qkv_bias:  # Qwen2's
+            self.bq = _bias((h, d), ("heads", "head_dim"))  # [heads, head_dim]
+            self.bk = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
+            self.bv = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
         for t, w, names in (
             ("q", self.wq, ("embed", "heads", "head_dim")),
             ("k", self.wk, ("embed", "kv_heads", "head_dim")),
@@ -218,7 +243,15 @@ class Attention(nnx.Module):
         )
 
     def rotary(self, x_BLHK, positions_L=None):
-        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling)
+        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling, self.rope_type)
+
+    def biased(self, q_BLHK, k_BLGK, v_BLGK):
+        """q, k and v with their biases added (Qwen2's), where the model has them."""
+        if not hasattr(self, "bq"):
+            return q_BLHK, k_BLGK, v_BLGK
+        dt = q_BLHK.dtype
+        return (q_BLHK + self.bq[...].astype(dt), k_BLGK + self.bk[...].astype(dt),
+                v_BLGK + self.bv[...].astype(dt))  # fmt: skip
 
     def __call__(self, x_BLD, positions_L=None):
         dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
@@ -242,6 +275,7 @@ class Attention(nnx.Module):
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
                    v + update(self, "v", x_BLD, 1, s))  # fmt: skip
+        q, k, v = self.biased(q, k, v)
         q = constrain(self.rotary(q, positions_L), ("batch", "seq", "heads", "head_dim"))
         k = constrain(self.rotary(k, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -250,7 +284,7 @@ class Attention(nnx.Module):
             checkpoint_name(k, "attn_k"),
             checkpoint_name(v, "attn_v"),
         )
-        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = attention(q, k, v, positions_L, window=self.window)  # dense/ring/... by plan
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
         out_BLD = matmul("blhk,hkd->bld", out_BLHK, wo.astype(dt), name="o")

@@ -8,37 +8,66 @@ device of the group, and the model computes q and k/v as two products there
 The planner costs the same layout (``terms.base.param_splits`` resolves the real rules;
 ``Workload.local_kv_heads`` widens its q/k/v activations).
 
-Parity: MQA (1 K/V head) and 2 K/V heads on tensor 2, 4 and 8 train like one device (fp32,
-2 steps, one layer of 8 query heads).
+Parity: MQA (1 K/V head) and 2 K/V heads on tensor 2, 4 and 8 give one device's loss and
+gradients (fp32, one layer of 8 query heads).
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
-from layout_cases import assert_parity, first_devices_mesh
+from layout_cases import first_devices_mesh
 
-from shardlib import ShardingError, rules_for_mesh
+from models.llama.model import Llama, LlamaConfig
+from shardlib import ShardingError, mesh_spec, rules_for_mesh
+from shardlib.core.layout import shard_model, use_layout
 from shardlib.core.rules import resolve_spec
+from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner import Workload, candidate, estimate
 from shardlib.tools.generate import cache_sharding
-from shardlib.train.config import train_config
+from shardlib.tools.parity import FP32_TOLERANCE
 
 KV_NAMES = ("layers", "embed", "kv_heads", "head_dim")
-
-
-def _cfg(kv_heads: int):
-    overrides = {"model.layers": 1, "model.heads": 8, "model.kv_heads": kv_heads}
-    return train_config(steps=2, batch=8, seq=16, **overrides)
-
-
 CASES = [(t, kv) for kv in (1, 2) for t in (2, 4, 8) if kv < t]  # kv = t = 2 splits as before
 
 
-@pytest.mark.parametrize(
-    "tensor, kv_heads",
-    [pytest.param(t, kv, marks=pytest.mark.slow) for t, kv in CASES],
-)
-def test_parity_fp32(tensor, kv_heads):
-    assert_parity(_cfg(kv_heads), {"tensor": tensor}, {})
+def _loss_and_grads(kv_heads: int, tensor: int):
+    """Loss and gradients of one batch through a one-layer Llama of 8 query heads, on
+    ``tensor`` devices (1: the reference)."""
+    cfg = LlamaConfig(layers=1, heads=8, kv_heads=kv_heads, head_dim=8, embed=32, mlp=64)
+    mesh = first_devices_mesh(tensor=tensor)
+    rules = ParallelPlan(mesh=mesh_spec(tensor=tensor)).rules
+    model = shard_model(lambda: Llama(cfg, nnx.Rngs(0)), mesh, rules)
+    graphdef, params = nnx.split(model)
+    tokens_BL = np.random.default_rng(0).integers(0, cfg.vocab, (4, 17))
+
+    def loss(params):
+        logits_BLV = nnx.merge(graphdef, params)(tokens_BL[:, :-1])
+        logp_BLV = jax.nn.log_softmax(logits_BLV)
+        return -jnp.take_along_axis(logp_BLV, tokens_BL[:, 1:, None], -1).mean()
+
+    with use_layout(mesh, rules):
+        value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), jax.device_get(nnx.to_pure_dict(grads))
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kv: _loss_and_grads(kv, 1) for kv in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor, kv_heads", CASES)
+def test_loss_and_gradient_parity_fp32(tensor, kv_heads, references):
+    (want, want_grads), (got, grads) = references[kv_heads], _loss_and_grads(kv_heads, tensor)
+    assert abs(got - want) <= FP32_TOLERANCE * abs(want)
+    for (path, g), w in zip(
+        jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads), strict=True
+    ):
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err <= FP32_TOLERANCE, (jax.tree_util.keystr(path), err)
 
 
 def test_kv_heads_replicate_only_where_they_do_not_divide():
