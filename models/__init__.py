@@ -15,6 +15,7 @@ from models import gpt, llama, mistral, moe, qwen2
 from models.gpt import hf as gpt_hf
 from models.llama import hf as llama_hf
 from models.mistral import hf as mistral_hf
+from models.moe import hf as moe_hf
 from models.qwen2 import hf as qwen2_hf
 from shardlib.core.model import ModelEntry
 
@@ -32,8 +33,9 @@ _HF = {
     "gpt": gpt_hf.ADAPTER,
     "qwen2": qwen2_hf.ADAPTER,
     "mistral": mistral_hf.ADAPTER,
+    "moe": moe_hf.ADAPTER,  # Mixtral
 }
-"""Each family's Hugging Face names and layouts (``HFAdapter``); moe has none yet."""
+"""Each family's Hugging Face names and layouts (``HFAdapter``)."""
 
 
 def registry() -> dict[str, ModelEntry]:

@@ -42,6 +42,9 @@ FAMILIES = {  # style: (transformers config and model classes, config fields)
     # Mistral: each token sees the 4 tokens up to itself (the fixtures' rows have 12)
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2,
                                                            sliding_window=4)),
+    # Mixtral: 4 experts, top 2, onto models/moe (the router's std 0.2 picks decisively)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2,
+                                                           num_local_experts=4)),
     # Llama-family RoPE scalings transformers applies; dynamic NTK past 8 positions
     "rope-linear": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_parameters=dict(rope_type="linear", rope_theta=10_000.0, factor=4.0))),

@@ -1,6 +1,7 @@
 """The Llama-shaped families beyond Llama in Hugging Face's form: Qwen2 (q/k/v biases,
-``models/qwen2``), Mistral (sliding-window attention, ``models/mistral``) and Llama's RoPE
-scalings linear, dynamic NTK and YaRN (``models/llama/rotary.py``).
+``models/qwen2``), Mistral (sliding-window attention, ``models/mistral``), Mixtral (experts
+and router, ``models/moe/hf.py``) and Llama's RoPE scalings linear, dynamic NTK and YaRN
+(``models/llama/rotary.py``).
 
 Each is a tiny random model made by ``transformers`` and stored with the logits it
 computed (``hf_models.FAMILIES``, ``interop/fixtures/``): imported on cpu-8-3d (data x fsdp x
@@ -31,6 +32,7 @@ CUBE = MeshSpec((("data", 2), ("fsdp", 2), ("tensor", 2)))
 WANT = {  # style: config fields the import must set
     "qwen2": {"qkv_bias": True, "kv_heads": 2},
     "mistral": {"sliding_window": 4, "kv_heads": 2},
+    "mixtral": {"experts": 4, "top_k": 2, "moe_every": 1, "no_drop": True},
     "rope-linear": {"rope_type": "linear", "rope_scaling": (4.0,)},
     "rope-dynamic": {"rope_type": "dynamic", "rope_scaling": (2.0, 8)},
     "rope-yarn": {"rope_type": "yarn"},
@@ -40,6 +42,11 @@ WANT = {  # style: config fields the import must set
 @pytest.fixture(scope="module")
 def cube():
     return CUBE.build(jax.devices()[:8]), ParallelPlan(mesh=CUBE).rules
+
+
+def _logits(model, tokens):
+    out = jax.jit(lambda m, t: m(t))(model, tokens)
+    return out[0] if isinstance(out, tuple) else out  # an MoE model's: (logits, aux)
 
 
 def _export(model, directory, out):
@@ -54,7 +61,7 @@ def test_import_matches_transformers_and_exports_its_tensors(style, cube, tmp_pa
     model = load_model(directory, *cube)
     for field, value in WANT[style].items():
         assert getattr(model.cfg, field) == value, field
-    assert rel_err(jax.jit(lambda m, t: m(t))(model, tokens), want) < 1e-5
+    assert rel_err(_logits(model, tokens), want) < 1e-5
     _export(model, directory, tmp_path / "out")
     assert_like_fixture(tmp_path / "out", style, same_values=True)
 
@@ -94,7 +101,7 @@ def prepared(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["qwen2", "mistral"])
+@pytest.mark.parametrize("style", ["qwen2", "mistral", "mixtral"])
 def test_one_fine_tuning_step_exports_and_generates(style, prepared, tmp_path, capsys):
     """One step from the fixture's weights on the prepared data (the model from its
     config.json), exported as Hugging Face files of the family, and ``shardlib generate``
@@ -111,7 +118,7 @@ def test_one_fine_tuning_step_exports_and_generates(style, prepared, tmp_path, c
         "init_from": str(directory), "checkpoint_dir": str(tmp_path / "ckpt"),
     })  # fmt: skip
     setup = make_setup(with_source_model(cfg), mesh)
-    assert setup.cfg.model == f"{style}-tiny"
+    assert setup.cfg.model == f"{style}-tiny"  # the family's adapter's preset
     result = run(setup, show=False)
     assert np.isfinite(result.losses).all() and len(result.losses) == 1
     out = tmp_path / "hf"
@@ -120,9 +127,13 @@ def test_one_fine_tuning_step_exports_and_generates(style, prepared, tmp_path, c
     assert_like_fixture(out, style, same_values=False)  # the family's names, shapes, config
     assert json.loads((out / "config.json").read_text())["model_type"] == style
     capsys.readouterr()
-    assert cli.main(["generate", "--hf", str(out), "--prompt", "the cat", "--max-new-tokens",
-                     "3", "--tokenizer", str(prepared.parent / "tokenizer.json")]) == 0  # fmt: skip
-    assert capsys.readouterr().out.startswith("the cat ")
+    code = cli.main(["generate", "--hf", str(out), "--prompt", "the cat", "--max-new-tokens",
+                     "3", "--tokenizer", str(prepared.parent / "tokenizer.json")])  # fmt: skip
+    printed = capsys.readouterr()
+    if style == "mixtral":  # the MoE blocks have no KV-cache path: refused, naming why
+        assert code == 2 and "KV" in printed.err, printed.err
+    else:
+        assert code == 0 and printed.out.startswith("the cat ")
 
 
 @pytest.mark.hf
