@@ -102,3 +102,15 @@ def test_planner_counts_the_replicated_kv_projections():
     extra = layers * 2 * (2 * e * d - 4 * e * d / t) * per_param
     assert mem[2].memory["params"] - mem[4].memory["params"] == pytest.approx(extra)
     assert mem[2].memory["optimizer"] > mem[4].memory["optimizer"]
+
+
+@pytest.mark.slow
+def test_planner_memory_matches_the_compiled_step_with_replicated_kv_heads():
+    """2 K/V heads on tensor=4 (x data=2), compiled from abstract shapes: the planner's
+    memory within 10% and its wire bytes within 5% of the compiled step's."""
+    from shardlib.planner.validate import validate
+
+    w = Workload.from_preset("llama-small", 16, 64, "fp32", layers=2, kv_heads=2)
+    check = validate(w, candidate(data=2, tensor=4))
+    assert abs(check.memory_ratio - 1) <= 0.10, check
+    assert abs(check.wire_ratio - 1) <= 0.05, check
