@@ -33,7 +33,10 @@ between ``beta_fast`` and ``beta_slow`` rotations and scales cos and sin by
 def check_scaling(rope_type: str, scaling) -> None:
     """ValueError unless ``scaling`` has the fields ``rope_type`` needs."""
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type={rope_type!r}; supported: default, {', '.join(ROPE_TYPES)}.")
+        raise ValueError(
+            f"rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)} (plain RoPE: "
+            "rope_scaling None)."
+        )
     if scaling is not None and len(scaling) != len(ROPE_TYPES[rope_type]):
         fields = ", ".join(ROPE_TYPES[rope_type])
         raise ValueError(f"rope_scaling={tuple(scaling)} for rope_type={rope_type!r}: ({fields}).")
