@@ -11,20 +11,31 @@ from dataclasses import fields, replace
 
 from flax import nnx
 
-from models import gpt, llama, moe
+from models import gpt, llama, mistral, moe, qwen2
 from models.gpt import hf as gpt_hf
 from models.llama import hf as llama_hf
+from models.mistral import hf as mistral_hf
+from models.moe import hf as moe_hf
+from models.qwen2 import hf as qwen2_hf
 from shardlib.core.model import ModelEntry
 
 _FAMILIES = {
     "llama": (llama.PRESETS, llama.LlamaConfig, llama.Llama),
     "moe": (moe.PRESETS, moe.MoeConfig, moe.Moe),
     "gpt": (gpt.PRESETS, gpt.GPTConfig, gpt.GPT),
+    "qwen2": (qwen2.PRESETS, llama.LlamaConfig, llama.Llama),  # Llama with q/k/v biases
+    "mistral": (mistral.PRESETS, llama.LlamaConfig, llama.Llama),  # with a sliding window
 }
 
 
-_HF = {"llama": llama_hf.ADAPTER, "gpt": gpt_hf.ADAPTER}
-"""Each family's Hugging Face names and layouts (``HFAdapter``); moe has none yet."""
+_HF = {
+    "llama": llama_hf.ADAPTER,
+    "gpt": gpt_hf.ADAPTER,
+    "qwen2": qwen2_hf.ADAPTER,
+    "mistral": mistral_hf.ADAPTER,
+    "moe": moe_hf.ADAPTER,  # Mixtral
+}
+"""Each family's Hugging Face names and layouts (``HFAdapter``)."""
 
 
 def registry() -> dict[str, ModelEntry]:

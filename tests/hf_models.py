@@ -36,19 +36,51 @@ STYLES = {
 }  # fmt: skip
 
 
+FAMILIES = {  # style: (transformers config and model classes, config fields)
+    # Qwen2: q/k/v biases (moved off their initial zeros in ``make_hf``), GQA, separate head
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    # Mistral: each token sees the 4 tokens up to itself (the fixtures' rows have 12)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2,
+                                                           sliding_window=4)),
+    # Mixtral: 4 experts, top 2, onto models/moe (the router's std 0.2 picks decisively)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2,
+                                                           num_local_experts=4)),
+    # Llama-family RoPE scalings transformers applies; dynamic NTK past 8 positions
+    "rope-linear": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(rope_type="linear", rope_theta=10_000.0, factor=4.0))),
+    "rope-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
+        max_position_embeddings=8,
+        rope_parameters=dict(rope_type="dynamic", rope_theta=10_000.0, factor=2.0))),
+    "rope-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0,
+                             original_max_position_embeddings=16))),
+}  # fmt: skip
+"""Llama-shaped families and RoPE scalings beyond ``STYLES`` (``tests/models/
+test_llama_family_hf.py``), each a fixture too."""
+
+
 def make_hf(style: str, out, vocab: int, seed: int = 0):
-    """A ``style`` Llama with ``vocab`` tokens (2 layers, 64 positions), saved to ``out``."""
+    """A ``style`` model (``STYLES`` or ``FAMILIES``) with ``vocab`` tokens (2 layers, 64
+    positions unless the style says), saved to ``out``."""
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(
+    config_class, model_class, fields = (
+        FAMILIES[style] if style in FAMILIES else ("LlamaConfig", "LlamaForCausalLM", STYLES[style])
+    )
+    fields = dict(max_position_embeddings=64) | fields
+    cfg = getattr(transformers, config_class)(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-5,
+        num_attention_heads=4, head_dim=8, rms_norm_eps=1e-5,
         initializer_range=0.2,  # std 0.02 (the default) caps a frozen head's |logits| below 1
-        **STYLES[style],
+        **fields,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = getattr(transformers, model_class)(cfg).eval()
+    with torch.no_grad():  # biases (Qwen2's q/k/v) away from their initial zeros
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
     return model
 

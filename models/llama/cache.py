@@ -29,16 +29,22 @@ def _attend_cached(attn, x_BTD, k_BSGK, v_BSGK, positions_T, start):
     wq, wk, wv, wo = attn.weights()
     _, h, d = wq.shape
     g = wk.shape[1]
-    q_BTHK = attn.rotary(jnp.einsum("btd,dhk->bthk", x_BTD, wq.astype(dt)), positions_T)
-    k_BTGK = attn.rotary(jnp.einsum("btd,dgk->btgk", x_BTD, wk.astype(dt)), positions_T)
-    v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, wv.astype(dt))
+    q_BTHK, k_BTGK, v_BTGK = attn.biased(
+        jnp.einsum("btd,dhk->bthk", x_BTD, wq.astype(dt)),
+        jnp.einsum("btd,dgk->btgk", x_BTD, wk.astype(dt)),
+        jnp.einsum("btd,dgk->btgk", x_BTD, wv.astype(dt)),
+    )
+    q_BTHK, k_BTGK = attn.rotary(q_BTHK, positions_T), attn.rotary(k_BTGK, positions_T)
     at = (0, start, 0, 0)
     k_BSGK = jax.lax.dynamic_update_slice(k_BSGK, k_BTGK.astype(k_BSGK.dtype), at)
     v_BSGK = jax.lax.dynamic_update_slice(v_BSGK, v_BTGK.astype(v_BSGK.dtype), at)
     q_BTGJK = q_BTHK.reshape(b, t, g, h // g, d).astype(jnp.float32)
     scores_BGJTS = jnp.einsum("btgjk,bsgk->bgjts", q_BTGJK, k_BSGK.astype(jnp.float32))
     scores_BGJTS = scores_BGJTS * d**-0.5
-    visible_TS = jnp.arange(k_BSGK.shape[1])[None, :] <= positions_T[:, None]
+    behind_TS = positions_T[:, None] - jnp.arange(k_BSGK.shape[1])[None, :]
+    visible_TS = behind_TS >= 0
+    if attn.window:  # sliding-window attention: only the last ``window`` keys
+        visible_TS &= behind_TS < attn.window
     scores_BGJTS = jnp.where(visible_TS, scores_BGJTS, jnp.finfo(jnp.float32).min)
     probs_BGJTS = jax.nn.softmax(scores_BGJTS, axis=-1)
     out_BTGJK = jnp.einsum("bgjts,bsgk->btgjk", probs_BGJTS, v_BSGK.astype(jnp.float32))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from models.llama.rotary import ROPE_TYPES, yarn_attention_factor
 from shardlib.core.capabilities import HFAdapter
 
 _LAYER = "model.layers.{i}."
@@ -36,24 +37,67 @@ LORA_WEIGHTS |= {"gate": "mlp/w_gate", "up": "mlp/w_up", "down": "mlp/w_down"}
 """LoRA target -> the block weight its factors adapt (``models.llama.lora``)."""
 
 
-def llama_settings(hf: dict) -> dict:
-    """Hugging Face ``config.json`` -> ``LlamaConfig`` fields (``model.NAME`` values)."""
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type={hf.get('model_type')!r}; only llama is supported.")
+def rope_settings(hf: dict) -> tuple[tuple | None, str]:
+    """``config.json``'s RoPE scaling -> (``rope_scaling``, ``rope_type``): the fields
+    ``models.llama.rotary.ROPE_TYPES`` lists, with Hugging Face's defaults filled in."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    max_positions = hf.get("max_position_embeddings", 8192)
+    original = rope.get("original_max_position_embeddings") or max_positions
+    if kind == "default":
+        return None, "llama3"
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        return (*(float(rope[k]) for k in keys), int(original)), kind
+    if kind == "linear":
+        return (float(rope["factor"]),), kind
+    if kind == "dynamic":  # Hugging Face scales by max_position_embeddings, not the original
+        return (float(rope["factor"]), int(max_positions)), kind
+    if kind == "yarn":
+        factor = rope.get("factor") or max_positions / original
+        attention = rope.get("attention_factor") or yarn_attention_factor(
+            factor, rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
+        )
+        beta_fast, beta_slow = rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0
+        truncate = 1.0 if rope.get("truncate", True) else 0.0
+        return (float(factor), int(original), float(beta_fast), float(beta_slow),
+                float(attention), truncate), kind  # fmt: skip
+    raise ValueError(f"rope_type={kind!r}; supported: default, {', '.join(ROPE_TYPES)}.")
+
+
+def rope_json(model: dict) -> dict:
+    """``rope_scaling`` and ``rope_type`` -> Hugging Face's ``rope_parameters``."""
+    scaling = model.get("rope_scaling")
+    if not scaling:
+        return {"rope_type": "default", "rope_theta": model["rope_theta"]}
+    kind = model.get("rope_type", "llama3")
+    rope = {"rope_type": kind, "rope_theta": model["rope_theta"]}
+    names = {"original_max_positions": "original_max_position_embeddings"}
+    for field, value in zip(ROPE_TYPES[kind], scaling, strict=True):
+        rope[names.get(field, field)] = value
+    if kind == "dynamic":  # its length is config.json's max_position_embeddings
+        del rope["original_max_position_embeddings"]
+    if kind == "yarn":  # Hugging Face's defaults left out, as its own configs do
+        defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": 1.0,
+                    "attention_factor": yarn_attention_factor(rope["factor"])}  # fmt: skip
+        rope = {k: v for k, v in rope.items() if k not in defaults or v != defaults[k]}
+        rope = rope | ({"truncate": False} if "truncate" in rope else {})
+    return rope
+
+
+def llama_settings(hf: dict, model_type: str = "llama") -> dict:
+    """Hugging Face ``config.json`` -> ``LlamaConfig`` fields (``model.NAME`` values); the
+    Llama-shaped families (Qwen2, Mistral) read theirs through it with their own type."""
+    if hf.get("model_type", model_type) != model_type:
+        raise ValueError(f"model_type={hf.get('model_type')!r}; only {model_type} is read here.")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise ValueError(f"{flag}=true; shardlib's Llama has no biases.")
+            raise ValueError(f"{flag}=true; shardlib's Llama has no biases there.")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r}; shardlib's MLP is SwiGLU.")
     heads = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor")
-        scaling = (*(float(rope[k]) for k in keys), int(rope["original_max_position_embeddings"]))
-    elif kind != "default":
-        raise ValueError(f"rope_type={kind!r}; supported: default, llama3.")
+    scaling, rope_type = rope_settings(hf)
     return {
         "vocab": hf["vocab_size"],
         "embed": hf["hidden_size"],
@@ -65,23 +109,18 @@ def llama_settings(hf: dict) -> dict:
         "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_scaling": scaling,
+        "rope_type": rope_type,
         "max_positions": hf.get("max_position_embeddings", 8192),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": False,  # Qwen2's adapter sets it
+        "sliding_window": 0,  # Mistral's adapter reads it
     }
 
 
 def llama_config_json(model: dict) -> dict:
     """``LlamaConfig`` fields -> a ``config.json`` that ``transformers`` loads (4.x and 5.x:
     both rope spellings)."""
-    scaling = model.get("rope_scaling")
-    rope = {"rope_type": "default", "rope_theta": model["rope_theta"]}
-    if scaling:
-        factor, low, high, original = scaling
-        rope = {
-            "rope_type": "llama3", "rope_theta": model["rope_theta"], "factor": factor,
-            "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }  # fmt: skip
+    rope = rope_json(model)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -96,13 +135,18 @@ def llama_config_json(model: dict) -> dict:
         "max_position_embeddings": model["max_positions"],
         "rms_norm_eps": model["norm_eps"],
         "rope_theta": model["rope_theta"],
-        "rope_scaling": rope if scaling else None,
+        "rope_scaling": rope if model.get("rope_scaling") else None,
         "rope_parameters": rope,
         "tie_word_embeddings": bool(model["tie_embeddings"]),
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+
+
+CHECKED = ("rope_theta", "norm_eps", "rope_scaling", "rope_type", "tie_embeddings", "qkv_bias",
+           "sliding_window")  # fmt: skip
+"""Settings no tensor's shape shows, checked against ``config.json`` on import."""
 
 
 def merge_lora(flat: dict, model: dict) -> dict:
@@ -132,7 +176,7 @@ ADAPTER = HFAdapter(
     preset="llama-tiny",  # every field config.json sets, it sets for any Llama preset
     tensors=TENSORS,
     rotary=("blocks/attn/wq", "blocks/attn/wk"),
-    checked=("rope_theta", "norm_eps", "rope_scaling", "tie_embeddings"),
+    checked=CHECKED,
     settings=llama_settings,
     config_json=llama_config_json,
     merged=merge_lora,

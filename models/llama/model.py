@@ -11,7 +11,7 @@ logical dim lives, and ``shardlib.core.ops`` which attention kernel runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.llama.lora import adapted, add_lora, update
 from models.llama.norm import rms_norm
-from models.llama.rotary import rotary
+from models.llama.rotary import check_scaling, rotary
 from models.llama.swiglu import swiglu
-from shardlib.core.layout import constrain
+from shardlib.core.layout import constrain, splits_alike
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims (and the norms on it)
 from shardlib.core.ops import attention, lookup, matmul, run_blocks
 
@@ -61,9 +61,17 @@ class LlamaConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    rope_scaling: tuple[float, float, float, int] | None = None
-    """Llama 3's RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
-    original_max_positions), as in Hugging Face's ``rope_type="llama3"``; None: plain RoPE."""
+    rope_scaling: tuple[float, ...] | None = None
+    """RoPE frequency scaling, the fields ``rope_type`` names (``rotary.ROPE_TYPES``); Llama
+    3's: (factor, low_freq_factor, high_freq_factor, original_max_positions). None: plain."""
+    rope_type: str = "llama3"
+    """Which scaling ``rope_scaling`` holds: llama3, linear, dynamic or yarn (Hugging Face's
+    ``rope_type``); unused without ``rope_scaling``."""
+    qkv_bias: bool = False
+    """The q, k and v projections add biases (Qwen2)."""
+    sliding_window: int = 0
+    """Each token attends to itself and the ``sliding_window - 1`` tokens before it
+    (Mistral); 0: to every earlier token."""
     max_positions: int = 8192
     """Longest sequence (prompt + generated tokens) ``shardlib generate`` accepts; Hugging
     Face's ``max_position_embeddings``."""
@@ -89,6 +97,9 @@ class LlamaConfig:
                 f"model: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}. "
                 "Fix: choose kv_heads dividing heads."
             )
+        check_scaling(self.rope_type, self.rope_scaling)
+        if self.sliding_window < 0:
+            raise ValueError(f"model: sliding_window={self.sliding_window} must be >= 0.")
         if self.head_dim % 2:
             raise ValueError(f"model: head_dim={self.head_dim} must be even for rotary embeddings.")
 
@@ -103,6 +114,7 @@ class LlamaConfig:
             self.layers,
         )
         block = 2 * e + e * h * d * 2 + e * k * d * 2 + 3 * e * f
+        block += (h + 2 * k) * d if self.qkv_bias else 0
         r = self.lora_rank
         sizes = {"q": (e, h * d), "k": (e, k * d), "v": (e, k * d), "o": (h * d, e)}
         sizes |= {"gate": (e, f), "up": (e, f), "down": (f, e)}
@@ -111,66 +123,10 @@ class LlamaConfig:
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# Llama 3.1's published RoPE scaling (factor, low_freq_factor, high_freq_factor, original ctx)
-LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
-
-PRESETS: dict[str, LlamaConfig] = {
-    # tests and the default training run: a few hundred thousand parameters
-    "llama-tiny": LlamaConfig(),
-    # ~12M parameters: memory and communication measurements
-    "llama-small": LlamaConfig(
-        vocab=8192, embed=256, layers=8, heads=8, kv_heads=4, head_dim=32, mlp=1024
-    ),
-    # the published shapes, for `explain` with abstract inputs (nothing is allocated)
-    "llama-1b": LlamaConfig(
-        vocab=128_256,
-        embed=2048,
-        layers=16,
-        heads=32,
-        kv_heads=8,
-        head_dim=64,
-        mlp=8192,
-        rope_theta=500_000.0,
-    ),
-    "llama-7b": LlamaConfig(
-        vocab=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11_008
-    ),
-    "llama-70b": LlamaConfig(
-        vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672
-    ),
-    # published Hugging Face shapes (config.json of meta-llama/*): `init_from` checks them
-    "llama2-7b": LlamaConfig(
-        vocab=32_000, embed=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp=11_008,
-        norm_eps=1e-5, max_positions=4096,
-    ),
-    "llama2-13b": LlamaConfig(
-        vocab=32_000, embed=5120, layers=40, heads=40, kv_heads=40, head_dim=128, mlp=13_824,
-        norm_eps=1e-5, max_positions=4096,
-    ),
-    "llama2-70b": LlamaConfig(
-        vocab=32_000, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
-        norm_eps=1e-5, max_positions=4096,
-    ),
-    "llama3-8b": LlamaConfig(  # Llama 3.1 8B
-        vocab=128_256, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14_336,
-        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
-    ),
-    "llama3-70b": LlamaConfig(  # Llama 3.1 70B
-        vocab=128_256, embed=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28_672,
-        rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE, max_positions=131_072,
-    ),
-    "llama3-405b": LlamaConfig(  # Llama 3.1 405B
-        vocab=128_256, embed=16_384, layers=126, heads=128, kv_heads=8, head_dim=128,
-        mlp=53_248, rope_theta=500_000.0, norm_eps=1e-5, rope_scaling=LLAMA31_ROPE,
-        max_positions=131_072,
-    ),
-}  # fmt: skip
 
 
-def preset(name: str, **overrides) -> LlamaConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}. Presets: {', '.join(PRESETS)}.")
-    return replace(PRESETS[name], **overrides)
+def _bias(shape: tuple[int, ...], names: tuple[str, ...]):
+    return nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, names)(None, shape, jnp.float32))
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], fan_in: int):
@@ -196,12 +152,21 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         e, h, g, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.theta, self.rope_scaling, self.rope_type = (
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.rope_type,
+        )
+        self.window = cfg.sliding_window
         self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
         self.wq = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), e)  # [embed, heads, hd]
         self.wk = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wv = _param(rngs, (e, g, d), ("embed", "kv_heads", "head_dim"), e)  # [embed, kv, hd]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), h * d)  # [heads, hd, e]
+        if cfg.qkv_bias:  # Qwen2's
+            self.bq = _bias((h, d), ("heads", "head_dim"))  # [heads, head_dim]
+            self.bk = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
+            self.bv = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
         for t, w, names in (
             ("q", self.wq, ("embed", "heads", "head_dim")),
             ("k", self.wk, ("embed", "kv_heads", "head_dim")),
@@ -218,25 +183,39 @@ class Attention(nnx.Module):
         )
 
     def rotary(self, x_BLHK, positions_L=None):
-        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling)
+        return rotary(x_BLHK, self.theta, positions_L, self.rope_scaling, self.rope_type)
+
+    def biased(self, q_BLHK, k_BLGK, v_BLGK):
+        """q, k and v with their biases added (Qwen2's), where the model has them."""
+        if not hasattr(self, "bq"):
+            return q_BLHK, k_BLGK, v_BLGK
+        dt = q_BLHK.dtype
+        return (q_BLHK + self.bq[...].astype(dt), k_BLGK + self.bk[...].astype(dt),
+                v_BLGK + self.bv[...].astype(dt))  # fmt: skip
 
     def __call__(self, x_BLD, positions_L=None):
         dt, (b, l, _), (e, h, d), g = x_BLD.dtype, x_BLD.shape, self.wq.shape, self.wk.shape[1]
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
         wq, wk, wv, wo = self.wq[...], self.wk[...], self.wv[...], self.wo[...]
-        # One product for q, k and v (each K/V head next to its query heads): the backward
-        # pass then sums the three input gradients before one reduction, not after three.
-        w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
-            [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
-            axis=2,
-        ).astype(dt)
-        qkv_BLGJK = matmul("bld,dgjk->blgjk", x_BLD, w_DGJK, name="qkv")
-        # split, not sliced: the gradient is then one concatenation, not a padded copy each
-        q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
-        q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
+        if splits_alike({"heads": h, "kv_heads": g}):
+            # One product for q, k and v (each K/V head next to its query heads): the
+            # backward pass then sums the three input gradients before one reduction.
+            w_DGJK = jnp.concatenate(  # [embed, kv_heads, h/g + 2, head_dim]
+                [wq.reshape(e, g, h // g, d), wk[:, :, None], wv[:, :, None]],
+                axis=2,
+            ).astype(dt)
+            qkv_BLGJK = matmul("bld,dgjk->blgjk", x_BLD, w_DGJK, name="qkv")
+            # split, not sliced: the gradient is one concatenation, not a padded copy each
+            q, k, v = jnp.split(qkv_BLGJK, [h // g, h // g + 1], axis=3)
+            q, k, v = q.reshape(b, l, h, d), k[:, :, :, 0], v[:, :, :, 0]
+        else:  # K/V heads whole where the query heads split (fewer than the tensor degree)
+            q = matmul("bld,dhk->blhk", x_BLD, wq.astype(dt), name="q")
+            w_DJGK = jnp.stack([wk, wv], axis=1).astype(dt)  # [embed, 2, kv_heads, head_dim]
+            k, v = jnp.unstack(matmul("bld,djgk->jblgk", x_BLD, w_DJGK, name="kv"))
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
                    v + update(self, "v", x_BLD, 1, s))  # fmt: skip
+        q, k, v = self.biased(q, k, v)
         q = constrain(self.rotary(q, positions_L), ("batch", "seq", "heads", "head_dim"))
         k = constrain(self.rotary(k, positions_L), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -245,7 +224,7 @@ class Attention(nnx.Module):
             checkpoint_name(k, "attn_k"),
             checkpoint_name(v, "attn_v"),
         )
-        out_BLHK = attention(q, k, v, positions_L)  # the active plan picks dense/ring/...
+        out_BLHK = attention(q, k, v, positions_L, window=self.window)  # dense/ring/... by plan
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
         out_BLD = matmul("blhk,hkd->bld", out_BLHK, wo.astype(dt), name="o")

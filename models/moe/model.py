@@ -108,6 +108,18 @@ PRESETS: dict[str, MoeConfig] = {
     "moe-tiny": MoeConfig(
         embed=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=256, moe_every=2
     ),
+    # Hugging Face Mixtral imports (models/moe/hf.py): an MoE block in every layer, dropless
+    "mixtral-tiny": MoeConfig(
+        embed=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        experts=4,
+        moe_every=1,
+        no_drop=True,
+        rope_theta=1_000_000.0,
+    ),
     # Mixtral 8x7B shapes (46.7B parameters), for `explain` with abstract inputs
     "mixtral-8x7b": MoeConfig(
         vocab=32_000,

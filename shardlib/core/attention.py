@@ -44,8 +44,22 @@ def from_groups(x_BGRLK):
     return x_BGRLK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * r, k)
 
 
+class SlidingWindow(int):
+    """A causal mask limited to each query's last ``n`` keys (itself included): Mistral's
+    sliding-window attention. Passed where the kernels take ``causal`` (it is truthy, so
+    every causal path applies), it adds q_pos - k_pos < n to the mask and the block skips."""
+
+    def __repr__(self) -> str:
+        return f"SlidingWindow({int(self)})"
+
+
 def _mask(q_pos_Q, k_pos_T, causal: bool):
-    return (q_pos_Q[:, None] >= k_pos_T[None, :]) if causal else None  # [Q, T]
+    if not causal:
+        return None
+    mask_QT = q_pos_Q[:, None] >= k_pos_T[None, :]  # [Q, T]
+    if isinstance(causal, SlidingWindow):
+        mask_QT &= q_pos_Q[:, None] - k_pos_T[None, :] < int(causal)
+    return mask_QT
 
 
 def _scores(q_BGRQK, k_BTGK, q_pos, k_pos, causal, scale):
@@ -101,7 +115,12 @@ def finish(state):
 
 def _visible(q_pos_c, k_pos_c, causal: bool):
     """Does any query of this block see any key of that block? (else the block is skipped)"""
-    return jnp.max(q_pos_c) >= jnp.min(k_pos_c) if causal else jnp.bool_(True)
+    if not causal:
+        return jnp.bool_(True)
+    seen = jnp.max(q_pos_c) >= jnp.min(k_pos_c)
+    if isinstance(causal, SlidingWindow):  # and not every key too far behind
+        seen &= jnp.min(q_pos_c) - jnp.max(k_pos_c) < int(causal)
+    return seen
 
 
 def _chunks(x, n: int, axis: int):
@@ -270,8 +289,9 @@ class Packed:
     segments: jax.Array = field()  # [batch, seq] int32, 1.. per document in the row, 0: pad
 
 
-def packed_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
-    """Dense attention with grouped K/V heads, causal within each packed document only."""
+def packed_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed, causal=True):
+    """Dense attention with grouped K/V heads, causal within each packed document only
+    (and within a ``SlidingWindow``, when ``causal`` is one)."""
     g, d = k_BTGK.shape[2], q_BLHK.shape[-1]
     q_BGRQK = to_groups(q_BLHK, g)
     s_BGRQT = jnp.einsum(
@@ -280,6 +300,8 @@ def packed_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
     pos_BL, seg_BL = packed.positions, packed.segments
     same_BQT = seg_BL[:, :, None] == seg_BL[:, None, :]
     mask_BQT = same_BQT & (pos_BL[:, :, None] >= pos_BL[:, None, :])
+    if isinstance(causal, SlidingWindow):
+        mask_BQT &= pos_BL[:, :, None] - pos_BL[:, None, :] < int(causal)
     s_BGRQT = jnp.where(mask_BQT[:, None, None], s_BGRQT, NEG_INF)
     probs = jax.nn.softmax(s_BGRQT, axis=-1).astype(v_BTGK.dtype)
     out_BGRQK = jnp.einsum("bgrqt,btgk->bgrqk", probs, v_BTGK)
@@ -288,10 +310,13 @@ def packed_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
 
 def _cudnn(q, k, v, q_pos, k_pos, *, causal):
     # cuDNN's fused kernel knows only the natural order: plans never pair it with zig-zag.
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    window = (int(causal) - 1, 0) if isinstance(causal, SlidingWindow) else None
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=bool(causal), local_window_size=window, implementation="cudnn"
+    )
 
 
-def packed_cudnn_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
+def packed_cudnn_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed, causal=True):
     """Packed rows through cuDNN's fused kernel: the document mask as the kernel's mask.
 
     JAX's public call takes a boolean mask, which it turns into an additive bias of
@@ -302,8 +327,15 @@ def packed_cudnn_attention(q_BLHK, k_BTGK, v_BTGK, packed: Packed):
     """
     seg_BL = packed.segments
     same_B1QT = (seg_BL[:, :, None] == seg_BL[:, None, :])[:, None]  # [batch, 1, L, T]
+    window = (int(causal) - 1, 0) if isinstance(causal, SlidingWindow) else None
     return jax.nn.dot_product_attention(
-        q_BLHK, k_BTGK, v_BTGK, mask=same_B1QT, is_causal=True, implementation="cudnn"
+        q_BLHK,
+        k_BTGK,
+        v_BTGK,
+        mask=same_B1QT,
+        is_causal=True,
+        local_window_size=window,
+        implementation="cudnn",
     )
 
 
@@ -359,8 +391,8 @@ class LocalAttention:
             self.check_packed()
             self.decided()
             if self.impl == "cudnn":
-                return packed_cudnn_attention(q_BLHK, k_BLGK, v_BLGK, positions_L)
-            return packed_attention(q_BLHK, k_BLGK, v_BLGK, positions_L)
+                return packed_cudnn_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal)
+            return packed_attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal)
         seq = q_BLHK.shape[1]
         pos = jnp.arange(seq, dtype=jnp.int32) if positions_L is None else positions_L
         return self.kernel(causal, seq)(q_BLHK, k_BLGK, v_BLGK, pos, pos)

@@ -62,6 +62,20 @@ def active_layout() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
+def splits_alike(sizes: dict[str, int]) -> bool:
+    """Whether the active layout splits these logical dims (name -> size) over the same mesh
+    axes (True outside a layout). A model fuses products along dims that split alike (the
+    query and K/V heads of one q/k/v projection) and keeps them apart where they do not:
+    K/V heads fewer than the tensor degree stay whole (``Rules.replicate_indivisible``)
+    while the query heads split, and one fused weight would have to be resharded."""
+    active = _ACTIVE.get()
+    if active is None:
+        return True
+    mesh, rules = active
+    table = rules.for_sizes(sizes, mesh_axes(mesh)).activations
+    return len({table.get(name, ()) for name in sizes}) == 1
+
+
 def constrain(
     x: jax.Array,
     names: tuple[str | None, ...],

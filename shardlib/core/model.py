@@ -177,9 +177,11 @@ def resolve_model(name: str, overrides: Mapping[str, str | object] | None = None
     return ModelFactory(name, config, functools.partial(entry.model, config), model_type)
 
 
-def hf_adapter(model: str | ModelFactory | Any) -> HFAdapter:
+def hf_adapter(model: str | ModelFactory | Any, hf_type: str | None = None) -> HFAdapter:
     """The Hugging Face adapter of a preset (its name or factory) or of a preset's config
-    (by its exact type: a family's presets share one config class)."""
+    (by its exact type: a family's presets share one config class). Where several families
+    share a config class (Qwen2 and Mistral are Llamas), ``hf_type`` (``config.json``'s
+    ``model_type``) picks among their adapters."""
     name = model.name if isinstance(model, ModelFactory) else model
     if isinstance(name, str):
         entry = registry().get(name)
@@ -187,6 +189,8 @@ def hf_adapter(model: str | ModelFactory | Any) -> HFAdapter:
     else:  # a plain function's settings are a dict naming it (``Setup.model_cfg``)
         name = model.get("factory") if isinstance(model, dict) else type(model).__name__
         adapters = {e.hf for e in registry().values() if type(e.config) is type(model)}
+    if hf_type is not None and len(adapters) > 1:
+        adapters = {a for a in adapters if a is not None and a.hf_type == hf_type} or adapters
     if len(adapters) == 1 and None not in adapters:
         return adapters.pop()
     raise ShardingError(

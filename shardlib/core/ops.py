@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.core.attention import LocalAttention, Packed
+from shardlib.core.attention import LocalAttention, Packed, SlidingWindow
 from shardlib.core.layout import active_layout, constrain
 from shardlib.core.lookup import lookup
 
@@ -152,13 +152,17 @@ def batch_sum(x: jax.Array, axis=None) -> jax.Array:
     return total if form is None else form(total, "sum")
 
 
-def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True):
+def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True, window=0):
     """Attention with grouped K/V heads, [B, L, H, K] -> [B, L, H, K], in the active form.
 
     ``positions_L`` are the tokens' true positions (default 0..L-1): they drive the causal
     mask, so a reordered sequence (zig-zag context parallelism) attends correctly; ``Packed``
-    positions keep each query inside its own document.
+    positions keep each query inside its own document. ``window`` > 0 limits each query to
+    its last ``window`` keys (sliding-window attention, Mistral's): the forms receive it as
+    ``causal=SlidingWindow(window)``, which every causal kernel masks by.
     """
+    if causal and window:
+        causal = SlidingWindow(window)
     return active_ops().attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal=causal)
 
 

@@ -83,11 +83,18 @@ class Rules:
     parameter along *one* of its dims): a tensor keeps each on its first dim in
     ``SHARED_ORDER`` that divides (``shared_dims``). Any other mesh axis mapped to two
     dims of one tensor is an error."""
+    replicate_indivisible: tuple[str, ...] = ()
+    """Logical names whose dim, where its size does not divide by the (unshared) mesh axes
+    its entry gives, is replicated over them rather than refused (``for_sizes``). Tensor
+    parallelism puts ``kv_heads`` here: a model with fewer K/V heads than the tensor degree
+    (MQA, 1 head on ``tensor=2``) keeps every K/V head on every device of the group, as
+    Megatron-LM and MaxText do, while the query heads stay split."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", _freeze(self.params))
         object.__setattr__(self, "activations", _freeze(self.activations))
         object.__setattr__(self, "shared", tuple(str(a) for a in self.shared))
+        object.__setattr__(self, "replicate_indivisible", tuple(self.replicate_indivisible))
 
     def table(self, kind: Kind) -> Mapping[str, tuple[str, ...]]:
         return self.params if kind == "params" else self.activations
@@ -101,7 +108,27 @@ class Rules:
             params={**self.params, **(params or {})},
             activations={**self.activations, **(activations or {})},
             shared=self.shared,
+            replicate_indivisible=self.replicate_indivisible,
         )
+
+    def for_sizes(self, sizes: Mapping[str, int], mesh_axes: Mapping[str, int]) -> Rules:
+        """These rules for dims of these sizes: each ``replicate_indivisible`` name whose
+        size does not divide by its entry's unshared mesh axes loses them (in both tables;
+        a shared axis stays for ``shared_dims`` to place). ``resolve_spec`` applies it per
+        tensor; a caller that lays out a tensor without its shape (``Rules.spec``) passes
+        the sizes it knows."""
+        drop: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
+        for name in self.replicate_indivisible:
+            if name not in sizes:
+                continue
+            for kind, table in (("params", self.params), ("activations", self.activations)):
+                axes = table.get(name, ())
+                ways = math.prod(mesh_axes.get(a, 1) for a in axes if a not in self.shared)
+                if sizes[name] % ways:
+                    drop[kind][name] = tuple(a for a in axes if a in self.shared)
+        if not drop["params"] and not drop["activations"]:
+            return self
+        return self.replace(**drop)
 
     def with_name(
         self,
@@ -165,6 +192,7 @@ def compose(*parts: Rules) -> Rules:
     """
     tables: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
     shared = tuple(dict.fromkeys(a for part in parts for a in part.shared))
+    loose = tuple(dict.fromkeys(n for part in parts for n in part.replicate_indivisible))
     for part in parts:
         for kind, table in tables.items():
             for name, axes in part.table(kind).items():
@@ -176,7 +204,12 @@ def compose(*parts: Rules) -> Rules:
                         "two strategies. Fix: give each strategy its own mesh axis."
                     )
                 table[name] = have + tuple(axes)
-    return Rules(params=tables["params"], activations=tables["activations"], shared=shared)
+    return Rules(
+        params=tables["params"],
+        activations=tables["activations"],
+        shared=shared,
+        replicate_indivisible=loose,
+    )
 
 
 def shared_dims(
@@ -288,6 +321,10 @@ def resolve_spec(
                 f"command line rules.{name}=AXIS,... (empty: replicated), in a mesh file "
                 f"[rules] {name} = [...]; or correct the annotation."
             )
+    if rules.replicate_indivisible:  # e.g. fewer K/V heads than the tensor degree
+        sizes = {n: size for n, size in zip(names, shape, strict=True) if n is not None}
+        rules = rules.for_sizes(sizes, mesh_axes)
+        table = rules.table(kind)
     shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
     used: dict[str, int] = {}
     parts = []

@@ -233,10 +233,21 @@ class Workload:
     vocab = property(lambda self: self._dim("vocab"))
     expert_mlp = property(lambda self: self._dim("expert_mlp"))
 
+    def local_kv_heads(self, tensor: int) -> float:
+        """K/V heads on one device of a ``tensor``-way group: split where they divide,
+        otherwise all of them (``parallel.tensor``: replicated, as Megatron-LM does)."""
+        kv = self.kv_heads
+        return kv / tensor if kv % tensor == 0 else kv
+
+    def local_qkv_width(self, tensor: int) -> float:
+        """Width of one device's q, k and v together: (heads/t + 2 local K/V heads) x d."""
+        return (self.heads / tensor + 2 * self.local_kv_heads(tensor)) * self.head_dim
+
     @cached_property
     def tensor_sizes(self) -> tuple[int, ...]:
-        """Every size of a dim tensor parallelism splits (heads, kv-heads, MLP and vocab)."""
-        names = ("heads", "kv_heads", "mlp", "vocab")
+        """Every size of a dim tensor parallelism must split (heads, MLP and vocab; not the
+        K/V heads, which it replicates where they do not divide)."""
+        names = ("heads", "mlp", "vocab")
         return tuple(sorted({s for p in self.params for n, s in p.dims if n in names}))
 
     @property

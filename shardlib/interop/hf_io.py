@@ -13,6 +13,7 @@ reads, adapters (LoRA) merged.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -54,8 +55,18 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-def _hf_names(name: str, path: str, layers: int) -> list[str]:
-    return [name.format(i=i) for i in range(layers)] if path.startswith("blocks/") else [name]
+def stacked_dims(name: str, path: str) -> tuple[str, ...]:
+    """The leading dims of a shardlib tensor that Hugging Face names one tensor each:
+    ``i``, the layer of a ``blocks/`` path, then ``e``, the expert of a name with ``{e}``
+    (Mixtral's ``experts.{e}.w1``)."""
+    return (("i",) if path.startswith("blocks/") else ()) + (("e",) if "{e}" in name else ())
+
+
+def _hf_names(name: str, path: str, shape: tuple[int, ...]) -> list[str]:
+    dims = stacked_dims(name, path)
+    return [
+        name.format(**dict(zip(dims, at, strict=True))) for at in np.ndindex(shape[: len(dims)])
+    ]
 
 
 def check_directory(directory, model: dict, paths: dict, adapter: HFAdapter) -> Shards:
@@ -75,9 +86,8 @@ def check_directory(directory, model: dict, paths: dict, adapter: HFAdapter) -> 
     shards = Shards.open(directory).with_prefix(adapter.base_prefix)
     for path, shape in paths.items():
         hf_name, layout = adapter.tensors[path]
-        stacked = path.startswith("blocks/")
-        one = shape[1:] if stacked else shape
-        for name in _hf_names(hf_name, path, shape[0] if stacked else 1):
+        one = shape[len(stacked_dims(hf_name, path)) :]
+        for name in _hf_names(hf_name, path, tuple(shape)):
             if name not in shards.shapes:
                 raise HFError(f"{directory}: tensor {name} is missing (needed for {path}).")
             found, expected = shards.shapes[name], hf_shape(tuple(one), layout)
@@ -109,24 +119,25 @@ def load_params(
     for path, spec in named.items():
         name, layout = adapter.tensors[path]
         interleave = interleaved_rope and path in adapter.rotary
-        stacked, shape = path.startswith("blocks/"), tuple(spec.shape)
+        dims, shape = stacked_dims(name, path), tuple(spec.shape)
         source = shards
         if path in adapter.fused:  # read through the block of the fused tensor it is
-            width = hf_shape(shape[1:] if stacked else shape, layout)[-1]
+            width = hf_shape(shape[len(dims) :], layout)[-1]
             source = Block(shards, adapter.fused[path][0], width)
 
         def callback(
-            index, name=name, layout=layout, interleave=interleave, stacked=stacked,
+            index, name=name, layout=layout, interleave=interleave, dims=dims,
             shape=shape, dtype=spec.dtype, shards=source,
         ):  # fmt: skip
-            if not stacked:
-                return read_slice(shards, name, layout, shape, index).astype(dtype)
-            first, stop, _ = index[0].indices(shape[0])
+            n = len(dims)  # the layers (and experts) this device holds, one tensor each
+            ranges = [range(*s.indices(m)[:2]) for s, m in zip(index[:n], shape[:n], strict=True)]
             parts = [
-                read_slice(shards, name.format(i=i), layout, shape[1:], index[1:], interleave)
-                for i in range(first, stop)
-            ]
-            return np.stack(parts).astype(dtype)
+                read_slice(shards, name.format(**dict(zip(dims, at, strict=True))), layout,
+                           shape[n:], index[n:], interleave)
+                for at in itertools.product(*ranges)
+            ]  # fmt: skip
+            block = np.stack(parts) if n else parts[0]
+            return block.reshape(*map(len, ranges), *block.shape[1 if n else 0 :]).astype(dtype)
 
         out[path] = jax.make_array_from_callback(shape, spec.sharding, callback)
     return unflatten(out)
@@ -151,6 +162,10 @@ def export_hf(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise HFError(f"export: {out} is not empty. Fix: choose a new directory.")
+    try:  # first: a model the family's config.json cannot describe writes nothing
+        config = adapter.config_json(model) | {"torch_dtype": dtype}
+    except ValueError as err:
+        raise HFError(str(err)) from None
     flat = adapter.merged({k: np.asarray(v) for k, v in flat.items()}, model)
     parts: dict[str, list] = {}  # Hugging Face name -> its blocks (one unless fused)
     tensors = {}
@@ -162,10 +177,10 @@ def export_hf(
             )
         name, layout = adapter.tensors[path]
         k, n = adapter.fused.get(path, (0, 1))
-        layers = range(x.shape[0]) if path.startswith("blocks/") else [None]
-        for i in layers:
-            one = to_hf(x if i is None else x[i], layout)
-            parts.setdefault(name if i is None else name.format(i=i), [None] * n)[k] = one
+        dims = stacked_dims(name, path)
+        for at in np.ndindex(x.shape[: len(dims)]):
+            one = to_hf(x[at], layout)
+            parts.setdefault(name.format(**dict(zip(dims, at, strict=True))), [None] * n)[k] = one
     for name, blocks in parts.items():  # a fused tensor: its blocks in order, concatenated
         if any(b is None for b in blocks):
             missing = [k for k, b in enumerate(blocks) if b is None]
@@ -190,6 +205,5 @@ def export_hf(
     index = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())}}
     index["weight_map"] = weight_map
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = adapter.config_json(model) | {"torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return [*files, out / "model.safetensors.index.json", out / "config.json"]

@@ -25,9 +25,15 @@ MODES = ("auto", "1d", "2d", "2.5d", "3d")
 
 
 def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
-    """Heads, kv-heads, MLP hidden and vocab dims over ``axis``, for weights and activations."""
+    """Heads, kv-heads, MLP hidden and vocab dims over ``axis``, for weights and activations.
+
+    K/V heads fewer than (or not a multiple of) the tensor degree are replicated over
+    ``axis`` instead (``Rules.replicate_indivisible``), as Megatron-LM and MaxText do: each
+    device computes the K/V heads its query heads read (MQA on ``tensor=8``: the one K/V
+    head on all eight), and the planner counts those weights once per device.
+    """
     table = {name: (axis,) for name in MEGATRON_DIMS}
-    return Rules(params=table, activations=table)
+    return Rules(params=table, activations=table, replicate_indivisible=("kv_heads",))
 
 
 @dataclass(frozen=True)

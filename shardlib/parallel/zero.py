@@ -86,6 +86,7 @@ def zero(
         params={**rules.params, **split},
         activations=rules.activations,
         shared=(*rules.shared, axis),
+        replicate_indivisible=rules.replicate_indivisible,
     )
     return StateRules(
         params=sharded if stage >= 3 else rules,

@@ -84,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     g = command("generate", "continue a prompt with a KV cache on the mesh")
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a run's checkpoint_dir (latest step)")
-    source.add_argument("--hf", help="a Hugging Face Llama directory (config.json, safetensors)")
+    source.add_argument(
+        "--hf",
+        help="a Hugging Face directory (config.json, safetensors): Llama, Qwen2, Mistral, GPT-2",
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -61,10 +61,13 @@ class Generated:
     new_tokens: int
 
 
-def cache_sharding(mesh: Mesh, rules: Rules, batch: int) -> NamedSharding:
-    """The cache's layout; the batch stays whole when it does not divide over its axes."""
-    spec = list(rules.spec(CACHE_NAMES, "activations"))
+def cache_sharding(mesh: Mesh, rules: Rules, batch: int, kv_heads: int = 0) -> NamedSharding:
+    """The cache's layout; the batch stays whole when it does not divide over its axes, and
+    ``kv_heads`` fewer than the tensor degree are replicated, as the attention's K/V are."""
     axes = mesh_axes(mesh)
+    if kv_heads:
+        rules = rules.for_sizes({"kv_heads": kv_heads}, axes)
+    spec = list(rules.spec(CACHE_NAMES, "activations"))
     batch_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],) if spec[1] else ()
     if batch % int(np.prod([axes[a] for a in batch_axes] or [1])):
         spec[1] = None
@@ -103,7 +106,8 @@ def generate(model, prompt_BP, *, mesh: Mesh, rules: Rules, sampling: Sampling) 
             "(model.max_positions). Fix: a shorter prompt or a smaller --max-new-tokens."
         )
     graphdef, params = nnx.split(model)
-    sharding = cache_sharding(mesh, rules, b)
+    kv_heads = jax.tree.leaves(jax.eval_shape(lambda: model.init_cache(b, total)))[0].shape[3]
+    sharding = cache_sharding(mesh, rules, b, kv_heads)
     cache = jax.jit(lambda: model.init_cache(b, total), out_shardings=sharding)()
     temperature, top_k = sampling.temperature, sampling.top_k
 

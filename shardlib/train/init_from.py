@@ -113,7 +113,10 @@ def load_initial_params(source: str | Path, abstract: dict, model_cfg) -> dict:
             "or a Hugging Face directory (config.json + *.safetensors)."
         )
     if is_hf_directory(source):
-        return load_params(source, abstract, jsonable(model_cfg), hf_adapter(model_cfg))
+        from shardlib.interop.hf import read_config
+
+        adapter = hf_adapter(model_cfg, read_config(source).get("model_type"))
+        return load_params(source, abstract, jsonable(model_cfg), adapter)
     return load_checkpoint_params(source, abstract)
 
 

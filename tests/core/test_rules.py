@@ -184,7 +184,8 @@ def test_rules_check_mesh_names_rule_and_axis():
 @pytest.mark.parametrize(
     "overrides, axes, needles",
     [
-        (["model.heads=12", "model.kv_heads=4"], {"tensor": 8}, ["wk", "size 4", "tensor=8"]),
+        # 4 K/V heads on tensor=8 are replicated (parallel.tensor); 12 query heads do not split
+        (["model.heads=12", "model.kv_heads=4"], {"tensor": 8}, ["'heads', size 12", "tensor=8"]),
         (["model.mlp=102"], {"fsdp": 2, "tensor": 4}, ["params.blocks.mlp", "'mlp'", "size 102"]),
         (["batch=6"], {"data": 4, "fsdp": 2}, ["micro-batch of 6", "data=4 x fsdp=2"]),
         (["batch=8", "data_microbatches=4"], {"data": 8}, ["micro-batch of 2", "data=8"]),

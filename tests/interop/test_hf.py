@@ -8,6 +8,7 @@ must be the fixtures' tensors bit for bit. Neither transformers nor torch is nee
 evaluation and export are one chain in ``test_hf_finetune.py``.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -27,7 +28,7 @@ from shardlib.interop.hf import (
     model_settings,
     read_config,
 )
-from shardlib.interop.hf_io import flatten, load_params
+from shardlib.interop.hf_io import export_hf, flatten, load_params
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.tools.generate import Sampling, generate, pick
 from shardlib.train.init_from import load_model
@@ -150,9 +151,15 @@ def test_bad_inputs_fail_before_any_work(cube, tmp_path):
         model_settings(LLAMA, bad)
     with pytest.raises(HFError, match="mlp_bias=true; shardlib's Llama has no biases"):
         model_settings(LLAMA, read_config(directory) | {"mlp_bias": True})
-    # a model family without Hugging Face names: refused, naming the fix
-    with pytest.raises(ShardingError, match=r"moe-tiny has no Hugging Face adapter.*Fix: regis"):
-        hf_adapter("moe-tiny")
+    # a model without Hugging Face names: refused, naming the fix
+    with pytest.raises(ShardingError, match=r"no-such has no Hugging Face adapter.*Fix: regis"):
+        hf_adapter("no-such")
+    # a model its family's config.json cannot describe (dense blocks between MoE ones, which
+    # Mixtral has not): refused before anything is written
+    moe = resolve_model("moe-tiny", {}).config
+    with pytest.raises(HFError, match="moe_every=2 puts dense blocks between the MoE ones"):
+        export_hf({}, dataclasses.asdict(moe), hf_adapter("moe-tiny"), tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
 
 
 def test_presets_have_published_sizes():

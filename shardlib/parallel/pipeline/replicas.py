@@ -62,7 +62,12 @@ def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
         return {name: tuple(a for a in mesh if a not in axes) for name, mesh in table.items()}
 
     shared = tuple(a for a in rules.shared if a not in axes)
-    return Rules(params=strip(rules.params), activations=strip(rules.activations), shared=shared)
+    return Rules(
+        params=strip(rules.params),
+        activations=strip(rules.activations),
+        shared=shared,
+        replicate_indivisible=rules.replicate_indivisible,
+    )
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ def block_matmuls(shape: Shape) -> tuple[Matmul, ...]:
     w, t, b = shape.workload, shape.tensor, shape.micro_batch
     s_q = w.seq // shape.seq_ways  # local queries
     d, heads = w.head_dim, w.heads / t
-    qkv = (w.heads + 2 * w.kv_heads) * d / t
+    qkv = w.local_qkv_width(t)  # K/V heads fewer than t: whole on every device
     mlp = (w.mlp or w.expert_mlp) / t
     matrices = w.mlp_matrices if w.mlp else w.expert_mlp_matrices  # 3 SwiGLU, 2 GELU
     # attention: per sequence and local head, [s/c, d] x [d, s]; split over c devices it

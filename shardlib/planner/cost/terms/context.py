@@ -102,7 +102,7 @@ def context(step: Step) -> Contribution:
     if view[CONTEXT] <= 1:
         return Contribution()
     c = view[CONTEXT]
-    elems = step.micro_batch * step.local_seq * w.kv_heads / view["tensor"] * w.head_dim
+    elems = step.micro_batch * step.local_seq * w.local_kv_heads(view["tensor"]) * w.head_dim
     kv = 2 * elems * w.compute_bytes + step.local_seq * POSITION_BYTES  # K, V, positions
     dkv = 2 * elems * GRAD_BYTES
     runs = layer_runs(step)  # per layer and micro-batch; a pipeline's bubble trips too
@@ -132,7 +132,7 @@ def ring_working_bytes(step: Step, micro_batch: int) -> float:
     view, w = step.view, step.workload
     if view[CONTEXT] <= 1:
         return 0.0
-    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim / view["tensor"]
+    qkv = w.local_qkv_width(view["tensor"])
     return step.calib["ring_working_qkv"] * micro_batch * step.local_seq * qkv * w.compute_bytes
 
 
@@ -141,8 +141,8 @@ def _saved(step: Step, policy: str, kept) -> dict[str, Any]:
     (fitted, ``ring_saved_qkv``; none under remat); a fused kernel keeps none at all."""
     view, w = step.view, step.workload
     if view[CONTEXT] > 1:
-        qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
-        ring = step.calib["ring_saved_qkv"] * qkv / view["tensor"] if policy == "none" else 0.0
+        qkv = w.local_qkv_width(view["tensor"])
+        ring = step.calib["ring_saved_qkv"] * qkv if policy == "none" else 0.0
         return {"attention": ring}
     if view.fused_attention:  # its output and row statistics: counted with the q/k/v width
         return {"attention": 0.0}

@@ -59,7 +59,7 @@ def _layer_parts(
     k = saved_coefficients(policy, step.calib, defined=by_definition(step))
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
-    qkv = (w.heads + 2 * w.kv_heads) * w.head_dim
+    qkv = w.local_qkv_width(t)  # per device: K/V heads fewer than t are whole on each
     parts: dict[str, Any] = {
         "attention": k["scores"] * w.heads * w.seq / t if scores else 0.0,
         "mlp": (k["mlp"] * w.mlp / t,),
@@ -70,7 +70,7 @@ def _layer_parts(
         parts.update(own)
         replaced.update(own)
     attn_out = w.heads * w.head_dim  # the attention output, split by tensor as q is
-    elems = k["h"] * w.embed + (k["q"] * attn_out + k["qkv"] * qkv) / t + parts["attention"]
+    elems = k["h"] * w.embed + k["q"] * attn_out / t + k["qkv"] * qkv + parts["attention"]
     for addend in parts["mlp"]:
         elems += addend
     return tokens * elems * w.compute_bytes, replaced

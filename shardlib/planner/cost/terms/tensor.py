@@ -40,7 +40,8 @@ SEARCH_AXIS = SearchAxis(
     placement=50,  # innermost: its all-reduces are on the critical path of every layer
     admits=_admits,
     largest=lambda cluster: cluster.devices_per_host,  # never across hosts unless asked
-    rule="divides the heads, kv-heads, MLP and vocab widths and stays inside one host",
+    rule="divides the heads, MLP and vocab widths (K/V heads: replicated where they do not) "
+    "and stays inside one host",
 )
 
 
