@@ -6,7 +6,6 @@ hands to ``shardlib train model=... loss=... data=...`` or ``shardlib.train_mode
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
