@@ -34,9 +34,7 @@ def own():
 
 def _setup(own, data=None, mesh=None, plan="cpu-8-3d", **settings):
     cfg = shardlib.user_config(plan, **(SETTINGS | settings))
-    return shardlib.make_model_setup(
-        cfg, own.make_model, own.loss_fn, data or own.batches(), mesh
-    )
+    return shardlib.make_model_setup(cfg, own.make_model, own.loss_fn, data or own.batches(), mesh)
 
 
 @pytest.fixture(scope="module")
