@@ -287,7 +287,8 @@ def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
     for key_path, leaf in flat_shapes:
         node = names_at(names, key_path)
         params.append(ParamEntry(path_str(key_path), tuple(leaf.shape), node))
-    stacked = {p.shape[0] for p in params if stacked and p.path.startswith("blocks.")}
+    read_blocks = stacked
+    stacked = {p.shape[0] for p in params if read_blocks and p.path.startswith("blocks.")}
     if len(stacked) > 1:
         raise ShardingError(_not_a_stack(factory.name, built[0][0], sorted(stacked)))
     count = sum(math.prod(p.shape) for p in params)
@@ -299,7 +300,7 @@ def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
         stacked.pop() if stacked else 0,
         tuple(params),
         checkpoint_names=_class_checkpoint_names(built[0][0]),
-        block_stats=bool(stacked) and _returns_stats(graphdef, shapes),
+        block_stats=read_blocks and _returns_stats(graphdef, shapes),
         routing=built[0][1],
         max_positions=built[0][2] if isinstance(built[0][2], int) else None,
         model_type=built[0][0],

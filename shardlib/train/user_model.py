@@ -215,7 +215,12 @@ def make_model_setup(
         factory = model
     else:
         factory = ModelFactory(_name(model, "model"), None, model, None)
-    inv = inventory(factory, stacked=False)
+    try:
+        inv = inventory(factory, stacked=False)
+    except ValueError as err:  # nnx.split: variables besides nnx.Param
+        if "Non-exhaustive filters" not in str(err):
+            raise
+        raise ShardingError(_not_only_params(factory)) from None
     batch = data.examples
     if batch % plan.data.microbatches:
         raise ShardingError(
@@ -245,6 +250,23 @@ def make_model_setup(
     setup.batch_sharding  # noqa: B018 (every batch array checked against the mesh now)
     setup.user_loss  # noqa: B018 (remat's layers found now)
     return setup
+
+
+def _not_only_params(factory: ModelFactory) -> str:
+    """Which variables besides parameters the model holds (BatchNorm's statistics, a
+    Dropout's RNG stream), and what to do instead."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: factory.make(nnx.Rngs(0)))
+    others = [
+        f"{'.'.join(map(str, path))} ({type(var).__name__})"
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    ]
+    return (
+        f"model {factory.name} holds state besides its parameters: {', '.join(others[:4])}"
+        f"{' ...' if len(others) > 4 else ''}. The trainer carries nnx.Param only. Fix: "
+        "LayerNorm/GroupNorm instead of BatchNorm, and dropout keys passed in the batch "
+        "(nnx.Dropout(rate)(x, rngs=...)) rather than held by the model."
+    )
 
 
 def check_config(cfg: TrainConfig, plan) -> None:
