@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -182,12 +183,32 @@ class ModelSetup(TrainSetup):
     def train_step(self):
         from shardlib.train.step import build_step
 
+        if self.plan.data.onebit_momentum:  # 1-bit Adam / LAMB: the step in shard_map
+            from shardlib.train.onebit import build_onebit_step
+
+            return build_onebit_step(self, self.user_loss)
         names = self.data.names
 
         def prepare(batch):  # the batch in the layout its names give it, before anything
             return jax.tree.map(lambda n, x: constrain(x, n), names, batch, is_leaf=_is_names)
 
         return build_step(self, self.user_loss, prepare)
+
+
+def _takes_rngs(factory: Callable) -> Callable:
+    """``factory(rngs)``; a factory of no arguments (``shardlib.build_model``'s form) is
+    called without them (it seeds its own ``nnx.Rngs``, so ``run.seed`` does not reach it)."""
+    if isinstance(factory, type):  # a Module class: Model(rngs)
+        return factory
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: take it as factory(rngs)
+        return factory
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes = [p for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL] + [
+        p for p in params if p.kind in positional and p.default is p.empty
+    ]
+    return factory if takes else (lambda rngs: factory())
 
 
 def _name(obj, default: str) -> str:
@@ -214,7 +235,7 @@ def make_model_setup(
     elif isinstance(model, ModelFactory):
         factory = model
     else:
-        factory = ModelFactory(_name(model, "model"), None, model, None)
+        factory = ModelFactory(_name(model, "model"), None, _takes_rngs(model), None)
     try:
         inv = inventory(factory, stacked=False)
     except ValueError as err:  # nnx.split: variables besides nnx.Param

@@ -141,3 +141,15 @@ def test_remat_needs_layers_in_a_list(own):
     with pytest.raises(ShardingError, match="nnx.List"):
         cfg = shardlib.user_config("cpu-8-3d", **SETTINGS)
         shardlib.make_model_setup(cfg, own.Block, own.loss_fn, own.batches())
+
+
+def test_a_factory_of_no_arguments_is_taken_too(own):
+    from flax import nnx
+
+    cfg = shardlib.user_config("cpu-8-3d", **SETTINGS)
+    plain = shardlib.make_model_setup(cfg, own.make_model, own.loss_fn, own.batches())
+    bare = shardlib.make_model_setup(
+        cfg, lambda: own.make_model(nnx.Rngs(0)), own.loss_fn, own.batches()
+    )
+    assert bare.inventory.param_count == plain.inventory.param_count > 0
+    assert bare.param_specs == plain.param_specs
