@@ -22,8 +22,9 @@ parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales
 blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
 
 Remat: the user's loss is one function, so the plan's ``remat`` policy is applied to the
-model's repeated layers, every module held in a list (``nnx.List``): each runs under
-``nnx.remat`` with the policy, which is what remat does to the decoder's stacked blocks.
+model's layers, every module held in a list (``nnx.List``), or without one each direct
+sub-module: each runs under ``nnx.remat`` with the policy, which is what remat does to
+the decoder's stacked blocks.
 """
 
 from __future__ import annotations
@@ -96,17 +97,26 @@ class UserLoss:
 
 
 def remat_layers(model: nnx.Module, spec: RematSpec) -> int:
-    """Every module held in a list under ``nnx.remat`` with ``spec``'s policy (the copy of
-    the model merged inside the step: its class is swapped, the user's code unchanged).
-    Returns how many were wrapped."""
-    count = 0
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.List | list):
-            for item in node:
-                if isinstance(item, nnx.Module):
-                    item.__class__ = _rematted(type(item), spec)
-                    count += 1
-    return count
+    """The model's layers under ``nnx.remat`` with ``spec``'s policy: every module held in a
+    list (``nnx.List``), or, for a model without one, each of its direct sub-modules (a
+    conv net's ``conv1``, ``conv2``, ``head``). Applied to the copy merged inside the step
+    (its classes are swapped; the user's code is unchanged). Returns how many were wrapped."""
+    layers = [
+        item
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.List | list)
+        for item in node
+        if isinstance(item, nnx.Module)
+    ]
+    if not layers:
+        layers = [
+            child
+            for child in vars(model).values()
+            if isinstance(child, nnx.Module) and not isinstance(child, nnx.List)
+        ]
+    for layer in layers:
+        layer.__class__ = _rematted(type(layer), spec)
+    return len(layers)
 
 
 @functools.cache
@@ -173,9 +183,10 @@ class ModelSetup(TrainSetup):
         spec = self.plan.remat.spec()
         if spec.active and not remat_layers(nnx.merge(self.graphdef, self.param_shapes), spec):
             raise ShardingError(
-                f"remat={self.plan.remat.policy}: model {self.model.name} keeps no layers in a "
-                "list (nnx.List), and remat applies per layer. Fix: keep the repeated layers "
-                "in an nnx.List, or remat=none."
+                f"remat={self.plan.remat.policy}: model {self.model.name} has no layers to "
+                "recompute (no nnx.List of modules, no sub-modules), and remat applies per "
+                "layer. Fix: build it from sub-modules (its layers in an nnx.List), or "
+                "remat=none."
             )
         return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec)
 

@@ -137,10 +137,39 @@ def test_batches_are_checked_against_their_names(own):
         shardlib.Batches(odd, {"image": "batch"})
 
 
-def test_remat_needs_layers_in_a_list(own):
-    with pytest.raises(ShardingError, match="nnx.List"):
+def test_remat_needs_layers(own):
+    from flax import nnx
+
+    class Bare(nnx.Module):  # one weight, no sub-module: nothing to recompute per layer
+        def __init__(self, rngs):
+            self.w = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(None, (4,)))
+
+    with pytest.raises(ShardingError, match="no layers to recompute"):
         cfg = shardlib.user_config("cpu-8-3d", **SETTINGS)
-        shardlib.make_model_setup(cfg, own.Block, own.loss_fn, own.batches())
+        shardlib.make_model_setup(cfg, Bare, own.loss_fn, own.batches())
+
+
+@pytest.mark.slow
+def test_remat_without_a_list_wraps_each_sub_module_and_keeps_the_gradient(own):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardlib.parallel.remat import parse_remat
+    from shardlib.train.user_model import UserLoss, remat_layers
+
+    block = shardlib.build_model(lambda: own.Block(nnx.Rngs(0)))  # sub-modules, no list
+    graphdef, params = nnx.split(block, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    x_BPD = jnp.linspace(-1, 1, 2 * 4 * own.EMBED).reshape(2, 4, own.EMBED)
+
+    def grads(mode):
+        loss = UserLoss(graphdef, lambda m, b: (m(b).sum(), {}), jnp.float32, parse_remat(mode))
+        return jax.jit(jax.grad(lambda p: loss(p, x_BPD)[0]))(params)
+
+    assert remat_layers(nnx.merge(graphdef, params), parse_remat("full")) == 6
+    plain, remat = grads("none"), grads("full")
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # recompute's round-off
 
 
 def test_a_factory_of_no_arguments_is_taken_too(own):
