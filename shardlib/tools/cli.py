@@ -169,7 +169,7 @@ def _prepare(args) -> tuple:
     from shardlib.tools.user_cli import refuse_decoder_only, split_words
 
     overrides, args.own = split_words(list(args.overrides))  # loss=, data=: a model of one's own
-    if args.command not in ("train", "explain"):
+    if args.command not in ("train", "explain", "parity"):
         refuse_decoder_only(args.command, args.own, getattr(args, "checkpoint", None))
     if getattr(args, "load_params", None):
         overrides.append(f"checkpoint.init_from={args.load_params}")
@@ -262,7 +262,12 @@ def cmd_parity(args, console: Console) -> int:
     from shardlib.tools.parity import check_parity
 
     mesh, cfg = _prepare(args)
-    result = check_parity(cfg, mesh)
+    if args.own is None:
+        result = check_parity(cfg, mesh)
+    else:  # a model of one's own: losses and gradient norms (its batches, its loss)
+        from shardlib.tools.user_cli import check_parity as own_parity
+
+        result = own_parity(cfg, mesh, args.own)
     table = Table(title=f"parity: {args.mesh or DEFAULT_MESH} vs one device, {cfg.run.steps} steps")
     for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
         table.add_column(col, justify="right")
@@ -271,7 +276,8 @@ def cmd_parity(args, console: Console) -> int:
     console.print(table)
     console.print(f"max relative loss error      {result.max_rel_loss_err:.2e}")
     console.print(f"max relative grad-norm error {result.max_rel_grad_norm_err:.2e}")
-    console.print(f"max relative gradient error  {result.max_rel_grad_err:.2e}  (first step)")
+    if args.own is None:  # traced for the token trainer only
+        console.print(f"max relative gradient error  {result.max_rel_grad_err:.2e}  (first step)")
     ok = result.ok(args.tol)
     console.print("[green]PARITY OK[/]" if ok else f"[red]PARITY FAILED[/] (tolerance {args.tol})")
     return 0 if ok else 1

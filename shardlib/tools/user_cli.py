@@ -5,8 +5,8 @@ any annotated NNX model through the generic trainer (``train.user_model``); ``ex
 takes the same words. ``data=`` names a ``shardlib.Batches`` (or a function of no
 arguments returning one), which declares the logical names of the batch's dims. Without
 ``loss=pkg.mod:NAME`` the words keep their token-trainer meanings (``data=`` a token
-file). The decoder-only commands (``generate``, ``export --format hf``, ``parity``)
-refuse such a model up front, with the reason.
+file). The decoder-only commands (``generate``, ``export --format hf``) refuse such a
+model up front, with the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from shardlib.core.errors import ShardingError
 DECODER_ONLY = {
     "export --format hf": "a Hugging Face export names a decoder's parameters (its adapter)",
     "generate": "generate continues token prompts through a decoder's embed, blocks and head",
-    "parity": "parity compares the token trainer's loss with one device",
 }
 
 
@@ -85,6 +84,21 @@ def setup(cfg, mesh, own: OwnModel):
         )
     data = as_batches(resolve(own.data, "data"), name=own.data)
     return make_model_setup(cfg, cfg.model, loss, data, mesh)
+
+
+def check_parity(cfg, mesh, own: OwnModel):
+    """``shardlib parity`` for a model of one's own: the same run on ``mesh`` and on one
+    device (the same axis names, each of size 1), per-step losses and gradient norms
+    compared (the first step's gradients are the token trainer's to trace)."""
+    import dataclasses
+
+    from shardlib.core.mesh import reference_mesh
+    from shardlib.tools.parity import compare_traces, trace
+
+    cfg = dataclasses.replace(cfg, checkpoint=type(cfg.checkpoint)())  # nothing written
+    got = trace(setup(cfg, mesh, own), grads=False)
+    ref = trace(setup(cfg, reference_mesh(mesh), own), grads=False)
+    return compare_traces(got, ref)
 
 
 def refuse_decoder_only(command: str, own: OwnModel | None, checkpoint: str | None = None):

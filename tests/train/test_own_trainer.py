@@ -86,6 +86,14 @@ def test_command_line_resumes_the_killed_run_exactly(runs, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_parity_from_the_command_line(capsys):
+    words = [*CLI_WORDS, f"data={MODULE}:batches", "steps=2"]
+    assert cli.main(["parity", "--mesh", "cpu-8-3d", *words]) == 0
+    err = capsys.readouterr().err
+    assert "PARITY OK" in err and "gradient error" not in err
+
+
+@pytest.mark.slow
 def test_matches_one_device(own, runs):
     whole = runs[1]
     mesh = jax.sharding.Mesh(
