@@ -35,6 +35,8 @@ _FROM = {
         "tensor_2d", "tensor_3d", "tensor_parallel",
     ),
     "shardlib.parallel.plan": ("ParallelPlan", "rules_for_mesh"),
+    "shardlib.train.user_data": ("Batches",),
+    "shardlib.train.user_model": ("ModelSetup", "make_model_setup", "train_model", "user_config"),
     "shardlib.parallel.state": (
         "abstract_optimizer_state", "abstract_params", "batch_sharding", "build_model",
         "init_optimizer", "optimizer_shardings",

@@ -268,10 +268,15 @@ class Inventory:
     max_positions: int | None = None
     """Positions the model attends over (its ``max_positions``, as ``Generator`` declares
     it), which a training sequence must fit; None: the model declares no limit."""
+    model_type: type | None = None
+    """The class of the model the factory built."""
 
 
-def inventory(factory: ModelFactory) -> Inventory:
-    """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly."""
+def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
+    """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly.
+
+    ``stacked=False``: the model is any module trained through its own loss
+    (``train.user_model``), so ``blocks`` is not read as the decoder's stacked layers."""
     built: list = []  # (the model's class, its routing), seen once while it is built abstractly
 
     def make():
@@ -286,13 +291,10 @@ def inventory(factory: ModelFactory) -> Inventory:
     for key_path, leaf in flat_shapes:
         node = names_at(names, key_path)
         params.append(ParamEntry(path_str(key_path), tuple(leaf.shape), node))
-    stacked = {p.shape[0] for p in params if p.path.startswith("blocks.")}
+    read_blocks = stacked
+    stacked = {p.shape[0] for p in params if read_blocks and p.path.startswith("blocks.")}
     if len(stacked) > 1:
-        raise ShardingError(
-            f"model {factory.name}: the weights under blocks have leading dims {sorted(stacked)}"
-            "; the layer loop needs one uniform stack. Fix: stack every block weight with "
-            "nnx.vmap over the same count."
-        )
+        raise ShardingError(_not_a_stack(factory.name, built[0][0], sorted(stacked)))
     count = sum(math.prod(p.shape) for p in params)
     return Inventory(
         graphdef,
@@ -302,9 +304,10 @@ def inventory(factory: ModelFactory) -> Inventory:
         stacked.pop() if stacked else 0,
         tuple(params),
         checkpoint_names=_class_checkpoint_names(built[0][0]),
-        block_stats=_returns_stats(graphdef, shapes),
+        block_stats=read_blocks and _returns_stats(graphdef, shapes),
         routing=built[0][1],
         max_positions=built[0][2] if isinstance(built[0][2], int) else None,
+        model_type=built[0][0],
     )
 
 
@@ -338,3 +341,36 @@ def checkpoint_names(factory_or_model: ModelFactory | nnx.Module) -> tuple[str, 
 
 def _class_checkpoint_names(model_type: type) -> tuple[str, ...]:
     return tuple(getattr(model_type, "checkpoint_names", ()))
+
+
+def decoder_problem(model_type: type | None) -> str | None:
+    """Why a model class cannot run as a decoder (``Decoder``: ``embed``, ``head``), or None."""
+    if model_type is None:
+        return None
+    missing = [m for m in ("embed", "head") if not callable(getattr(model_type, m, None))]
+    if not missing:
+        return None
+    return f"{model_type.__name__} has no {' or '.join(missing)} method"
+
+
+def not_a_decoder(name: str, reason: str) -> str:
+    """The one message for a model the token trainer cannot drive: it names the generic
+    trainer (``loss=``, ``data=``), the way any annotated NNX model trains."""
+    return (
+        f"model {name} is not a decoder ({reason}): the token trainer drives the decoder "
+        "protocol (embed, stacked blocks, head on token data). Fix: train it through its "
+        "own loss, loss=pkg.mod:loss_fn data=pkg.mod:batches on the command line, or "
+        "shardlib.train_model(factory, loss_fn, batches) in Python (README: Train your own "
+        "model); or implement shardlib.core.model.Decoder."
+    )
+
+
+def _not_a_stack(name: str, model_type: type, dims: list[int]) -> str:
+    reason = decoder_problem(model_type)
+    if reason is not None:
+        return not_a_decoder(name, reason)
+    return (
+        f"model {name}: the weights under blocks have leading dims {dims}; the layer loop "
+        "needs one uniform stack. Fix: stack every block weight with nnx.vmap over the same "
+        "count."
+    )

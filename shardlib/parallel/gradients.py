@@ -88,6 +88,9 @@ class StepLayout:
     """Layout of the gradient accumulation buffer (ZeRO-2/3: sharded); None: not pinned."""
     batch_spec: P
     """The batch's ``PartitionSpec`` (``[batch, seq + 1]``)."""
+    batch_names: Any = None
+    """Logical names of each batch array's dims, a tree like the batch's (a user's model:
+    ``train.user_data.Batches.names``); None: token rows ``TOKEN_NAMES``."""
 
 
 def value_and_grad(
@@ -112,7 +115,7 @@ def value_and_grad(
         grad_fn = _one_f_one_b(plan, loss_fn, layout, loss_scale)
     else:
         grad_fn = jax.value_and_grad(fn, has_aux=True)
-    grad_fn = accumulate(grad_fn, fn, plan.data.microbatches, shardings)
+    grad_fn = accumulate(grad_fn, fn, plan.data.microbatches, shardings, layout.batch_names)
     if has_aux:
         return grad_fn
 
@@ -134,9 +137,12 @@ def _with_aux(loss_fn, has_aux: bool, loss_scale) -> Callable:
     return fn
 
 
-def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None):
+def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=None):
     """``grad_fn`` averaged over ``microbatches`` sequential slices of the batch.
 
+    Every array of the batch is cut along its first dim, whatever its rank; ``names`` (a
+    tree like the batch's of logical-name tuples, None: ``TOKEN_NAMES`` for every array)
+    pins each micro-batch to the batch's own layout.
     Micro-batch i takes rows i, i + m, i + 2m, ...: reshaping [B] to [B/m, m] keeps every
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
     micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
@@ -148,16 +154,23 @@ def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None):
     if microbatches == 1:
         return grad_fn
 
-    def cut(x_BL):  # [B, L] -> [m, B/m, L]
-        b, l1 = x_BL.shape
-        return x_BL.reshape(b // microbatches, microbatches, l1).swapaxes(0, 1)
+    def cut(x_B):  # [B, ...] -> [m, B/m, ...]
+        b, rest = x_B.shape[0], x_B.shape[1:]
+        return x_B.reshape(b // microbatches, microbatches, *rest).swapaxes(0, 1)
+
+    def pin(batch_mb):
+        if names is None:
+            return jax.tree.map(lambda x: constrain(x, TOKEN_NAMES), batch_mb)
+        return jax.tree.map(
+            lambda n, x: constrain(x, n), names, batch_mb, is_leaf=lambda n: isinstance(n, tuple)
+        )
 
     def accumulated(params, batch):
         micro = jax.tree.map(cut, batch)  # a packed batch's every array alike
 
         def body(carry, batch_mb):
             loss_sum, grad_sum = carry
-            batch_mb = jax.tree.map(lambda x: constrain(x, TOKEN_NAMES), batch_mb)
+            batch_mb = pin(batch_mb)
             loss, grads = grad_fn(params, batch_mb)
             loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)

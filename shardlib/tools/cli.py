@@ -169,7 +169,11 @@ def _prepare(args) -> tuple:
     base = override(TrainConfig(parallel=plan), flatten_table(spec.train))
     if getattr(args, "deepspeed", None):  # the ds_config replaces the mesh file's layout
         base = deepspeed_base(args.deepspeed, len(jax.devices()), spec.platform, spec.rules)
-    overrides = list(args.overrides)
+    from shardlib.tools.user_cli import refuse_decoder_only, split_words
+
+    overrides, args.own = split_words(list(args.overrides))  # loss=, data=: a model of one's own
+    if args.command not in ("train", "explain", "parity"):
+        refuse_decoder_only(args.command, args.own, getattr(args, "checkpoint", None))
     if getattr(args, "load_params", None):
         overrides.append(f"checkpoint.init_from={args.load_params}")
     if getattr(args, "steps", None) is not None and args.command == "parity":
@@ -183,16 +187,15 @@ def cmd_train(args, console: Console) -> int:
     import jax
 
     from shardlib.train.loop import run
-    from shardlib.train.setup import make_setup
 
     mesh, cfg = _prepare(args)
     console.quiet = jax.process_index() != 0  # one voice in multi-host runs: process 0
-    setup = make_setup(cfg, mesh)
+    setup = _setup(args, cfg, mesh)
     shape = " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
     platform = mesh.devices.flat[0].platform
     console.print(
         f"[bold]shardlib train[/] {cfg.model} on {shape} ({mesh.devices.size} {platform} "
-        f"devices); {setup.attention.describe()}",
+        f"devices); {setup.attention.describe() if setup.attention else 'its own loss'}",
         soft_wrap=True,
     )
     from shardlib.distributed.launchers import launcher_grace_note
@@ -209,12 +212,13 @@ def cmd_train(args, console: Console) -> int:
         console.print(f"nothing to do: the checkpoint is already at step {cfg.run.steps}")
         return 0
     steady = [r for r in result.records if not r["warmup"]] or result.records
-    tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    unit = "tokens" if "tokens_per_s" in steady[0] else "examples"
+    tps = sum(r[f"{unit}_per_s"] for r in steady) / len(steady)
     mfu = sum(r["mfu"] for r in steady) / len(steady)
     last = result.records[-1]
     console.print(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps, "
-        f"{tps:,.0f} tokens/s after the first step, MFU {mfu:.2%} "
+        f"{tps:,.0f} {unit}/s after the first step, MFU {mfu:.2%} "
         f"(peak {result.peak_flops / 1e9:,.1f} GFLOP/s per device: {result.peak_source}), "
         f"goodput {last['goodput']:.0%}"
     )
@@ -230,16 +234,24 @@ def cmd_train(args, console: Console) -> int:
     return 0
 
 
-def cmd_explain(args, console: Console) -> int:
-    from shardlib.analysis import explain
+def _setup(args, cfg, mesh):
+    """The token trainer's setup, or with ``loss=``/``data=`` the generic trainer's."""
+    from shardlib.tools import user_cli
     from shardlib.train.setup import make_setup
 
+    return make_setup(cfg, mesh) if args.own is None else user_cli.setup(cfg, mesh, args.own)
+
+
+def cmd_explain(args, console: Console) -> int:
+    from shardlib.analysis import explain
+
     mesh, cfg = _prepare(args)
-    setup = make_setup(cfg, mesh)
+    setup = _setup(args, cfg, mesh)
     state = setup.abstract_state()
     batch = setup.abstract_batch()
     report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
-    report = dataclasses.replace(report, notes=(setup.attention.describe(),))
+    notes = (setup.attention.describe(),) if setup.attention else ()
+    report = dataclasses.replace(report, notes=notes)
     report.render(console)
     if args.json:
         report.write_json(args.json)
@@ -253,7 +265,12 @@ def cmd_parity(args, console: Console) -> int:
     from shardlib.tools.parity import check_parity
 
     mesh, cfg = _prepare(args)
-    result = check_parity(cfg, mesh)
+    if args.own is None:
+        result = check_parity(cfg, mesh)
+    else:  # a model of one's own: losses and gradient norms (its batches, its loss)
+        from shardlib.tools.user_cli import check_parity as own_parity
+
+        result = own_parity(cfg, mesh, args.own)
     table = Table(title=f"parity: {args.mesh or DEFAULT_MESH} vs one device, {cfg.run.steps} steps")
     for col in ("step", "loss (mesh)", "loss (1 device)", "rel. error"):
         table.add_column(col, justify="right")
@@ -262,45 +279,27 @@ def cmd_parity(args, console: Console) -> int:
     console.print(table)
     console.print(f"max relative loss error      {result.max_rel_loss_err:.2e}")
     console.print(f"max relative grad-norm error {result.max_rel_grad_norm_err:.2e}")
-    console.print(f"max relative gradient error  {result.max_rel_grad_err:.2e}  (first step)")
+    if args.own is None:  # traced for the token trainer only
+        console.print(f"max relative gradient error  {result.max_rel_grad_err:.2e}  (first step)")
     ok = result.ok(args.tol)
     console.print("[green]PARITY OK[/]" if ok else f"[red]PARITY FAILED[/] (tolerance {args.tol})")
     return 0 if ok else 1
 
 
 def cmd_generate(args, console: Console) -> int:
-    from shardlib.core.layout import mesh_axes
-    from shardlib.tools.generate import Sampling, generate, tokenizer_for
-    from shardlib.train.init_from import load_model
+    from shardlib.tools.generate import generate_command
 
     mesh, cfg = _prepare(args)
-    rules = cfg.parallel.with_mesh_axes(mesh_axes(mesh)).rules
-    source = args.checkpoint or args.hf
-    model = load_model(source, mesh, rules)
-    tok = tokenizer_for(args.tokenizer, args.hf, model.cfg.vocab, args.checkpoint)
-    if hasattr(tok, "path"):
-        console.print(f"tokenizer {tok.path}", soft_wrap=True)  # a path stays whole
-    prompt = [tok.encode(args.prompt)] * args.samples
-    sampling = Sampling(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        seed=args.seed, eos=args.eos,
-    )  # fmt: skip
-    out = generate(model, prompt, mesh=mesh, rules=rules, sampling=sampling)
-    for row in out.tokens:
-        print(tok.decode(row))  # the text on stdout, the timings on stderr
-    per_token = out.decode_s / max(out.new_tokens - 2, 1)  # steps after the first
-    console.print(
-        f"{out.new_tokens} new tokens x {args.samples}: prefill {out.prefill_s:.2f} s and first "
-        f"decode step {out.first_decode_s:.2f} s (each compiled), then "
-        f"{per_token * 1e3:.1f} ms per decode step"
-    )
-    return 0
+    return generate_command(args, console, mesh, cfg)
 
 
 def cmd_export(args, console: Console) -> int:
     from shardlib.interop.export import export, export_hf_checkpoint
 
     if args.format == "hf":
+        from shardlib.tools.user_cli import refuse_decoder_only
+
+        refuse_decoder_only("export --format hf", None, args.checkpoint)
         files = export_hf_checkpoint(args.checkpoint, args.out, step=args.step)
         console.print(f"wrote {args.out}: {', '.join(f.name for f in files)}")
         return 0

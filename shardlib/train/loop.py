@@ -68,6 +68,9 @@ def open_data(setup: TrainSetup):
     model's vocabulary, a prompt longer than a row) is an error before any state is built
     or any progress line is printed, not after a ``0/2 loss nan`` line.
     """
+    own = getattr(setup, "open_data", None)
+    if own is not None:  # a model of one's own: the user's batches (``train.user_data``)
+        return own()
     from shardlib.dataset.index import is_prepared
 
     data, seed, vocab = setup.cfg.dataset, setup.cfg.run.seed, setup.workload.dims.get("vocab", 0)
@@ -124,13 +127,13 @@ class Evaluation:
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0)))}
 
 
-def _progress(console: Console) -> Progress:
+def _progress(console: Console, unit: str) -> Progress:
     return Progress(
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
-        TextColumn("{task.fields[tps]:>9,.0f} tok/s"),
+        TextColumn("{task.fields[tps]:>9,.0f} " + unit),
         TextColumn("MFU {task.fields[mfu]:6.2%}"),
         TextColumn("{task.fields[dt]:.3f} s/step"),
         TimeRemainingColumn(),
@@ -210,9 +213,16 @@ def run(
             else Goodput(started_at=started_at)
         )
         peak, peak_source = device_peak(jax.devices()[0], cfg.metrics.peak_flops)
-        flops, _ = model_flops(setup)
+        # a model of one's own: MFU from the compiled step's FLOPs (its recompute included),
+        # the decoder's from the planner's count of the model (``metrics.model_flops``)
+        examples = getattr(setup, "examples_per_step", None)
+        flops = model_flops(setup)[0] if examples is None else None
         devices = setup.mesh.devices.size
-        tokens_per_step = cfg.dataset.batch * cfg.dataset.seq
+        per_step, unit = (
+            (cfg.dataset.batch * cfg.dataset.seq, "tokens")
+            if examples is None
+            else (examples, "examples")
+        )
         result = RunResult(peak_flops=peak, peak_source=peak_source)
         if ckpt is not None:  # on leaving: waits until the last save is committed, while
             stack.enter_context(ckpt)  # the signal handlers still keep SIGTERM from killing it
@@ -227,7 +237,9 @@ def run(
         compiled = None
         progress = None
         if show and leader:
-            progress = stack.enter_context(_progress(console))
+            progress = stack.enter_context(
+                _progress(console, "tok/s" if unit == "tokens" else "ex/s")
+            )
             task = progress.add_task(
                 "train", total=cfg.run.steps, completed=start, loss=float("nan"), tps=0.0,
                 mfu=0.0, dt=0.0,
@@ -239,6 +251,7 @@ def run(
                 compiled, seconds = compile_step(setup, state, batch, cache)
                 goodput.compile_s += seconds  # an earlier attempt's compilation counts too
                 hw_flops = compiled_flops(compiled) * devices
+                flops = hw_flops if flops is None else flops
                 step_memory = _compiled_memory(compiled)
                 say(f"compiled the step in {seconds:.2f} s")
             profile.before(step + 1)
@@ -254,7 +267,7 @@ def run(
                 "grad_norm": float(metrics["grad_norm"]),
                 "lr": float(metrics["lr"]),
                 "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
+                f"{unit}_per_s": per_step / dt,
                 "mfu": flops / (dt * devices * peak),
                 "hfu": hw_flops / (dt * devices * peak),
                 "warmup": step == start,
@@ -281,7 +294,7 @@ def run(
             writers.write(record)
             if progress is not None:
                 progress.update(
-                    task, advance=1, loss=record["loss"], tps=record["tokens_per_s"],
+                    task, advance=1, loss=record["loss"], tps=record[f"{unit}_per_s"],
                     mfu=record["mfu"], dt=dt,
                 )  # fmt: skip
             if result.stopped_by:

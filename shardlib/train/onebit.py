@@ -177,7 +177,7 @@ def build_onebit_step(setup: TrainSetup, loss_fn):
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
     specs = jax.tree.map(lambda s: s.spec, setup.state_shardings)
-    batch_spec = setup.batch_sharding.spec
+    batch_spec = jax.tree.map(lambda s: s.spec, setup.batch_sharding)  # a user's: a tree
 
     def local(state, tokens_BL1):
         params = state["params"]

@@ -23,7 +23,14 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
-from shardlib.core.model import Inventory, ModelFactory, inventory, resolve_model
+from shardlib.core.model import (
+    Inventory,
+    ModelFactory,
+    decoder_problem,
+    inventory,
+    not_a_decoder,
+    resolve_model,
+)
 from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES
@@ -304,6 +311,9 @@ def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
         plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
     model = resolve_model(cfg.model, dict(cfg.model_overrides) | cfg.lora.model_settings())
     inv = inventory(model)
+    reason = decoder_problem(inv.model_type)
+    if reason is not None:  # before the token data and vocabulary are asked for
+        raise ShardingError(not_a_decoder(model.name, reason))
     check_positions(cfg, inv.max_positions)
     workload = Workload.from_factory(
         model,

@@ -257,7 +257,25 @@ def _whole_update(setup: TrainSetup, grads, opt_state, params):
 
 
 def build_train_step(setup: TrainSetup):
-    """``step(state, tokens) -> (state, metrics)``, jitted with the state donated.
+    """The decoder's step: ``build_step`` with ``DecoderLoss`` on [b, seq + 1] token rows
+    (or a prepared dataset's packed dict, its weights normalised over the whole batch)."""
+    loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
+    if setup.plan.data.onebit_momentum:  # the optimizer's update communicates: shard_map
+        from shardlib.train.onebit import build_onebit_step
+
+        return build_onebit_step(setup, loss_fn)
+
+    def prepare(tokens_BL1):
+        tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
+        return normalise_weights(tokens_BL1)  # packed: one global masked mean
+
+    return build_step(setup, loss_fn, prepare)
+
+
+def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
+    """``step(state, batch) -> (state, metrics)``, jitted with the state donated, for any
+    ``loss_fn(params, batch) -> (loss, metrics)``: the decoder's (``build_train_step``) or a
+    user's model's (``train.user_model``). ``prepare`` lays the batch out first.
 
     Gradients accumulate in ``setup.grad_shardings`` and enter the optimizer in
     ``setup.update_shardings`` (the ZeRO stage decides both). With ``offload_optimizer`` the
@@ -273,23 +291,17 @@ def build_train_step(setup: TrainSetup):
             "from files between device calls, outside one compiled step. Fix: train with "
             "shardlib.train.nvme.build_nvme_step, or drop nvme_path (host memory)."
         )
-    loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
-    if setup.plan.data.onebit_momentum:  # the optimizer's update communicates: shard_map
-        from shardlib.train.onebit import build_onebit_step
-
-        return build_onebit_step(setup, loss_fn)
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
 
-    def train_step(state, tokens_BL1):
+    def train_step(state, batch):
         with use_layout(setup.mesh, setup.rules):
             params, meta = state["params"], state.get(fp8.KEY)
-            tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
-            tokens_BL1 = normalise_weights(tokens_BL1)  # packed: one global masked mean
+            batch = prepare(batch)
             scale = state["loss_scale"]["scale"] if scaled else None
             # the plan's one gradient path: plain, ZeRO++ or 1F1B, over the micro-batches
             grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale, stored=True)
-            (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), tokens_BL1)
+            (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), batch)
             # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
             grads, new_meta = fp8.split_meta(grads)
             if scaled:
@@ -312,7 +324,7 @@ def build_train_step(setup: TrainSetup):
                 new_params, new_opt_state = _whole_update(setup, grads, opt_state, params)
                 grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
-        metrics.update(extra)  # what the model reports besides its logits (empty for Llama)
+        metrics.update(extra)  # what the model (the user's loss) reports besides the loss
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta

@@ -21,6 +21,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_01 = ROOT / "notebooks" / "01_annotate_a_flax_model.ipynb"
 NOTEBOOK_02 = ROOT / "notebooks" / "02_pipelines_and_remat.ipynb"
+NOTEBOOK_03 = ROOT / "notebooks" / "03_train_your_own_model.ipynb"
 
 
 def _execute(path: Path):
@@ -109,6 +110,20 @@ def _check_outputs_02(nb) -> None:
     assert _images(_cell(nb, "ax_temp")) == 1
 
 
+def _check_outputs_03(nb) -> None:
+    trained = _text(_cell(nb, "result = shardlib.train_model("))
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+) over 40 steps", trained).groups())
+    assert last < first / 2, trained  # from ~1.39 (uniform over 4 classes)
+    accuracy = float(re.search(r"batch accuracy \S+ -> (\S+)", trained).group(1))
+    assert accuracy >= 0.9, trained
+    layout = _text(_cell(nb, "shardlib.show_sharding(up"))
+    assert "blocks.0.up.kernel (32, 64) P(('data', 'fsdp'), 'tensor')" in layout  # ZeRO-3
+    assert "head.kernel        (32, 4) P(('data', 'fsdp'), 'tensor')" in layout  # classes
+    assert _images(_cell(nb, "shardlib.show_sharding(up")) == 1  # the layout picture
+    assert _images(_cell(nb, "ax_loss")) == 1  # the loss curve
+    assert _images(_cell(nb, "def patterns(")) == 1  # the data
+
+
 def _check_stored(path: Path) -> "nbformat.NotebookNode":
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -126,9 +141,17 @@ def test_stored_notebook_02_has_its_outputs():
     _check_outputs_02(_check_stored(NOTEBOOK_02))
 
 
+def test_stored_notebook_03_has_its_outputs():
+    _check_outputs_03(_check_stored(NOTEBOOK_03))
+
+
 def test_notebook_01_runs_top_to_bottom():
     _check_outputs(_execute(NOTEBOOK_01))
 
 
 def test_notebook_02_runs_top_to_bottom():
     _check_outputs_02(_execute(NOTEBOOK_02))
+
+
+def test_notebook_03_runs_top_to_bottom():
+    _check_outputs_03(_execute(NOTEBOOK_03))

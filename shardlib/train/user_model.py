@@ -1,0 +1,388 @@
+"""Train any annotated Flax NNX model through its own loss: the generic trainer.
+
+The user gives three things: a model factory (``factory(rngs) -> nnx.Module`` whose
+parameters name logical dims, ``nnx.with_partitioning``), a loss
+``loss_fn(model, batch) -> (loss, metrics)`` (a scalar and a dict of scalars; a bare
+scalar is taken too) and batches with the logical names of their dims (``Batches``). The
+run is the decoder trainer's, piece for piece, because ``ModelSetup`` is a ``TrainSetup``
+whose loss and batch are the user's:
+
+* the plan (``ParallelPlan``: a mesh file's or one built in Python) and its rules lay out
+  the parameters, the optimizer state (ZeRO stages, optimizer offload) and the batch;
+* the model is traced abstractly, every layout resolved and checked, then initialised
+  straight into its shards (``TrainSetup.init_state``);
+* the step is ``train.step.build_step``: the plan's one gradient path with accumulation over
+  ``microbatches``, the compute precision and fp16 loss scaling, donated state;
+* the loop is ``train.loop.run``: checkpoints with resume and the directory lock, metrics
+  writers with MFU from the compiled step's FLOPs, preemption.
+
+What needs the decoder protocol (embed, stacked blocks, head, token rows) is refused before
+anything is compiled, with the reason: a pipeline (it cuts the stacked blocks into stages),
+parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales follow the
+blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
+
+Remat: the user's loss is one function, so the plan's ``remat`` policy is applied to the
+model's layers, every module held in a list (``nnx.List``), or without one each direct
+sub-module: each runs under ``nnx.remat`` with the policy, which is what remat does to
+the decoder's stacked blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib.core.errors import ShardingError
+from shardlib.core.layout import constrain, mesh_axes, resolve_specs
+from shardlib.core.model import ModelFactory, inventory, resolve_model
+from shardlib.core.workload import Workload
+from shardlib.parallel.gradients import StepLayout
+from shardlib.parallel.plan import suggest_presets
+from shardlib.parallel.remat import RematSpec
+from shardlib.train.config import TrainConfig
+from shardlib.train.optim import build_optimizer, resolve_optimizer
+from shardlib.train.setup import TrainSetup
+from shardlib.train.user_data import Batches, _is_names
+
+
+@dataclass(frozen=True, eq=False)
+class UserLoss:
+    """``(params, batch) -> (loss, metrics)`` of the user's ``loss_fn(model, batch)``, the
+    fp32 master weights cast to the compute dtype and the plan's remat on the layers."""
+
+    graphdef: nnx.GraphDef
+    loss_fn: Callable
+    dtype: Any
+    remat: RematSpec
+
+    def __call__(self, params, batch):
+        params = jax.tree.map(
+            lambda p: p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+            params,
+        )
+        model = nnx.merge(self.graphdef, params)
+        if self.remat.active:
+            remat_layers(model, self.remat)
+        out = self.loss_fn(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(metrics, dict):
+            raise ShardingError(
+                f"loss_fn returned {type(metrics).__name__} as its metrics. Fix: return "
+                "(loss, {'name': scalar, ...}) or the loss alone."
+            )
+        if jnp.shape(loss) != ():
+            raise ShardingError(
+                f"loss_fn returned a loss of shape {jnp.shape(loss)}; the trainer needs a "
+                "scalar. Fix: reduce it, e.g. loss.mean()."
+            )
+        reserved = sorted(set(metrics) & {"grad_norm", "lr", "step"})
+        if reserved:
+            raise ShardingError(
+                f"loss_fn's metrics name {reserved[0]!r}, which the trainer reports itself. "
+                f"Fix: another name, e.g. {reserved[0]}_model."
+            )
+        metrics = {  # "loss" is the trainer's own record of the returned loss
+            k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"
+        }
+        return jnp.asarray(loss, jnp.float32), metrics
+
+
+def remat_layers(model: nnx.Module, spec: RematSpec) -> int:
+    """The model's layers under ``nnx.remat`` with ``spec``'s policy: every module held in a
+    list (``nnx.List``), or, for a model without one, each of its direct sub-modules (a
+    conv net's ``conv1``, ``conv2``, ``head``). Applied to the copy merged inside the step
+    (its classes are swapped; the user's code is unchanged). Returns how many were wrapped."""
+    layers = [
+        item
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.List | list)
+        for item in node
+        if isinstance(item, nnx.Module)
+    ]
+    if not layers:
+        layers = [
+            child
+            for child in vars(model).values()
+            if isinstance(child, nnx.Module) and not isinstance(child, nnx.List)
+        ]
+    for layer in layers:
+        layer.__class__ = _rematted(type(layer), spec)
+    return len(layers)
+
+
+@functools.cache
+def _rematted(base: type, spec: RematSpec) -> type:
+    if getattr(base, "_shardlib_remat", False):
+        return base
+
+    def __call__(self, *args, **kwargs):
+        def run(module, *a):
+            return base.__call__(module, *a, **kwargs)
+
+        return nnx.remat(run, policy=spec.policy())(self, *args)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "_shardlib_remat": True})
+
+
+@dataclass(frozen=True)
+class ModelSetup(TrainSetup):
+    """A ``TrainSetup`` whose loss and batches are the user's (``make_model_setup``)."""
+
+    loss: Callable | None = None
+    """``loss_fn(model, batch) -> (loss, metrics)``."""
+    data: Batches | None = None
+    loss_name: str = ""
+
+    @property
+    def model_cfg(self):
+        out = {"factory": self.model.name, "loss": self.loss_name, "data": self.data.name}
+        return out | dict(self.cfg.model_overrides)
+
+    @cached_property
+    def batch_sharding(self):
+        """One NamedSharding per batch array, from the names the data declares."""
+        return self.data.shardings(self.mesh, self.rules)
+
+    @cached_property
+    def step_layout(self) -> StepLayout:
+        """The decoder's, with the user's batch: its names (micro-batches keep them) and
+        its first array's spec."""
+        return StepLayout(
+            graphdef=self.graphdef,
+            dtype=self.compute_dtype,
+            workload=self.workload,
+            mesh=self.mesh,
+            param_specs=self.param_specs,
+            param_shardings=self.param_shardings,
+            grad_shardings=self.grad_shardings,
+            batch_spec=jax.tree.leaves(self.batch_sharding)[0].spec,
+            batch_names=self.data.names,
+        )
+
+    def abstract_batch(self):
+        return self.data.abstract(self.batch_sharding)
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.data.examples
+
+    def open_data(self) -> Batches:
+        return self.data
+
+    @cached_property
+    def user_loss(self) -> UserLoss:
+        spec = self.plan.remat.spec()
+        if spec.active and not remat_layers(nnx.merge(self.graphdef, self.param_shapes), spec):
+            raise ShardingError(
+                f"remat={self.plan.remat.policy}: model {self.model.name} has no layers to "
+                "recompute (no nnx.List of modules, no sub-modules), and remat applies per "
+                "layer. Fix: build it from sub-modules (its layers in an nnx.List), or "
+                "remat=none."
+            )
+        return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec)
+
+    @cached_property
+    def train_step(self):
+        from shardlib.train.step import build_step
+
+        if self.plan.data.onebit_momentum:  # 1-bit Adam / LAMB: the step in shard_map
+            from shardlib.train.onebit import build_onebit_step
+
+            return build_onebit_step(self, self.user_loss)
+        names = self.data.names
+
+        def prepare(batch):  # the batch in the layout its names give it, before anything
+            return jax.tree.map(lambda n, x: constrain(x, n), names, batch, is_leaf=_is_names)
+
+        return build_step(self, self.user_loss, prepare)
+
+
+def _takes_rngs(factory: Callable) -> Callable:
+    """``factory(rngs)``; a factory of no arguments (``shardlib.build_model``'s form) is
+    called without them (it seeds its own ``nnx.Rngs``, so ``run.seed`` does not reach it)."""
+    if isinstance(factory, type):  # a Module class: Model(rngs)
+        return factory
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: take it as factory(rngs)
+        return factory
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes = [p for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL] + [
+        p for p in params if p.kind in positional and p.default is p.empty
+    ]
+    return factory if takes else (lambda rngs: factory())
+
+
+def _name(obj, default: str) -> str:
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or default
+
+
+def make_model_setup(
+    cfg: TrainConfig, model, loss_fn: Callable, data: Batches, mesh=None
+) -> ModelSetup:
+    """Validate a user's model, loss and batches against the plan and derive every layout
+    (nothing compiled): the decoder trainer's ``make_setup`` for any NNX model.
+
+    ``model``: ``package.module:factory`` (``cfg.model``'s form, ``model.NAME`` settings
+    are its keyword arguments), a ``ModelFactory``, or ``factory(rngs) -> nnx.Module``.
+    """
+    if mesh is None:
+        plan = cfg.parallel.with_devices(len(jax.devices()))
+        mesh = plan.build_mesh()
+    else:
+        plan = cfg.parallel.with_mesh_axes(mesh_axes(mesh))
+    check_config(cfg, plan)
+    if isinstance(model, str):
+        factory = resolve_model(model, dict(cfg.model_overrides))
+    elif isinstance(model, ModelFactory):
+        factory = model
+    else:
+        factory = ModelFactory(_name(model, "model"), None, _takes_rngs(model), None)
+    try:
+        inv = inventory(factory, stacked=False)
+    except ValueError as err:  # nnx.split: variables besides nnx.Param
+        if "Non-exhaustive filters" not in str(err):
+            raise
+        raise ShardingError(_not_only_params(factory)) from None
+    batch = data.examples
+    if batch % plan.data.microbatches:
+        raise ShardingError(
+            f"data {data.name}: a batch of {batch} examples does not split into "
+            f"microbatches={plan.data.microbatches}. Fix: a batch that divides by it."
+        )
+    workload = Workload.from_factory(
+        factory, batch, 1, cfg.precision.compute, inv=inv, microbatches=plan.data.microbatches
+    )
+    _, plan = resolve_optimizer(cfg.optimizer, plan)
+    with suggest_presets(batch=batch // plan.data.microbatches):
+        specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
+    cfg = dataclasses.replace(cfg, model=factory.name)
+    setup = ModelSetup(
+        cfg=cfg,
+        plan=plan,
+        model=factory,
+        inventory=inv,
+        workload=workload,
+        mesh=mesh,
+        param_specs=specs,
+        tx=build_optimizer(cfg.optimizer, cfg.run.steps, plan),
+        loss=loss_fn,
+        data=data,
+        loss_name=_name(loss_fn, "loss_fn"),
+    )
+    setup.batch_sharding  # noqa: B018 (every batch array checked against the mesh now)
+    setup.user_loss  # noqa: B018 (remat's layers found now)
+    return setup
+
+
+def _not_only_params(factory: ModelFactory) -> str:
+    """Which variables besides parameters the model holds (BatchNorm's statistics, a
+    Dropout's RNG stream), and what to do instead."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: factory.make(nnx.Rngs(0)))
+    others = [
+        f"{'.'.join(map(str, path))} ({type(var).__name__})"
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    ]
+    return (
+        f"model {factory.name} holds state besides its parameters: {', '.join(others[:4])}"
+        f"{' ...' if len(others) > 4 else ''}. The trainer carries nnx.Param only. Fix: "
+        "LayerNorm/GroupNorm instead of BatchNorm, and dropout keys passed in the batch "
+        "(nnx.Dropout(rate)(x, rngs=...)) rather than held by the model."
+    )
+
+
+def check_config(cfg: TrainConfig, plan) -> None:
+    """Refuse, with the reason, what only the decoder protocol or token data can do."""
+    data = cfg.dataset
+    refusals = []
+    if plan.pipeline_spec() is not None:
+        refusals.append(
+            "a stage axis (pipeline): a pipeline cuts the model's stacked blocks into stages, "
+            "which only the decoder protocol (embed, stacked blocks, head) exposes. Fix: a mesh "
+            "without a stage axis"
+        )
+    if plan.offload.params:
+        refusals.append(
+            "offload.params: it fetches the stacked blocks from host memory one layer at a "
+            "time inside the decoder's layer loop. Fix: offload.optimizer, or zero=3"
+        )
+    if cfg.precision.compute == "fp8":
+        refusals.append(
+            "precision=fp8: its scales follow the decoder blocks' projections. Fix: bf16"
+        )
+    if cfg.lora.rank:
+        refusals.append(
+            "lora.rank: adapters are built on the decoder's projections. Fix: lora.rank=0"
+        )
+    if data.path or data.mix or data.eval_every:
+        refusals.append(
+            "dataset.path / mix / eval_every: token data for decoders; a model of your own reads "
+            "its batches from data=. Fix: leave them unset"
+        )
+    if plan.loss.chunk:
+        refusals.append("loss.chunk: it slices the decoder head's vocabulary loss. Fix: chunk=0")
+    if refusals:
+        raise ShardingError(
+            f"model {cfg.model} trained through its own loss cannot use "
+            + "; ".join(refusals)
+            + "."
+        )
+
+
+def user_config(plan=None, **settings) -> TrainConfig:
+    """A run's config: ``plan`` (a ``ParallelPlan``, a mesh file or preset name, or None:
+    the default plan) with ``settings`` in the CLI's forms (``steps=20``, ``zero=3``,
+    ``checkpoint_dir=...``; ``checkpoint__every=5`` for a dotted name)."""
+    from shardlib.core.mesh import load_mesh
+    from shardlib.core.values import flatten_table
+    from shardlib.parallel.plan import ParallelPlan
+    from shardlib.train.config import override
+
+    base = TrainConfig()
+    if isinstance(plan, str):
+        spec = load_mesh(plan)
+        base = override(
+            TrainConfig(parallel=ParallelPlan.from_mesh_spec(spec)), flatten_table(spec.train)
+        )
+    elif plan is not None:
+        base = TrainConfig(parallel=plan)
+    return override(base, {k.replace("__", "."): v for k, v in settings.items()})
+
+
+def train_model(
+    model,
+    loss_fn: Callable,
+    data,
+    *,
+    names=None,
+    plan=None,
+    mesh=None,
+    state: dict | None = None,
+    stop_after: int | None = None,
+    show: bool = False,
+    console=None,
+    **settings,
+):
+    """Train ``model`` (``factory(rngs)``, ``pkg.mod:factory`` or a ``ModelFactory``) on
+    ``data`` (``Batches``, or a source with ``names``) by ``loss_fn(model, batch) ->
+    (loss, metrics)``, as ``shardlib train`` would: the plan from ``plan`` (module
+    docstring; ``user_config``) on ``mesh`` (default: the plan's, over every device).
+    Returns the loop's ``RunResult`` (``losses``, ``records``, ``state``, ``checkpoint``);
+    ``stop_after=k`` stops at step ``k`` with a checkpoint, as a preemption would."""
+    from shardlib.train.loop import run
+    from shardlib.train.user_data import as_batches
+
+    cfg = user_config(plan, **settings)
+    batches = as_batches(data, names, _name(data, "batches"))
+    setup = make_model_setup(cfg, model, loss_fn, batches, mesh)
+    return run(setup, state=state, show=show, console=console, stop_after=stop_after)
