@@ -37,7 +37,8 @@ def test_cli_train_writes_metrics_and_the_loss_falls(tmp_path):
 def test_cli_reports_bad_input_without_a_traceback(capsys):
     assert main(["train", "--mesh", "cpu-8-tp", "model.kv_heads=4", "model.heads=12"]) == 2
     err = capsys.readouterr().err
-    assert "kv_heads" in err and "tensor=8" in err and "Traceback" not in err
+    # 4 KV heads replicate over tensor=8 (fewer than the degree); 12 query heads cannot split
+    assert "('heads', size 12)" in err and "tensor=8" in err and "Traceback" not in err
     assert main(["parity", "--mesh", "cpu-8-nope"]) == 2
 
 
