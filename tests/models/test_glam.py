@@ -18,6 +18,7 @@ from layout_cases import first_devices_mesh, one_device_reference
 
 from models.moe import routing as moe_routing
 from shardlib.core.model import inventory, resolve_model
+from shardlib.core.workload import Workload
 from shardlib.tools.parity import FP32_TOLERANCE, compare_traces, trace
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
@@ -58,6 +59,8 @@ def test_the_ffn_forms_the_published_counts_need():
     gated_experts = cfg.param_count() + layers * cfg.experts * mh
     plain_dense = active - layers * mh
     assert gated_experts > 1.6e12 and plain_dense < 0.92 * 96.6e9
+    w = Workload.from_preset("glam-64b-64e", 1, 1024)  # the planner reads the same forms
+    assert (w.mlp_matrices, w.expert_mlp_matrices, w.moe_every, w.top_k) == (3, 2, 2, 2)
 
 
 def test_balancing_loss_counts_first_choices_only():
