@@ -3,6 +3,7 @@
     python benchmarks/planner_scale_validation.py               # every scale below
     python benchmarks/planner_scale_validation.py --scales gpt3-13b,gpt3-175b  # the GPT block
     python benchmarks/planner_scale_validation.py --scales 7b   # one scale
+    python benchmarks/planner_scale_validation.py --scales glam-64b-64e  # GLaM's 1.2T MoE
     python benchmarks/planner_scale_validation.py --json rows.json
 
 For each scale: the plan ``shardlib plan`` picks (``a100-8`` preset with ``--hosts``, searched
@@ -95,6 +96,17 @@ SCALES = {
             "pick",
             dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
         ],
+    ),
+    # GLaM 64B/64E (models/glam, issue 38): 1.16T parameters, 96.6B activated per token, on
+    # the paper's 1024 chips with its 1M-token batches of 1024-token sequences; beside the
+    # pick, the paper's 2D sharding (experts over 64 devices, the hidden dims over 16)
+    "glam-64b-64e": (
+        1024,
+        "glam-64b-64e",
+        {},
+        1024,
+        1024,
+        ["pick", dict(expert=64, tensor=16, remat="full")],
     ),
 }
 

@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 
 from flax import nnx
 
-from models import gpt, llama, mistral, moe, qwen2
+from models import glam, gpt, llama, mistral, moe, qwen2
 from models.gpt import hf as gpt_hf
 from models.llama import hf as llama_hf
 from models.mistral import hf as mistral_hf
@@ -25,6 +25,7 @@ _FAMILIES = {
     "gpt": (gpt.PRESETS, gpt.GPTConfig, gpt.GPT),
     "qwen2": (qwen2.PRESETS, llama.LlamaConfig, llama.Llama),  # Llama with q/k/v biases
     "mistral": (mistral.PRESETS, llama.LlamaConfig, llama.Llama),  # with a sliding window
+    "glam": (glam.PRESETS, glam.GlamConfig, glam.Glam),  # experts in every other layer
 }
 
 

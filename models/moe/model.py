@@ -55,6 +55,8 @@ class MoeConfig(LlamaConfig):
     """Weight of the load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
     z_loss_weight: float = 0.001
     """Weight of the router z-loss mean(logsumexp(logits)^2) (mean over MoE layers)."""
+    first_choice_load: bool = False
+    """The balancing loss's f_e counts first choices only (GShard, GLaM); else all k."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -164,7 +166,11 @@ class MoeLayer(nnx.Module):
         self.cfg = cfg
         # [embed, E]: the router is replicated over the expert axis (every token scores all E)
         self.router = _param(rngs, (cfg.embed, cfg.experts), ("embed", None), cfg.embed)
-        self.experts = Experts(cfg, rngs)
+        self.experts = self.make_experts(cfg, rngs)
+
+    def make_experts(self, cfg: MoeConfig, rngs: nnx.Rngs) -> nnx.Module:
+        """The experts a subclass replaces ([groups, E, C, embed] in and out; GLaM's GELU)."""
+        return Experts(cfg, rngs)
 
     def __call__(self, x_BLD) -> tuple[jax.Array, dict]:
         cfg = self.cfg
@@ -180,7 +186,12 @@ class MoeLayer(nnx.Module):
         router_DE = self.router[...].astype(jnp.float32)
         logits_GSE = jnp.einsum("gsd,de->gse", x_GSD.astype(jnp.float32), router_DE)
         logits_GSE = constrain(logits_GSE, ("batch", None, None))  # routing is per group
-        r: Routing = route(logits_GSE, top_k=cfg.top_k, capacity=cfg.capacity(s))
+        r: Routing = route(
+            logits_GSE,
+            top_k=cfg.top_k,
+            capacity=cfg.capacity(s),
+            first_choice_load=cfg.first_choice_load,
+        )
         dispatch_GSEC = constrain(r.dispatch.astype(x_BLD.dtype), ("batch", None, None, None))
         combine_GSEC = constrain(r.combine.astype(x_BLD.dtype), ("batch", None, None, None))
         x_GECD = constrain(jnp.einsum("gsec,gsd->gecd", dispatch_GSEC, x_GSD), DISPATCH_NAMES)

@@ -48,7 +48,9 @@ def _top_k(probs_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
-def route(logits_GSE: jax.Array, *, top_k: int, capacity: int) -> Routing:
+def route(
+    logits_GSE: jax.Array, *, top_k: int, capacity: int, first_choice_load: bool = False
+) -> Routing:
     """GShard / Switch top-k routing of fp32 router logits [groups, tokens, experts].
 
     Gates: the router probability for k = 1 (Switch), renormalised over the chosen experts
@@ -76,7 +78,8 @@ def route(logits_GSE: jax.Array, *, top_k: int, capacity: int) -> Routing:
     # Load balancing (Switch / GShard): E * sum_e f_e * P_e, f = fraction of assignments,
     # P = mean router probability; 1 when balanced. Means run over all tokens of the batch.
     # (``ops.batch_mean``: the whole batch's means where a program holds only some rows)
-    load_E = ops.batch_mean(chosen_GSKE.sum(2), (0, 1)) / top_k
+    chosen_GSE = chosen_GSKE[:, :, 0] if first_choice_load else chosen_GSKE.sum(2) / top_k
+    load_E = ops.batch_mean(chosen_GSE, (0, 1))
     aux_loss = e * jnp.sum(load_E * ops.batch_mean(probs_GSE, (0, 1)))
     z_loss = ops.batch_mean(jnp.square(jax.nn.logsumexp(logits_GSE, axis=-1)), (0, 1))
     dropped = ops.batch_sum(1.0 - kept_GSK)
