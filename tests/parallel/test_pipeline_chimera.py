@@ -24,8 +24,13 @@ from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline.chimera_timetable import DOWN, UP, ChimeraSchedule
 from shardlib.parallel.pipeline.spec import PipelineSpec
+from shardlib.planner import Workload, candidate
+from shardlib.planner.cost.terms.pipeline_loop import bubble_fraction
+from shardlib.planner.cost.total import estimate
+from shardlib.planner.validate import validate
 from shardlib.tools import parity
 from shardlib.tools.parity import FP32_TOLERANCE
+from shardlib.tools.plan_cli import parse_settings
 from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
 from shardlib.train.step import grad_function, make_loss_fn
@@ -154,3 +159,40 @@ def test_chimera_gradients_like_one_device(axes, m):
     assert abs(got[0] - ref[0]) <= FP32_TOLERANCE * abs(ref[0]), (got[0], ref[0])
     errs = jax.tree.map(lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b), got[1], ref[1])
     assert max(jax.tree.leaves(errs)) <= FP32_TOLERANCE, errs
+
+
+# --- the planner's term (``planner/cost/terms/chimera.py``) ------------------------------------
+def _estimates(**axes):
+    workload = Workload.from_preset("llama-tiny", 16, 128, "fp32", layers=8)
+    return {
+        s: estimate(workload, candidate(**axes, schedule=s), backend="cpu")
+        for s in ("1f1b", "chimera")
+    }
+
+
+def test_planner_books_doubled_weights_bubble_and_stage_bytes():
+    """Against 1F1B on the same plan: 3 W more memory (the doubled stack, the second
+    accumulator), the bubble (p-2)/m instead of (p-1)/m, and two flips of W plus a second
+    hand-over per executed chunk over ``stage``; the CLI takes ``schedule=chimera``."""
+    est = _estimates(stage=4, tensor=2, microbatches=4)
+    f1, ch = est["1f1b"], est["chimera"]
+    weights = ch.memory["doubled stage weights"]
+    per_layer = 73856 * 4 / 2  # llama-tiny's block, fp32, split over tensor 2
+    assert weights == pytest.approx(3 * 2 * per_layer, rel=0.01)  # 3 W, 2 layers a stage
+    assert ch.memory_bytes - f1.memory_bytes == pytest.approx(weights)
+    assert bubble_fraction("chimera", 4, 4, 1) == (4 - 2) / 4  # 1F1B: (4 - 1) / 4
+    assert ch.flops < f1.flops  # one executed chunk (fwd, recompute, bwd) less per device
+    extra = {c.what: c.wire_bytes for c in ch.comms if c.strategy == "chimera"}
+    assert extra["doubled weights"] == extra["replica gradients"] == pytest.approx(weights / 3)
+    assert parse_settings(["stage=4,schedule=chimera"], "--set")["schedule"] == "chimera"
+
+
+@pytest.mark.slow
+def test_planner_memory_and_stage_bytes_like_the_compiled_step():
+    """Held-out plan (stage 4 x data 2, m = 8): memory within 10% and the ``stage`` axis's
+    bytes within 5% of the compiled train step's (``planner.validate``)."""
+    workload = Workload.from_preset("llama-tiny", 32, 128, "fp32", layers=16)
+    c = validate(workload, candidate(stage=4, data=2, microbatches=8, schedule="chimera"))
+    assert abs(c.memory_ratio - 1) <= 0.10, (c.predicted_memory, c.compiled_memory)
+    stage = (c.predicted_wire_by_axes["stage"], c.compiled_wire_by_axes["stage"])
+    assert abs(stage[0] / stage[1] - 1) <= 0.05, stage
