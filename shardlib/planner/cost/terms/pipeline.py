@@ -236,8 +236,7 @@ def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
     if "circular" in schedules:
         scheds += [("circular", v, False) for v in virtual if v > 1]
     if "chimera" in schedules and 1 in virtual:  # not in the default menu: --fix / --set
-        splits = space.menu("split_saved") if mesh.get(str(Axis.TENSOR), 1) > 1 else (False,)
-        scheds += [("chimera", 1, split) for split in splits]
+        scheds += [("chimera", 1, False)]  # (split saved inputs: not checked under chimera)
     return [{"schedule": s, "virtual": v, "split_saved": split} for s, v, split in scheds]
 
 
