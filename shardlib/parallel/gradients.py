@@ -13,7 +13,8 @@ the plan's business alone, decided here and nowhere else:
   layout;
 * ``data``'s ZeRO++ parts: ZeRO-3's gradient with quantized or hierarchical collectives
   (``zeropp``);
-* ``pipeline.schedule = 1f1b``: the (interleaved) 1F1B schedule writes forward and backward
+* ``pipeline.schedule = 1f1b`` or ``chimera``: the (interleaved) 1F1B schedule (and the
+  bidirectional Chimera, ``pipeline.chimera``) writes forward and backward
   into one loop (``pipeline.one_f_one_b``), so it cannot differentiate the loss whole. It
   runs the loss's own parts (``StagedLoss``: its token order, embedding, blocks, head and
   loss) under ``plan.ops()``, as the loss itself does, so the attention kernel the plan
@@ -40,6 +41,7 @@ from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
 from shardlib.parallel import zeropp
 from shardlib.parallel.layer_loop import cast_params
+from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 
 if TYPE_CHECKING:
@@ -111,7 +113,7 @@ def value_and_grad(
         grad_fn, shardings = jax.value_and_grad(fn, has_aux=True), None
     elif plan.data.zeropp:
         grad_fn = zeropp.value_and_grad(plan, fn, layout)
-    elif spec is not None and spec.schedule == "1f1b":
+    elif spec is not None and spec.fused:
         grad_fn = _one_f_one_b(plan, loss_fn, layout, loss_scale)
     else:
         grad_fn = jax.value_and_grad(fn, has_aux=True)
@@ -194,20 +196,22 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
     per-micro-batch gradients accumulate in fp32); every other parameter is cast once. The
     blocks see the token positions of the loss's token order (``split_tokens``).
     """
+    spec = plan.pipeline_spec()
     parts = ("split", "embed", "block", "head")
     if not all(hasattr(loss, name) for name in parts):
         raise ShardingError(
-            "pipeline_schedule=1f1b runs the loss in parts (token order, embedding, blocks, "
+            f"pipeline_schedule={spec.schedule} runs the loss in parts (token order, embedding, "
+            "blocks, "
             f"head and loss), but this loss is a plain function ({loss!r}). Fix: the "
             "trainer's loss (train.step.make_loss_fn), or pipeline_schedule=gpipe."
         )
-    spec = plan.pipeline_spec()
+    schedule = chimera_value_and_grad if spec.schedule == "chimera" else one_f_one_b_value_and_grad
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
 
     def value_and_grad(params, tokens_BL1):
         if isinstance(tokens_BL1, dict):
             raise ShardingError(
-                "pipeline_schedule=1f1b with a packed batch (a prepared dataset): each "
+                f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
                 "micro-batch's document positions would have to travel with it through the "
                 "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
                 "without a stage axis."
@@ -220,7 +224,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
             return {**r, "blocks": cast["blocks"]}
 
         positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
-        run = one_f_one_b_value_and_grad(
+        run = schedule(
             spec,
             block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
             embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),

@@ -81,7 +81,7 @@ def layer_loop(plan, workload, dtype):
     spec = plan.pipeline_spec()
     if spec is None:
         return stage_layers
-    if spec.schedule == "1f1b":  # evaluation: a plain scan, over the rows in layer order
+    if spec.fused:  # evaluation: a plain scan, over the rows in layer order
         return in_layer_order(LayerOrder.of_spec(spec), stage_layers)
     return pipeline_layers(spec, stage_layers)
 

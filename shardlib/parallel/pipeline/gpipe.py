@@ -113,8 +113,8 @@ class PipelineParallel:
     }
 
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1); used when
-    the mesh has a stage axis > 1."""
+    """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1) | chimera
+    (bidirectional, ``pipeline/chimera.py``); used when the mesh has a stage axis > 1."""
     microbatches: int = 0
     """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
     virtual_stages: int = 1
@@ -213,8 +213,8 @@ def pipeline_layers(spec: PipelineSpec, stage_layers):
     with a remat policy already around ``block_fn``).
     """
     p, m, v = spec.stages, spec.microbatches, spec.virtual_stages
-    if spec.schedule == "1f1b":
-        raise ValueError("the 1F1B schedule is a value_and_grad, see pipeline_1f1b")
+    if spec.fused:
+        raise ValueError(f"the {spec.schedule} schedule is a value_and_grad (one_f_one_b, chimera)")
 
     def layers(block_fn, blocks_state, carry):
         """One copy of the weights per data replica (one gradient reduction per step).

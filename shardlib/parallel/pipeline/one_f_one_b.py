@@ -101,24 +101,39 @@ def sum_replicas_and_stages(reps, g_RP: jax.Array) -> jax.Array:
     return jnp.sum(merged, 0) / reps.count
 
 
-def one_f_one_b_value_and_grad(
-    spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None
-):
-    """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
-    grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
+def pin_rest_grads(tree_P, rest_shardings):
+    """Per-stage [p, ...] copies of the non-block gradients: stage-split, and inside a stage
+    laid out as the parameters (unconstrained where no layout is given)."""
+    axes = stage_axes()
+    if axes is None:
+        return tree_P
+    mesh = active_layout()[0]
 
-    ``split_tokens(tokens_BL1) -> (inputs_BL, targets_BL)`` puts a batch in the order the
-    model sees it (default: the natural order); ``embed(rest, inputs_bl) -> x_bld`` runs
-    before the blocks, ``head_loss(rest, x_bld, targets_bl) -> scalar mean loss`` after
-    them; ``block_fn(layer_state, x) -> x`` is one plain block (no ``jax.checkpoint``: the
-    schedule decides what is saved, ``stage_work``). ``rest`` are all parameters but the
-    stacked blocks. The trainer passes its loss's own parts (``parallel.gradients``), traced
-    under ``plan.ops()``.
-    """
-    split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
-    sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
-    p, m, v = sched.p, sched.m, sched.v
-    stored = not LayerOrder.of_spec(spec).natural  # rows in stage order (``storage``)
+    def one(g, s):
+        inner = (P.UNCONSTRAINED,) * (g.ndim - 1) if s is None else tuple(s.spec)
+        inner += (None,) * (g.ndim - 1 - len(inner))
+        return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(axes, *inner)))
+
+    shardings = rest_shardings or jax.tree.map(lambda _: None, tree_P)
+    return jax.tree.map(one, tree_P, shardings, is_leaf=lambda x: x is None)
+
+
+def masked_add(acc_P, new_P, on_P):
+    """acc + new where ``on`` (per stage [p]), in fp32."""
+    return jax.tree.map(
+        lambda a, b: (
+            a + jnp.where(on_P.reshape(-1, *([1] * (b.ndim - 1))), b, 0).astype(ACCUMULATE)
+        ),
+        acc_P,
+        new_P,
+    )
+
+
+def per_replica(spec: PipelineSpec, run):
+    """``value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None)``
+    from a fused schedule's ``run(rest, blocks_state, tokens, rest_shardings, scale,
+    sum_stages=True) -> (loss, g_rest, g_blocks)``: run per data replica (one gradient
+    reduction per step, after the loop), then the mean. Shared by 1F1B and Chimera."""
 
     def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None):
         """Per data replica (one gradient reduction per step, after the loop), then the mean."""
@@ -146,6 +161,28 @@ def one_f_one_b_value_and_grad(
         ]
         return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks)
 
+    return value_and_grad
+
+
+def one_f_one_b_value_and_grad(
+    spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None
+):
+    """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
+    grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
+
+    ``split_tokens(tokens_BL1) -> (inputs_BL, targets_BL)`` puts a batch in the order the
+    model sees it (default: the natural order); ``embed(rest, inputs_bl) -> x_bld`` runs
+    before the blocks, ``head_loss(rest, x_bld, targets_bl) -> scalar mean loss`` after
+    them; ``block_fn(layer_state, x) -> x`` is one plain block (no ``jax.checkpoint``: the
+    schedule decides what is saved, ``stage_work``). ``rest`` are all parameters but the
+    stacked blocks. The trainer passes its loss's own parts (``parallel.gradients``), traced
+    under ``plan.ops()``.
+    """
+    split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
+    sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
+    p, m, v = sched.p, sched.m, sched.v
+    stored = not LayerOrder.of_spec(spec).natural  # rows in stage order (``storage``)
+
     def run(rest, blocks_state, tokens_BL1, rest_shardings, scale, sum_stages=True):
         blocks_state, keep = pad_stages(blocks_state, spec.stage_layers)  # [G·k, ...]
         keep_pvk = None if keep is None else to_stages(keep, None, p, v)
@@ -160,19 +197,7 @@ def one_f_one_b_value_and_grad(
             return [constrain_param(w, n, what) for w, n in zip(ws, ns, strict=True)]
 
         def pin_rest(tree_P):
-            """Per-stage [p, ...] copies of the non-block gradients: stage-split, and inside
-            a stage laid out as the parameters (unconstrained where no layout is given)."""
-            if axes is None:
-                return tree_P
-            mesh = active_layout()[0]
-
-            def one(g, s):
-                inner = (P.UNCONSTRAINED,) * (g.ndim - 1) if s is None else tuple(s.spec)
-                inner += (None,) * (g.ndim - 1 - len(inner))
-                return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, P(axes, *inner)))
-
-            shardings = rest_shardings or jax.tree.map(lambda _: None, tree_P)
-            return jax.tree.map(one, tree_P, shardings, is_leaf=lambda x: x is None)
+            return pin_rest_grads(tree_P, rest_shardings)
 
         pick = jax.vmap(lambda a, j: jax.lax.dynamic_index_in_dim(a, j, 0, False))
 
@@ -245,16 +270,6 @@ def one_f_one_b_value_and_grad(
 
         def micro(tokens_M, i):
             return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)
-
-        def masked_add(acc_P, new_P, on_P):
-            """acc + new where ``on`` (per stage [p]), in fp32."""
-            return jax.tree.map(
-                lambda a, b: (
-                    a + jnp.where(on_P.reshape(-1, *([1] * (b.ndim - 1))), b, 0).astype(ACCUMULATE)
-                ),
-                acc_P,
-                new_P,
-            )
 
         def body(carry, t, *, fwd_on, bwd_on, head_on, embed_on, embed_grad_on):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
@@ -380,4 +395,4 @@ def one_f_one_b_value_and_grad(
                 g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
         return jnp.sum(loss_sum) / m * scale, g_rest, treedef.unflatten(g_blocks)
 
-    return value_and_grad
+    return per_replica(spec, run)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import balanced_stages
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "chimera")
+FUSED_SCHEDULES = ("1f1b", "chimera")  # forward and backward in one loop: a value_and_grad
 SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
 
 
@@ -27,7 +28,7 @@ class PipelineSpec:
     virtual_stages: int = 1
     """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b (see the module docstrings)."""
+    """gpipe | circular | 1f1b | chimera (see the module docstrings)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline/replicas.py``)."""
@@ -36,22 +37,34 @@ class PipelineSpec:
     split_saved_inputs: bool = False
     """1F1B: keep the saved layer inputs split over ``tensor`` (``stage_work``)."""
 
+    @property
+    def fused(self) -> bool:
+        """Whether the schedule writes forward and backward into one loop (1F1B, Chimera)."""
+        return self.schedule in FUSED_SCHEDULES
+
     def iterations(self) -> int:
         """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
-        v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``)."""
+        v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``), Chimera
+        m+2p-3 (``pipeline.chimera_timetable``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
+        if self.schedule == "chimera":
+            return m + 2 * p - 3
         return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
 
     def executed(self) -> int:
         """Chunk forwards (each with its backward) a stage executes: the loop trips, but
-        1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1."""
+        1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1;
+        Chimera's m+p-2."""
+        if self.schedule == "chimera":
+            return self.microbatches + self.stages - 2
         if self.schedule == "1f1b":
             return self.virtual_stages * self.microbatches + self.stages - 1
         return self.iterations()
 
     def bubble_ratio(self) -> float:
-        """Executed over ideal stage work: 1 + (p-1)/(m·v) for all three schedules (v = 1
-        for GPipe), measured from FLOPs in ``tests/test_pipeline*.py``."""
+        """Executed over ideal stage work: 1 + (p-1)/(m·v) for GPipe, circular and 1F1B
+        (v = 1 for GPipe), 1 + (p-2)/m for Chimera, measured from FLOPs in
+        ``tests/test_pipeline*.py`` and ``tests/parallel/test_pipeline_*.py``."""
         return self.executed() / (self.virtual_stages * self.microbatches)
 
     def check(self, layers: int, batch: int) -> None:
@@ -66,6 +79,8 @@ class PipelineSpec:
                 f"virtual_stages={v} needs pipeline_schedule=circular or 1f1b (interleaved "
                 f"1F1B), got {self.schedule}."
             )
+        if self.schedule == "chimera":
+            self._check_chimera()
         if self.stage_layers:
             counts = self.stage_layers
             if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:
@@ -114,4 +129,29 @@ class PipelineSpec:
                 f"circular schedule with pipeline_microbatches={m} < {p} stages: a micro-batch "
                 "would re-enter stage 0 before it left the last stage. Fix: use at least "
                 f"{p} micro-batches."
+            )
+
+    def _check_chimera(self) -> None:
+        """Chimera's timetable (``pipeline.chimera_timetable``) needs what it pairs: two
+        directions of m/2 micro-batches over an even number of stages, one chunk each."""
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        if v != 1:
+            raise ShardingError(
+                f"pipeline_schedule=chimera with virtual_stages={v}: each device already "
+                "holds two stages (its down stage s and up stage p-1-s), and interleaving "
+                "them further is not implemented. Fix: virtual_stages=1, or "
+                "pipeline_schedule=1f1b for interleaved 1F1B."
+            )
+        if p % 2:
+            raise ShardingError(
+                f"pipeline_schedule=chimera over {p} stages: the two directions alternate "
+                "by trip parity, which only keeps every device to one forward per trip when "
+                f"the stage count is even (as in the paper). Fix: a stage axis of {p - 1} or "
+                f"{p + 1}, or pipeline_schedule=1f1b."
+            )
+        if m < 2 or m % 2:
+            raise ShardingError(
+                f"pipeline_schedule=chimera with pipeline_microbatches={m}: half the "
+                "micro-batches go down the pipeline and half up, so their count must be "
+                f"even. Fix: pipeline_microbatches={max(2, m + m % 2)}."
             )

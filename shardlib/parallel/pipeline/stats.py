@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 
 if TYPE_CHECKING:
     from shardlib.parallel.pipeline.spec import PipelineSpec
@@ -35,10 +36,10 @@ def check_block_stats(schedule: str) -> None:
     """Refuse what cannot carry block statistics (the trainer's and the planner's refusal:
     one text): the 1F1B schedule. (Per-replica pipelines carry them: the replicas complete
     the statistics' batch means, ``ops.batch_mean``.)"""
-    if schedule == "1f1b":
+    if schedule in FUSED_SCHEDULES:
         raise ShardingError(
             "this model's blocks return statistics (an MoE router's aux and z losses) and "
-            "pipeline_schedule=1f1b computes its own per-stage vjp, which does not yet "
+            f"pipeline_schedule={schedule} computes its own per-stage vjp, which does not yet "
             "carry block statistics between stages (pipeline/stats.py). Fix: "
             "pipeline_schedule=gpipe or circular (they carry them), or drop the stage axis."
         )
@@ -76,6 +77,6 @@ def stats_mean(stats_M):
 def stats_tokens(spec: PipelineSpec | None, tokens: int) -> int:
     """Tokens one set of block statistics covers (the model's ``aux(totals, tokens)``): a
     micro-batch's under GPipe/circular (``stats_mean``), the batch's otherwise."""
-    if spec is None or spec.schedule == "1f1b":
+    if spec is None or spec.fused:
         return tokens
     return tokens // spec.microbatches

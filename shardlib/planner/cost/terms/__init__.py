@@ -2,8 +2,9 @@
 
 ``state`` (parameters, gradients, optimizer state under every split), ``model`` (FLOPs and
 saved activations), ``dp`` (with ZeRO-1/2), ``fsdp``, ``tensor``, ``context``, ``expert``,
-``pipeline``, ``remat``, ``offload``, ``loss``: each describes what the trainer's compiled program
-does, and ``benchmarks/planner_validation.py`` checks them against compiled executables.
+``pipeline`` (and ``chimera``'s doubled weights), ``remat``, ``offload``, ``loss``: each
+describes what the trainer's compiled program does, and ``benchmarks/planner_validation.py``
+checks them against compiled executables.
 
 Each module declares one ``base.Term``: its cost, the mesh axis and search values it owns,
 and its hooks. ``TERMS`` lists them; ``cost.total`` adds their costs up and ``search``
@@ -14,6 +15,7 @@ term module and one entry in each tuple below.
 from collections.abc import Callable
 
 from shardlib.planner.cost.terms import (
+    chimera,
     context,
     dp,
     expert,
@@ -40,6 +42,7 @@ TERMS = Terms(
         context.TERM,
         expert.TERM,
         pipeline.TERM,
+        chimera.TERM,
         remat.TERM,
         offload.TERM,
         loss.TERM,

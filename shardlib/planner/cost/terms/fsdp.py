@@ -23,6 +23,7 @@ import math
 from shardlib.core.mesh import Axis
 from shardlib.core.workload import ParamInfo, Workload
 from shardlib.parallel.fsdp import vocab_parallel_pays
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
     Comm,
@@ -114,7 +115,7 @@ def fsdp(step: Step) -> Contribution:
     # gate/up under GPipe, all but the down projection under circular, llama-small on 8
     # devices; 0.76 of a pass at 175B): counted as a whole pass, as for 1F1B
     layer_grads, outer_grads = gradient_reductions(step, axes)
-    recompute = view.schedule == "1f1b" or view.remat == "full"
+    recompute = view.schedule in FUSED_SCHEDULES or view.remat == "full"
     passes = 3 if view["stage"] > 1 and recompute else 2
     if view["stage"] == 1:  # segments (remat=sqrt): the segment's recompute gathers again
         layer_gathers = (3 if segmented(view.remat) else 2) * step.layers_per_device * m
@@ -163,7 +164,9 @@ def fsdp(step: Step) -> Contribution:
         gathered_outer += full * weight_bytes
         if param.name == "lm_head" and _head_over_stage(step):
             comms += _head_over_stage_comms(step, full, outer_grads)
-            if view.schedule == "1f1b":  # inside its loop: the gathered head and its gradient
+            if (
+                view.schedule in FUSED_SCHEDULES
+            ):  # inside its loop: the gathered head and its gradient
                 gathered_outer += full * MASTER_BYTES  # (fsdp=2 x stage=4: 0.88 with it)
             continue
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
@@ -234,7 +237,7 @@ def _head_over_stage_comms(step: Step, full: float, grads: float) -> list[Comm]:
     view, w = step.view, step.workload
     axes = (str(Axis.STAGE), str(Axis.FSDP))
     stage = (str(Axis.STAGE),)
-    back = grads if view.schedule == "1f1b" else 1
+    back = grads if view.schedule in FUSED_SCHEDULES else 1
     kind, wb, grad = step.scatter_kind, w.compute_bytes, full * MASTER_BYTES / view["fsdp"]
     return [
         Comm(

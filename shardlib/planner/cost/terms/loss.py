@@ -23,6 +23,7 @@ nothing is added. What the slices add:
 from __future__ import annotations
 
 from shardlib.core.mesh import Axis
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
 from shardlib.planner.cost.terms.fsdp import gathered, vocab_tables
 
@@ -48,7 +49,7 @@ def comms(step: Step) -> list[Comm]:
     if fsdp <= 1 or head is None:
         return []
     slices = w.seq // view.loss_chunk
-    per_step = view.microbatches if view["stage"] == 1 or view.schedule == "1f1b" else 1
+    per_step = view.microbatches if view["stage"] == 1 or view.schedule in FUSED_SCHEDULES else 1
     param, ways = head
     full = param.numel / ways  # the head's weight as FSDP gathers it
     axes = (str(Axis.FSDP),)

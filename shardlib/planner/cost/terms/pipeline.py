@@ -51,6 +51,7 @@ from typing import Any
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.partition import partition
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.parallel.pipeline.stats import check_block_stats
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
@@ -141,7 +142,7 @@ def pipeline(step: Step) -> Contribution:
     axes, n = (str(Axis.STAGE),), view["stage"]
     loop_trips = trips(step)
     bsh = step.micro_batch * step.local_seq * w.embed * w.compute_bytes
-    if view.schedule == "1f1b":  # per executed forward / backward, 1/t of b·s·h each
+    if view.schedule in FUSED_SCHEDULES:  # per executed forward / backward, 1/t of b·s·h each
         split, sends = handover_split(step), 2 * executed(step)
         comms = [
             Comm("pipeline", "hand-over", "collective-permute", axes, n, bsh / split, sends, True)
@@ -168,7 +169,7 @@ def pipeline(step: Step) -> Contribution:
     bubble, recompute = extra_flops(step)
     # 1F1B keeps its ring of saved layer inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
-    if view.schedule == "1f1b":
+    if view.schedule in FUSED_SCHEDULES:
         # and the per-trip fp32 embedding and head gradients of every stage (each runs its
         # own: the embedding's count on stage 0, the head's on p-1, no hand-over to them),
         # beside the accumulator the state term counts (fitted: ``pipe_1f1b_tables``)
@@ -192,7 +193,7 @@ def _reductions(step: Step, param) -> tuple:
     """1F1B: the embedding and head gradients, one fp32 copy per stage (each stage runs its
     own: the embedding's counts on stage 0, the head's on p-1), summed over ``stage`` after
     the loop, in the same all-reduce as the data-parallel reduction (``one_f_one_b``)."""
-    if step.view.schedule == "1f1b" and not param.per_layer:
+    if step.view.schedule in FUSED_SCHEDULES and not param.per_layer:
         return (((str(Axis.STAGE),), None),)
     return ()
 
@@ -206,7 +207,7 @@ def _settings(view) -> dict[str, Any]:
         "microbatches": (pipe.microbatches or view["stage"]) if staged else view.accumulation,
         "schedule": pipe.schedule if staged else "none",
         "virtual": pipe.virtual_stages if staged else 1,
-        "split_saved": staged and pipe.schedule == "1f1b" and pipe.split_saved_inputs,
+        "split_saved": staged and pipe.schedule in FUSED_SCHEDULES and pipe.split_saved_inputs,
     }
 
 
@@ -234,6 +235,8 @@ def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
         scheds += [("1f1b", v, split) for v in virtual for split in splits]
     if "circular" in schedules:
         scheds += [("circular", v, False) for v in virtual if v > 1]
+    if "chimera" in schedules and 1 in virtual:  # not in the default menu: --fix / --set
+        scheds += [("chimera", 1, False)]  # (split saved inputs: not checked under chimera)
     return [{"schedule": s, "virtual": v, "split_saved": split} for s, v, split in scheds]
 
 
@@ -247,6 +250,8 @@ def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool
         return True
     if workload.layers % (stages * virtual) or m < stages:
         return False
+    if knobs["schedule"] == "chimera":  # two directions of m/2 over an even stage count
+        return virtual == 1 and stages % 2 == 0 and m % 2 == 0
     return not (knobs["schedule"] == "1f1b" and virtual > 1 and m % stages)
 
 
@@ -257,7 +262,8 @@ def _fix(settings: Mapping[str, Any]) -> tuple[dict[str, tuple], tuple[str, ...]
     virtual, schedule = settings.get("virtual"), settings.get("schedule")
     if virtual is not None:
         together = VIRTUAL_SCHEDULES if virtual > 1 else ("gpipe", "1f1b")
-        if schedule is not None and schedule not in together:
+        chimera = schedule == "chimera" and virtual == 1  # only where asked for by name
+        if schedule is not None and schedule not in together and not chimera:
             raise ShardingError(
                 f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
                 "the circular or 1F1B schedule only. Fix: fix one of the two."

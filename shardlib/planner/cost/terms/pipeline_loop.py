@@ -10,7 +10,7 @@ every loop trip, the bubble's too. ``terms.pipeline`` costs the pipeline itself.
 from __future__ import annotations
 
 from shardlib.core.mesh import Axis
-from shardlib.parallel.pipeline.spec import PipelineSpec
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES, PipelineSpec
 from shardlib.planner.cost.terms.base import Step, per_step
 
 VIRTUAL_SCHEDULES = ("circular", "1f1b")  # schedules with v virtual stages per device
@@ -78,7 +78,7 @@ def layer_sets_saved(step: Step) -> float:
     view = step.view
     if view["stage"] == 1:
         return 1.0
-    if view.schedule == "1f1b":  # one layer's at a time (``stage_work``); inputs: the ring
+    if view.schedule in FUSED_SCHEDULES:  # one layer's at a time (``stage_work``); inputs: the ring
         return 1.0 / step.layers_per_device
     v = view.virtual if view.schedule == "circular" else 1
     return trips(step) / v
@@ -125,9 +125,9 @@ def gradient_reductions(step: Step, axes: tuple[str, ...]) -> tuple[float, float
     replicas = axes == (str(Axis.DATA),) and view.zero < 3
     if replicas:
         return step.layers_per_device, 1
-    if view.schedule == "1f1b" and str(Axis.STAGE) in axes:  # ``_reductions``: once
+    if view.schedule in FUSED_SCHEDULES and str(Axis.STAGE) in axes:  # ``_reductions``: once
         return step.layers_per_device, 1
-    if view.schedule == "1f1b":
+    if view.schedule in FUSED_SCHEDULES:
         return step.layers_per_device * trips(step), trips(step)
     return layer_runs(step), 1
 
@@ -136,7 +136,7 @@ def head_batch(step: Step) -> int:
     """Sequences the output head runs on at once on one device: the whole data shard
     (outside the pipeline), or one micro-batch for 1F1B (inside its loop)."""
     view = step.view
-    if view["stage"] > 1 and view.schedule != "1f1b":
+    if view["stage"] > 1 and view.schedule not in FUSED_SCHEDULES:
         return step.workload.global_batch // view.ways("batch")
     return step.micro_batch
 
@@ -149,7 +149,7 @@ def extra_flops(step: Step) -> tuple[float, float]:
     layer = (w.layer_matmul_flops_per_token + w.attention_flops_per_token(w.seq)) / view["tensor"]
     stage_fwd = step.tokens * step.layers_per_device * layer  # one forward over all micro-batches
     frac = bubble_fraction(view.schedule, view["stage"], view.microbatches, view.virtual)
-    if view.schedule != "1f1b":
+    if view.schedule not in FUSED_SCHEDULES:
         return 3 * stage_fwd * frac, 0.0
     # 1F1B: fwd + recomputed fwd + bwd (4 units) per executed chunk; the head once per
     # micro-batch (the ideal's), only in the trips where the last stage finishes one. Each

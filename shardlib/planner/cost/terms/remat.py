@@ -38,6 +38,7 @@ its schedule decides, is not costed with segments.
 from __future__ import annotations
 
 from shardlib.core.errors import ShardingError
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.parallel.segments import parse_segments, segment_count
 from shardlib.planner.cost.terms.base import Knob, Step, Term
 
@@ -111,8 +112,8 @@ def _unmodelled(view) -> str:
         return f"remat={view.remat}" if view.remat not in REMAT else ""
     if seg[1] not in REMAT:
         return f"remat={view.remat} (inner policy {seg[1]})"
-    if view["stage"] > 1 and view.schedule == "1f1b":  # the schedule saves what it decides
-        return f"remat={view.remat} with the 1f1b schedule"
+    if view["stage"] > 1 and view.schedule in FUSED_SCHEDULES:  # the schedule saves what it decides
+        return f"remat={view.remat} with the {view.schedule} schedule"
     return ""
 
 

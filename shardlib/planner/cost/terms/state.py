@@ -14,6 +14,7 @@ without micro-batches ZeRO-2 uses what ZeRO-1 does (compiled: equal to the byte)
 
 from __future__ import annotations
 
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import (
     ADAM_BYTES,
     MASTER_BYTES,
@@ -42,7 +43,7 @@ def state(step: Step) -> Contribution:
     grads = n * MASTER_BYTES
     # accumulation carries a sum of gradients; so does the 1F1B pipeline loop (all of them,
     # embedding and head too), GPipe/circular differentiate their loop and do not
-    accumulates = view.microbatches > 1 if view["stage"] == 1 else view.schedule == "1f1b"
+    accumulates = view.microbatches > 1 if view["stage"] == 1 else view.schedule in FUSED_SCHEDULES
     accumulator = grads / (view["data"] if view.zero >= 2 else 1) if accumulates else 0.0
     # one layer's gradient as computed, before FSDP reduces it to its shard
     in_flight = layer_elements_gathered(step)

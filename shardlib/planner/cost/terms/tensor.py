@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from shardlib.core.mesh import Axis
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
 from shardlib.planner.cost.terms.pipeline_loop import executed, layer_runs
@@ -59,14 +60,16 @@ def tensor(step: Step) -> Contribution:
     tokens = step.micro_batch * step.local_seq
     bsh = tokens * w.embed * w.compute_bytes
     m = view.microbatches
-    if view["stage"] > 1 and view.schedule == "1f1b":  # embedding and head run inside the loop
+    if (
+        view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
+    ):  # embedding and head run inside the loop
         m = executed(step)
     # full remat recomputes a layer up to the MLP: the attention all-reduce again (the MLP's
     # output all-reduce is not needed for the backward pass). The 1F1B schedule does so
     # whatever the policy: each layer's forward re-runs from its saved input right before
     # its backward (``stage_work``; compiled: 5 all-reduces per layer and executed chunk)
     forward = FORWARD_PER_LAYER
-    if view.remat == "full" or (view["stage"] > 1 and view.schedule == "1f1b"):
+    if view.remat == "full" or (view["stage"] > 1 and view.schedule in FUSED_SCHEDULES):
         forward += RECOMPUTED_PER_LAYER
     if seg := segmented(view.remat):  # the segment's forward again, its inner recompute
         forward += FORWARD_PER_LAYER + (RECOMPUTED_PER_LAYER if seg[1] == "full" else 0)
