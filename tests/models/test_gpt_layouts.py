@@ -24,15 +24,13 @@ from shardlib.train.setup import make_setup
 
 CFG = train_config(model="gpt-tiny", steps=3, batch=16, seq=32, **{"model.layers": "4"})
 
-CASES = {  # name: (mesh axes, config overrides)
-    "dp8": ({"data": 8}, {}),
+CASES = {  # name: (mesh axes, config overrides); data parallelism: fsdp8 splits the batch too
     "fsdp8": ({"fsdp": 8}, {}),
     "tp8": ({"tensor": 8}, {}),  # gpt-tiny: 8 heads, mlp 256, vocab 256
     "1f1b-p2-fsdp2-tp2": (
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"pipeline_schedule": "1f1b", "pipeline_microbatches": 4},
     ),
-    "1f1b-p4-dp2": ({"stage": 4, "data": 2}, {"pipeline_schedule": "1f1b"}),
     "gpipe-p2-fsdp2-tp2": (  # embedding and head outside the stage loop
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"pipeline_schedule": "gpipe", "pipeline_microbatches": 4},

@@ -142,23 +142,22 @@ def test_trainer_loss_matches_unchunked(model, packed):
 CFG = train_config(steps=2, batch=8, seq=16, warmup=1, **{"model.vocab": 2048, "model.layers": 2})
 CHUNKED = {"loss_chunk": 4}
 
+# one layout per way the head's logits are laid out: whole (one device), vocab-parallel over
+# FSDP, split over tensor, replica groups (data beside tensor), a sequence split over context,
+# and the 1F1B schedule's own loss parts (dp8, FSDP without vocab-parallel, GPipe and 1F1B on
+# data were dropped to keep the suite in time: the same head layouts as these)
 LAYOUTS = {
     "one-device": ({"data": 1}, {}),
     "fsdp8": ({"fsdp": 8}, {}),  # 1-D, vocab-parallel head
     "fsdp2xtp4": ({"fsdp": 2, "tensor": 4}, {}),  # 2-D
-    "dp2xtp4": ({"data": 2, "tensor": 4}, {}),  # 2-D, replica groups
-    "dp8": ({"data": 8}, {}),
-    "dp2xfsdp2xtp2": ({"data": 2, "fsdp": 2, "tensor": 2}, {}),
-    "fsdp8-no-vocab-parallel": ({"fsdp": 8}, {"vocab_parallel": False}),
+    "dp2xfsdp2xtp2": ({"data": 2, "fsdp": 2, "tensor": 2}, {}),  # replica groups, 3-D
     "context4xdp2-ring": ({"context": 4, "data": 2}, {"attention": "ring"}),
-    "gpipe-p2xfsdp2xtp2": ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline_microbatches": 4}),
-    "1f1b-p2xdp4": ({"stage": 2, "data": 4}, {"pipeline_schedule": "1f1b"}),
     "1f1b-p2xfsdp2xtp2": (
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"pipeline_microbatches": 4, "pipeline_schedule": "1f1b"},
     ),
 }
-FAST = {"one-device", "fsdp8", "fsdp2xtp4", "dp2xtp4"}
+FAST = {"one-device", "fsdp8", "fsdp2xtp4"}
 
 
 @pytest.mark.parametrize(
