@@ -27,6 +27,8 @@ CFG = train_config(model="gpt-tiny", steps=3, batch=16, seq=32, **{"model.layers
 CASES = {  # name: (mesh axes, config overrides); data parallelism: fsdp8 splits the batch too
     "fsdp8": ({"fsdp": 8}, {}),
     "tp8": ({"tensor": 8}, {}),  # gpt-tiny: 8 heads, mlp 256, vocab 256
+    # Megatron-SP: the LayerNorms, biases and learned positions on sequence-split activations
+    "fsdp2-tp4-sp": ({"fsdp": 2, "tensor": 4}, {"sequence_parallel": True}),
     "1f1b-p2-fsdp2-tp2": (
         {"stage": 2, "fsdp": 2, "tensor": 2},
         {"pipeline_schedule": "1f1b", "pipeline_microbatches": 4},
