@@ -21,6 +21,10 @@ anything is compiled, with the reason: a pipeline (it cuts the stacked blocks in
 parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales follow the
 blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
 
+State besides parameters (BatchNorm statistics, a Dropout's RNG stream, counters) is carried
+in the train state as ``model_state`` and written back by each step's forward pass, outside
+the gradient and the optimizer (``train.user_state``).
+
 Remat: the user's loss is one function, so the plan's ``remat`` policy is applied to the
 model's layers, every module held in a list (``nnx.List``), or without one each direct
 sub-module: each runs under ``nnx.remat`` with the policy, which is what remat does to
@@ -63,6 +67,15 @@ class ModelSetup(TrainSetup):
     loss_name: str = ""
     model_state: user_state.ModelState | None = None
     """The model's state besides its parameters (``train.user_state``); None: it has none."""
+
+    def trained_model(self, state: dict) -> nnx.Module:
+        """The model of a train state (its parameters and model state), for inference:
+        ``.eval()`` turns Dropout off and BatchNorm onto its running statistics."""
+        if not self.model_state:
+            return nnx.merge(self.graphdef, state["params"])
+        held = state[user_state.MODEL_STATE]
+        extra = (user_state.as_model_state(held, self.model_state.keys),)
+        return nnx.merge(self.graphdef, state["params"], *extra)
 
     @cached_property
     def state_shardings(self) -> dict:

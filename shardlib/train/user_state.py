@@ -9,7 +9,7 @@ forward writes (``nnx.BatchNorm``'s running ``mean``/``var``, an ``nnx.Rngs`` st
 loss, not differentiated: neither gradients nor the optimizer ever see it. It is saved in
 and restored from checkpoints with the rest of the state, so a resume continues it exactly.
 
-* Layout: a variable with logical names (``nnx.Variable(x, sharding_names=...)``) is laid out
+* Layout: a variable with logical names (``nnx.Variable(x, out_sharding=(...))``) is laid out
   by the parameters' rules, as a parameter of those names would be; one without names
   (``nnx.BatchNorm``'s statistics: Flax gives them none) is replicated.
 * RNG streams: ``nnx.Rngs``'s key (``RngKey``, a typed PRNG key) is stored as its raw key

@@ -1,7 +1,7 @@
 """A user's conv net holding state besides its parameters, for the generic trainer's tests:
 ``nnx.BatchNorm`` (running statistics, ``nnx.BatchStat``) and ``nnx.Dropout`` with its own
-RNG stream (forked from the factory's ``rngs``), plus a step counter of the user's own
-(an ``nnx.Variable`` the forward pass bumps). Names logical dims only."""
+RNG stream (forked from the factory's ``rngs``), plus variables of the user's own that the
+forward pass writes (a counter; a per-feature peak named ``mlp``). Names logical dims only."""
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,9 @@ BATCH, IMAGE, CHANNELS, FEATURES, CLASSES = 16, 6, 3, 8, 4
 NAMES = {"image": ("batch", None, None, None), "label": ("batch",)}
 
 
-class Count(nnx.Variable):
-    """A counter the model keeps (not a parameter): how many forward passes it ran."""
+class Seen(nnx.Variable):
+    """What the model keeps of the data it saw (not a parameter): a count of forward passes,
+    and each feature's peak |activation|, laid out by its logical name."""
 
 
 class ConvNet(nnx.Module):
@@ -32,12 +33,14 @@ class ConvNet(nnx.Module):
         self.drop = nnx.Dropout(0.3, rngs=rngs)
         head = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", None))
         self.head = nnx.Linear(FEATURES, CLASSES, kernel_init=head, rngs=rngs)
-        self.calls = Count(jnp.zeros((), jnp.int32))
+        self.calls = Seen(jnp.zeros((), jnp.int32))
+        self.peak = Seen(jnp.zeros((FEATURES,), jnp.float32), out_sharding=("mlp",))
 
     def __call__(self, x_BHWC):
         self.calls[...] += 1
         h_BHWF = shardlib.constrain(self.conv(x_BHWC), ("batch", None, None, "mlp"))
         h_BHWF = self.drop(jax.nn.relu(self.bn(h_BHWF)))
+        self.peak[...] = jnp.maximum(self.peak[...], h_BHWF.max(axis=(0, 1, 2)))
         return self.head(h_BHWF.mean(axis=(1, 2)))  # [batch, classes]
 
 

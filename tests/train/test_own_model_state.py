@@ -47,25 +47,28 @@ def runs(own, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("own_bn") / "ckpt"
     setup = _setup(own, checkpoint_dir=str(ckpt))
     whole = run(setup, show=False)
+    trained = setup.trained_model(whole.state)
     shutil.rmtree(ckpt)
     first = run(setup, show=False, stop_after=2)
     mesh = jax.sharding.Mesh(
         np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor")
     )
     one = run(_setup(own, mesh=mesh), show=False)
-    return whole, first, one, ckpt
+    return whole, first, one, ckpt, trained
 
 
 @pytest.mark.slow
 def test_model_state_trains_and_matches_one_device(runs):
-    whole, _, one, _ = runs
+    whole, _, one, _, _ = runs
     err = max(abs(a - b) / abs(b) for a, b in zip(whole.losses, one.losses, strict=True))
     assert err <= 1e-5, (whole.losses, one.losses)
     held, alone = whole.state["model_state"], one.state["model_state"]
     assert _max_error(held["bn"], alone["bn"]) <= 1e-5  # global-batch statistics
     assert float(np.abs(held["bn"]["mean"]).max()) > 0.1  # they moved from their init (zeros)
     assert int(held["calls"]) == 4 and int(held["drop"]["rngs"]["count"]) == 4
+    assert _max_error(held["peak"], alone["peak"]) <= 1e-5
     assert held["bn"]["var"].sharding.spec == jax.sharding.PartitionSpec()  # no names
+    assert "tensor" in str(held["peak"].sharding.spec)  # ("mlp",): as a parameter's mlp
     assert "model_state" not in whole.records[-1]  # not a metric
     # the optimizer never saw it: Adam's moments cover the parameters only
     assert "bn" in whole.state["params"] and "mean" not in whole.state["params"]["bn"]
@@ -73,7 +76,7 @@ def test_model_state_trains_and_matches_one_device(runs):
 
 @pytest.mark.slow
 def test_command_line_resumes_batch_stats_and_dropout_exactly(runs, tmp_path, capsys):
-    whole, first, _, ckpt = runs
+    whole, first, _, ckpt, _ = runs
     jsonl = tmp_path / "metrics.jsonl"
     words = [f"model={MODULE}:make_model", f"loss={MODULE}:loss_fn", f"data={MODULE}:batches"]
     words += [f"{k}={v}" for k, v in SETTINGS.items()]
@@ -82,6 +85,18 @@ def test_command_line_resumes_batch_stats_and_dropout_exactly(runs, tmp_path, ca
     assert code == 0, capsys.readouterr().err
     resumed = [json.loads(line)["loss"] for line in jsonl.read_text().splitlines()]
     assert first.losses + resumed == whole.losses  # bit for bit: same masks, same statistics
+
+
+@pytest.mark.slow
+def test_trained_model_evaluates_on_its_running_statistics(own, runs):
+    """``trained_model(state).eval()``: Dropout off, BatchNorm on the running statistics the
+    run carried (a one-example batch normalises as the whole batch would)."""
+    trained = runs[4]
+    trained.eval()
+    images = own.batches().source[0]["image"]
+    whole = np.asarray(trained(images))
+    assert np.array_equal(whole, np.asarray(trained(images)))  # no dropout: deterministic
+    np.testing.assert_allclose(np.asarray(trained(images[:1])), whole[:1], rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_stream_round_trips_through_the_carried_state():
