@@ -232,12 +232,6 @@ def make_model_setup(
         if "Non-exhaustive filters" not in str(err):
             raise
         inv, held = user_state.user_inventory(factory)  # carried in the train state
-        if plan.data.onebit_momentum:
-            raise ShardingError(
-                f"model {factory.name} holds state besides its parameters ("
-                f"{', '.join(held.where[:3])}), which 1-bit Adam/LAMB's per-device step does "
-                "not carry. Fix: optimizer=adamw (or lamb)."
-            ) from None
     batch = data.examples
     if batch % plan.data.microbatches:
         raise ShardingError(
@@ -248,6 +242,12 @@ def make_model_setup(
         factory, batch, 1, cfg.precision.compute, inv=inv, microbatches=plan.data.microbatches
     )
     _, plan = resolve_optimizer(cfg.optimizer, plan)
+    if held and plan.data.onebit_momentum:
+        raise ShardingError(
+            f"model {factory.name} holds state besides its parameters ("
+            f"{', '.join(held.where[:3])}), which 1-bit Adam/LAMB's per-device step does not "
+            "carry (its forward sees one device's batch). Fix: optimizer=adamw (or lamb)."
+        )
     with suggest_presets(batch=batch // plan.data.microbatches):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     cfg = dataclasses.replace(cfg, model=factory.name)

@@ -117,3 +117,11 @@ def test_dropout_stream_round_trips_through_the_carried_state():
     second = drop(x)
     assert not np.array_equal(first, second)
     assert np.array_equal(resumed(x), second)
+
+
+def test_one_bit_adam_refuses_model_state(own):
+    """1-bit Adam's step runs per device in shard_map, where BatchNorm would see a local batch."""
+    from shardlib.core.errors import ShardingError
+
+    with pytest.raises(ShardingError, match=r"bn\.mean \(BatchStat\).*optimizer=adamw"):
+        _setup(own, optimizer="onebit_adam", zero=0, remat="none")
