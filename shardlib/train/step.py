@@ -337,14 +337,13 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta
         if model_state is not None:  # the forward's statistics; never the optimizer's
-            new_state[MODEL_STATE] = loss_fn.next_state(model_state, forward_state)
+            new_model_state = loss_fn.next_state(model_state, forward_state)
+            if scaled:  # a skipped step keeps them too
+                new_model_state = precision.keep_if(finite, new_model_state, model_state)
+            new_state[MODEL_STATE] = new_model_state
         if scaled and not streams(plan):  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
-            if model_state is not None:
-                new_state[MODEL_STATE] = precision.keep_if(
-                    finite, new_state[MODEL_STATE], model_state
-                )
         if scaled:
             new_state["loss_scale"] = precision.update_loss_scale(
                 cfg.precision, state["loss_scale"], finite
