@@ -198,6 +198,14 @@ class TrainSetup:
 
     def abstract_state(self) -> dict:
         """ShapeDtypeStructs with shardings: compile (``explain``) without allocating."""
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            self.state_shapes(),
+            self.state_shardings,
+        )
+
+    def state_shapes(self) -> dict:
+        """The train state's ShapeDtypeStructs (``state_shardings``' tree)."""
         shapes = {
             "params": self.param_shapes,
             "opt_state": self._abstract_opt_state,
@@ -207,11 +215,7 @@ class TrainSetup:
             shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
         if fp8.enabled(self.cfg.precision):
             shapes[fp8.KEY] = jax.eval_shape(self.init_fp8)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            shapes,
-            self.state_shardings,
-        )
+        return shapes
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct | dict:
         """The step's batch, abstractly: [batch, seq + 1] tokens, or for a prepared dataset

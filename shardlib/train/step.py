@@ -34,6 +34,7 @@ from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
 from shardlib.train.optim import frozen_base
+from shardlib.train.user_state import MODEL_STATE
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -283,7 +284,9 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
     shardings say so); the update moves it to the device one stacked layer at a time
     (``offload_stream``), or whole with ``offload.per_layer=false``. With fp16 the loss is
     scaled, and a step with non-finite gradients changes neither parameters nor optimizer
-    state.
+    state. A user's model state (``train.user_state``: BatchNorm statistics, RNG counts) is
+    handed to the loss (``loss_fn.given``) and comes back from its forward pass in the
+    metrics; the next state is ``loss_fn.next_state`` of it, outside the gradient.
     """
     if setup.plan.offload.nvme_path:
         raise ShardingError(
@@ -300,8 +303,13 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             batch = prepare(batch)
             scale = state["loss_scale"]["scale"] if scaled else None
             # the plan's one gradient path: plain, ZeRO++ or 1F1B, over the micro-batches
-            grad_fn = grad_function(setup, loss_fn, has_aux=True, loss_scale=scale, stored=True)
+            # a user's model state (BatchNorm statistics, RNG counts): read, not differentiated
+            model_state = state.get(MODEL_STATE)
+            fn = loss_fn if model_state is None else loss_fn.given(model_state)
+            grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale, stored=True)
             (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), batch)
+            extra = dict(extra)
+            forward_state = extra.pop(MODEL_STATE, None)  # what the forward pass wrote
             # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
             grads, new_meta = fp8.split_meta(grads)
             if scaled:
@@ -328,6 +336,11 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta
+        if model_state is not None:  # the forward's statistics; never the optimizer's
+            new_model_state = loss_fn.next_state(model_state, forward_state)
+            if scaled:  # a skipped step keeps them too
+                new_model_state = precision.keep_if(finite, new_model_state, model_state)
+            new_state[MODEL_STATE] = new_model_state
         if scaled and not streams(plan):  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)

@@ -21,6 +21,10 @@ anything is compiled, with the reason: a pipeline (it cuts the stacked blocks in
 parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales follow the
 blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
 
+State besides parameters (BatchNorm statistics, a Dropout's RNG stream, counters) is carried
+in the train state as ``model_state`` and written back by each step's forward pass, outside
+the gradient and the optimizer (``train.user_state``).
+
 Remat: the user's loss is one function, so the plan's ``remat`` policy is applied to the
 model's layers, every module held in a list (``nnx.List``), or without one each direct
 sub-module: each runs under ``nnx.remat`` with the policy, which is what remat does to
@@ -30,12 +34,10 @@ the decoder's stacked blocks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,90 +49,12 @@ from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.plan import suggest_presets
-from shardlib.parallel.remat import RematSpec
+from shardlib.train import user_state
 from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, resolve_optimizer
 from shardlib.train.setup import TrainSetup
 from shardlib.train.user_data import Batches, _is_names
-
-
-@dataclass(frozen=True, eq=False)
-class UserLoss:
-    """``(params, batch) -> (loss, metrics)`` of the user's ``loss_fn(model, batch)``, the
-    fp32 master weights cast to the compute dtype and the plan's remat on the layers."""
-
-    graphdef: nnx.GraphDef
-    loss_fn: Callable
-    dtype: Any
-    remat: RematSpec
-
-    def __call__(self, params, batch):
-        params = jax.tree.map(
-            lambda p: p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-            params,
-        )
-        model = nnx.merge(self.graphdef, params)
-        if self.remat.active:
-            remat_layers(model, self.remat)
-        out = self.loss_fn(model, batch)
-        loss, metrics = out if isinstance(out, tuple) else (out, {})
-        if not isinstance(metrics, dict):
-            raise ShardingError(
-                f"loss_fn returned {type(metrics).__name__} as its metrics. Fix: return "
-                "(loss, {'name': scalar, ...}) or the loss alone."
-            )
-        if jnp.shape(loss) != ():
-            raise ShardingError(
-                f"loss_fn returned a loss of shape {jnp.shape(loss)}; the trainer needs a "
-                "scalar. Fix: reduce it, e.g. loss.mean()."
-            )
-        reserved = sorted(set(metrics) & {"grad_norm", "lr", "step"})
-        if reserved:
-            raise ShardingError(
-                f"loss_fn's metrics name {reserved[0]!r}, which the trainer reports itself. "
-                f"Fix: another name, e.g. {reserved[0]}_model."
-            )
-        metrics = {  # "loss" is the trainer's own record of the returned loss
-            k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"
-        }
-        return jnp.asarray(loss, jnp.float32), metrics
-
-
-def remat_layers(model: nnx.Module, spec: RematSpec) -> int:
-    """The model's layers under ``nnx.remat`` with ``spec``'s policy: every module held in a
-    list (``nnx.List``), or, for a model without one, each of its direct sub-modules (a
-    conv net's ``conv1``, ``conv2``, ``head``). Applied to the copy merged inside the step
-    (its classes are swapped; the user's code is unchanged). Returns how many were wrapped."""
-    layers = [
-        item
-        for _, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.List | list)
-        for item in node
-        if isinstance(item, nnx.Module)
-    ]
-    if not layers:
-        layers = [
-            child
-            for child in vars(model).values()
-            if isinstance(child, nnx.Module) and not isinstance(child, nnx.List)
-        ]
-    for layer in layers:
-        layer.__class__ = _rematted(type(layer), spec)
-    return len(layers)
-
-
-@functools.cache
-def _rematted(base: type, spec: RematSpec) -> type:
-    if getattr(base, "_shardlib_remat", False):
-        return base
-
-    def __call__(self, *args, **kwargs):
-        def run(module, *a):
-            return base.__call__(module, *a, **kwargs)
-
-        return nnx.remat(run, policy=spec.policy())(self, *args)
-
-    return type(base.__name__, (base,), {"__call__": __call__, "_shardlib_remat": True})
+from shardlib.train.user_loss import UserLoss, remat_layers
 
 
 @dataclass(frozen=True)
@@ -141,6 +65,56 @@ class ModelSetup(TrainSetup):
     """``loss_fn(model, batch) -> (loss, metrics)``."""
     data: Batches | None = None
     loss_name: str = ""
+    model_state: user_state.ModelState | None = None
+    """The model's state besides its parameters (``train.user_state``); None: it has none."""
+
+    def trained_model(self, state: dict) -> nnx.Module:
+        """The model of a train state (its parameters and model state), for inference:
+        ``.eval()`` turns Dropout off and BatchNorm onto its running statistics."""
+        if not self.model_state:
+            return nnx.merge(self.graphdef, state["params"])
+        held = state[user_state.MODEL_STATE]
+        extra = (user_state.as_model_state(held, self.model_state.keys),)
+        return nnx.merge(self.graphdef, state["params"], *extra)
+
+    @cached_property
+    def state_shardings(self) -> dict:
+        """The decoder trainer's, plus the model state's (by its names, else replicated)."""
+        out = TrainSetup.state_shardings.func(self)
+        if self.model_state:
+            out[user_state.MODEL_STATE] = self.model_state.shardings(self.mesh, self.rules)
+        return out
+
+    def state_shapes(self) -> dict:
+        out = super().state_shapes()
+        if self.model_state:
+            out[user_state.MODEL_STATE] = self.model_state.shapes
+        return out
+
+    @cached_property
+    def _init(self):
+        """The decoder's init, plus the model state as the factory built it (seeded
+        ``rngs``: ``user_state.seeded_rngs``), straight into its shardings."""
+        if not self.model_state:
+            return TrainSetup._init.func(self)
+        make, tx, prec, keys = self.model.make, self.tx, self.cfg.precision, self.model_state.keys
+        from shardlib.train import precision
+
+        def init(key):
+            with nnx.use_eager_sharding(False):
+                model = make(user_state.seeded_rngs(key))
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            state = {
+                "params": params,
+                "opt_state": tx.init(params),
+                "step": jnp.zeros((), jnp.int32),
+                user_state.MODEL_STATE: user_state.carried(model, keys),
+            }
+            if precision.uses_loss_scale(prec):
+                state["loss_scale"] = precision.init_loss_scale(prec)
+            return state
+
+        return jax.jit(init, out_shardings=self.state_shardings)
 
     @property
     def model_cfg(self):
@@ -181,14 +155,18 @@ class ModelSetup(TrainSetup):
     @cached_property
     def user_loss(self) -> UserLoss:
         spec = self.plan.remat.spec()
-        if spec.active and not remat_layers(nnx.merge(self.graphdef, self.param_shapes), spec):
+        held = (self.model_state.shapes,) if self.model_state else ()
+        if spec.active and not remat_layers(
+            nnx.merge(self.graphdef, self.param_shapes, *held), spec
+        ):
             raise ShardingError(
                 f"remat={self.plan.remat.policy}: model {self.model.name} has no layers to "
                 "recompute (no nnx.List of modules, no sub-modules), and remat applies per "
                 "layer. Fix: build it from sub-modules (its layers in an nnx.List), or "
                 "remat=none."
             )
-        return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec)
+        keys = self.model_state.keys if self.model_state else None
+        return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec, keys)
 
     @cached_property
     def train_step(self):
@@ -247,12 +225,13 @@ def make_model_setup(
         factory = model
     else:
         factory = ModelFactory(_name(model, "model"), None, _takes_rngs(model), None)
+    held = None
     try:
         inv = inventory(factory, stacked=False)
     except ValueError as err:  # nnx.split: variables besides nnx.Param
         if "Non-exhaustive filters" not in str(err):
             raise
-        raise ShardingError(_not_only_params(factory)) from None
+        inv, held = user_state.user_inventory(factory)  # carried in the train state
     batch = data.examples
     if batch % plan.data.microbatches:
         raise ShardingError(
@@ -263,6 +242,12 @@ def make_model_setup(
         factory, batch, 1, cfg.precision.compute, inv=inv, microbatches=plan.data.microbatches
     )
     _, plan = resolve_optimizer(cfg.optimizer, plan)
+    if held and plan.data.onebit_momentum:
+        raise ShardingError(
+            f"model {factory.name} holds state besides its parameters ("
+            f"{', '.join(held.where[:3])}), which 1-bit Adam/LAMB's per-device step does not "
+            "carry (its forward sees one device's batch). Fix: optimizer=adamw (or lamb)."
+        )
     with suggest_presets(batch=batch // plan.data.microbatches):
         specs = resolve_specs(inv.shapes, inv.names, mesh, plan.state_rules.params, "params")
     cfg = dataclasses.replace(cfg, model=factory.name)
@@ -278,27 +263,11 @@ def make_model_setup(
         loss=loss_fn,
         data=data,
         loss_name=_name(loss_fn, "loss_fn"),
+        model_state=held,
     )
     setup.batch_sharding  # noqa: B018 (every batch array checked against the mesh now)
     setup.user_loss  # noqa: B018 (remat's layers found now)
     return setup
-
-
-def _not_only_params(factory: ModelFactory) -> str:
-    """Which variables besides parameters the model holds (BatchNorm's statistics, a
-    Dropout's RNG stream), and what to do instead."""
-    with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: factory.make(nnx.Rngs(0)))
-    others = [
-        f"{'.'.join(map(str, path))} ({type(var).__name__})"
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
-    ]
-    return (
-        f"model {factory.name} holds state besides its parameters: {', '.join(others[:4])}"
-        f"{' ...' if len(others) > 4 else ''}. The trainer carries nnx.Param only. Fix: "
-        "LayerNorm/GroupNorm instead of BatchNorm, and dropout keys passed in the batch "
-        "(nnx.Dropout(rate)(x, rngs=...)) rather than held by the model."
-    )
 
 
 def check_config(cfg: TrainConfig, plan) -> None:
