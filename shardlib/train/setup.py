@@ -110,6 +110,12 @@ class TrainSetup:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(BATCH_NAMES))
 
+    @property
+    def stacked_layers(self) -> int:
+        """The decoder's stacked blocks (``[layers, ...]`` under ``params["blocks"]``), which
+        the streamed offload update walks; 0 for a model without them."""
+        return self.workload.blocks
+
     @cached_property
     def _abstract_opt_state(self):
         return jax.eval_shape(self.tx.init, self.param_shapes)

@@ -246,7 +246,9 @@ def build_eval_step(setup: TrainSetup):
 
 
 def _whole_update(setup: TrainSetup, grads, opt_state, params):
-    """optax's update with the whole state in device memory (moved there if offloaded)."""
+    """optax's update with the whole state in device memory (moved there if offloaded):
+    ``(new params, new state, params, state)``, the last two as the update read them (in
+    device memory), for a skipped fp16 step to keep without mixing memory kinds."""
     plan = setup.plan
     if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
         grads, opt_state, params = on_device((grads, opt_state, params))
@@ -254,7 +256,7 @@ def _whole_update(setup: TrainSetup, grads, opt_state, params):
     if plan.offload.optimizer:
         opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)
     updates, new_opt_state = setup.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state
+    return optax.apply_updates(params, updates), new_opt_state, params, opt_state
 
 
 def build_train_step(setup: TrainSetup):
@@ -296,6 +298,9 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
         )
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)
+    # the streamed update walks the decoder's stacked blocks; a model without them (a user's
+    # own, ``train.user_model``) takes the whole-state update, its state still kept on host
+    stream = streams(plan) and setup.stacked_layers > 0
 
     def train_step(state, batch):
         with use_layout(setup.mesh, setup.rules):
@@ -316,8 +321,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
-            finite = precision.all_finite(grads) if scaled and not streams(plan) else None
-            if streams(plan):  # offloaded state and weights visit the device one layer at a time
+            finite = precision.all_finite(grads) if scaled and not stream else None
+            if stream:  # offloaded state and weights visit the device one layer at a time
                 if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
                     grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
                 grad_norm = streamed_grad_norm(grads, setup.workload.blocks)
@@ -329,7 +334,9 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
                     state_on_host=plan.offload.optimizer, keep=finite, norm=grad_norm,
                 )  # fmt: skip
             else:
-                new_params, new_opt_state = _whole_update(setup, grads, opt_state, params)
+                new_params, new_opt_state, params, opt_state = _whole_update(
+                    setup, grads, opt_state, params
+                )
                 grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model (the user's loss) reports besides the loss
@@ -341,7 +348,7 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             if scaled:  # a skipped step keeps them too
                 new_model_state = precision.keep_if(finite, new_model_state, model_state)
             new_state[MODEL_STATE] = new_model_state
-        if scaled and not streams(plan):  # (the streamed update kept them row by row)
+        if scaled and not stream:  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
         if scaled:

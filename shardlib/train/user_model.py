@@ -68,6 +68,12 @@ class ModelSetup(TrainSetup):
     model_state: user_state.ModelState | None = None
     """The model's state besides its parameters (``train.user_state``); None: it has none."""
 
+    @property
+    def stacked_layers(self) -> int:
+        """None in the decoder's sense: a user's ``blocks`` (if any) are not one stacked
+        array per weight, so optimizer offload takes the whole-state update."""
+        return 0
+
     def trained_model(self, state: dict) -> nnx.Module:
         """The model of a train state (its parameters and model state), for inference:
         ``.eval()`` turns Dropout off and BatchNorm onto its running statistics."""

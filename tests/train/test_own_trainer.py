@@ -94,14 +94,23 @@ def test_parity_from_the_command_line(capsys):
 
 
 @pytest.mark.slow
-def test_matches_one_device(own, runs):
+def test_optimizer_offload_keeps_the_losses(own, runs):
+    """A model without the decoder's stacked blocks takes the whole-state update under
+    ``offload_optimizer`` (the streamed one walks ``[layers, ...]`` rows): the same losses
+    as in device memory, its moments kept in host memory; under fp16 a skipped step keeps
+    the state it read in device memory (no host/device mix). One-device parity: the
+    command line's ``parity`` test above."""
     whole = runs[1]
-    mesh = jax.sharding.Mesh(
-        np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor")
+    setup = _setup(own, own.stream(), offload_optimizer=True)
+    offloaded = run(setup, show=False)
+    err = max(abs(a - b) / abs(b) for a, b in zip(offloaded.losses, whole.losses, strict=True))
+    assert err <= 1e-6, (offloaded.losses, whole.losses)
+    moments = jax.tree.leaves(offloaded.state["opt_state"])
+    assert any(getattr(x.sharding, "memory_kind", None) == "pinned_host" for x in moments)
+    fp16 = run(
+        _setup(own, own.stream(), offload_optimizer=True, precision="fp16", steps=2), show=False
     )
-    one = run(_setup(own, mesh=mesh), show=False)
-    err = max(abs(a - b) / abs(b) for a, b in zip(whole.losses, one.losses, strict=True))
-    assert err <= 1e-5, (whole.losses, one.losses)
+    assert all(np.isfinite(fp16.losses))
 
 
 # --- refused before anything is compiled ------------------------------------------------
