@@ -1,0 +1,83 @@
+"""TeraPipe (token slices through the stages): refusals, bubble in FLOPs, parity, planner.
+
+Parity runs the trainer's gradient path on stage x data / stage x tensor against one
+device's, fp32, with a batch of 2 sequences cut into token slices. The bubble is measured
+as GPipe's is (``test_pipeline``): compiled FLOPs of the pipelined step, loop trips
+counted, over one device's, against TeraPipe's executed/ideal = (s+p-1)/s.
+"""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import ShardingError, mesh_spec
+from shardlib.core.layout import use_layout
+from shardlib.core.mesh import single_device_mesh
+from shardlib.dataset.tokens import global_batch, load_tokens
+from shardlib.parallel.pipeline.spec import PipelineSpec
+from shardlib.parallel.pipeline.terapipe import check_terapipe
+from shardlib.tools import parity
+from shardlib.tools.parity import FP32_TOLERANCE
+from shardlib.train.config import train_config
+from shardlib.train.setup import make_setup
+from shardlib.train.step import grad_function, make_loss_fn
+
+BATCH, SEQ = 2, 16
+PARITY = dict(steps=1, batch=BATCH, seq=SEQ, pipeline_schedule="terapipe", **{"model.layers": 4})
+
+
+def _step(cfg, mesh):
+    """The trainer's gradient path on ``mesh``, jitted, and its inputs' shardings."""
+    setup = make_setup(cfg, mesh)
+    grad_fn = grad_function(setup, make_loss_fn(setup))
+
+    def value_and_grad(params, tokens):
+        with use_layout(setup.mesh, setup.rules):
+            return grad_fn(params, tokens)
+
+    jitted = jax.jit(value_and_grad, in_shardings=(setup.param_shardings, setup.batch_sharding))
+    return setup, jitted
+
+
+def _loss_and_grads(cfg, mesh, params):
+    setup, jitted = _step(cfg, mesh)
+    tokens = global_batch(load_tokens(None), 0, BATCH, SEQ, cfg.run.seed, setup.batch_sharding)
+    return jax.device_get(jitted(jax.device_put(params, setup.param_shardings), tokens))
+
+
+@functools.cache
+def _reference():
+    """Random parameters and one device's (loss, grads) at them (shared by the cases)."""
+    cfg, one = train_config(**PARITY, pipeline_microbatches=4), single_device_mesh()
+    params = parity.random_state(make_setup(cfg, one))["params"]
+    return params, _loss_and_grads(cfg, one, params)
+
+
+def test_terapipe_refuses_what_it_cannot_slice():
+    spec = PipelineSpec(2, 4, 1, "terapipe")
+    spec.check(layers=4, batch=1)  # a batch of 1: slices, not micro-batches
+    check_terapipe(spec, seq=16, block_stats=False)
+    with pytest.raises(ShardingError, match="slice count dividing"):
+        check_terapipe(spec, seq=18, block_stats=False)
+    with pytest.raises(ShardingError, match="block statistics"):
+        check_terapipe(spec, seq=16, block_stats=True)
+    with pytest.raises(ShardingError, match="virtual_stages"):
+        check_terapipe(PipelineSpec(2, 4, 2, "terapipe"), seq=16, block_stats=False)
+    assert spec.iterations() == 4 + 2 - 1
+    assert spec.bubble_ratio() == (4 + 2 - 1) / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes,s", [({"stage": 2, "data": 2}, 4), ({"stage": 2, "tensor": 2}, 2)])
+def test_terapipe_gradients_like_one_device(axes, s):
+    """Loss and every parameter's gradient within 1e-5 (fp32) of one device's."""
+    cfg = train_config(**PARITY, pipeline_microbatches=s)
+    mesh = mesh_spec(**axes).build(jax.devices()[: math.prod(axes.values())])
+    params, ref = _reference()
+    got = _loss_and_grads(cfg, mesh, params)
+    assert abs(got[0] - ref[0]) <= FP32_TOLERANCE * abs(ref[0]), (got[0], ref[0])
+    errs = jax.tree.map(lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b), got[1], ref[1])
+    assert max(jax.tree.leaves(errs)) <= FP32_TOLERANCE, errs
