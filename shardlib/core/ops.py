@@ -128,6 +128,8 @@ def _sliced_attention(slot: TokenSlice, q_BLHK, k_BLGK, v_BLGK, positions_L, cau
     if slot.k is not None:
         raise ValueError("a token slice's block called attention twice; TeraPipe keeps one K/V.")
     slot.k, slot.v = k_BLGK, v_BLGK
+    if positions_L is None:  # a block called without ``run_blocks``: the slice's own
+        positions_L = _slice_positions(None, q_BLHK.shape[1])
     form = active_ops().attention
     form = getattr(form, "local", form)  # a context form's local kernel (no context axis)
     if not hasattr(form, "kernel") or not causal:

@@ -96,8 +96,9 @@ def terapipe_layers(spec, stage_layers):
         w0 = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[3:], dtype), staged)
         k_sh, v_sh = jax.eval_shape(probe, w0, jax.ShapeDtypeStruct((b, n, d), dtype))
 
-        def run_stage(w_vk, kv, offset, x):
-            """One stage on one slice: x [b, n, d]; kv: (K, V) [k, b, seq, G, K]."""
+        def run_stage(w_vk, kv, offset, valid, x):
+            """One stage on one slice: x [b, n, d]; kv: (K, V) [k, b, seq, G, K]; a trip
+            with no slice here (``valid`` false) writes back what the slot held."""
 
             def block(layer, carry):
                 j, prefix_k, prefix_v = layer
@@ -111,11 +112,14 @@ def terapipe_layers(spec, stage_layers):
 
             own = tuple(jnp.zeros((k, *a.shape), a.dtype) for a in (k_sh, v_sh))
             x, own_k, own_v = stage_layers(block, (jnp.arange(k), *kv), (x, *own))
-            kv = tuple(
-                jax.lax.dynamic_update_slice_in_dim(buf, o, offset, 2)
-                for buf, o in zip(kv, (own_k, own_v), strict=True)
-            )
-            return x, kv
+
+            def store(buf, own):  # only the slice's slots: O(L/s) per trip, not O(L)
+                old = jax.lax.dynamic_slice_in_dim(buf, offset, n, 2)
+                return jax.lax.dynamic_update_slice_in_dim(
+                    buf, jnp.where(valid, own, old), offset, 2
+                )
+
+            return x, tuple(store(buf, o) for buf, o in zip(kv, (own_k, own_v), strict=True))
 
         all_stages = jax.vmap(run_stage, spmd_axis_name=stage_axes())
         slices = x_BLD.reshape(b, s, n, d).transpose(1, 0, 2, 3)  # [s, b, n, d]
@@ -131,12 +135,8 @@ def terapipe_layers(spec, stage_layers):
             state = jnp.where(stage_mask(p, 4) == 0, slices[t % s][None], state)
             j_P = t - ids  # the slice each stage works on this trip
             valid = (j_P >= 0) & (j_P < s)
-            out, new_kv = all_stages(staged, kv, jnp.clip(j_P, 0, s - 1) * n, state)
-            keep = valid.reshape(p, *[1] * (KV_NAMES.__len__() - 1))
-            kv = tuple(
-                constrain(jnp.where(keep, nw, old), KV_NAMES)
-                for nw, old in zip(new_kv, kv, strict=True)
-            )
+            out, kv = all_stages(staged, kv, jnp.clip(j_P, 0, s - 1) * n, valid, state)
+            kv = tuple(constrain(a, KV_NAMES) for a in kv)
             done = (t - (p - 1)) % s  # the last stage hands its slice back
             kept = jax.lax.dynamic_index_in_dim(slices, done, 0, False)
             slices = jax.lax.dynamic_update_index_in_dim(
