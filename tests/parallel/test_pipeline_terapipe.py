@@ -22,8 +22,13 @@ from shardlib.core.mesh import single_device_mesh
 from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.terapipe import check_terapipe
+from shardlib.planner import Workload, candidate
+from shardlib.planner.cost.terms.pipeline_loop import bubble_fraction
+from shardlib.planner.cost.total import estimate
+from shardlib.planner.validate import validate
 from shardlib.tools import parity
 from shardlib.tools.parity import FP32_TOLERANCE
+from shardlib.tools.plan_cli import parse_settings
 from shardlib.train.config import train_config
 from shardlib.train.setup import make_setup
 from shardlib.train.step import grad_function, make_loss_fn
@@ -123,3 +128,28 @@ def test_terapipe_bubble_from_flops():
     dots, total = (p * g / o / formula for g, o in zip(got, one, strict=True))
     print(f"terapipe p={p} s={s}: matmul {dots:.4f}, all {total:.4f} x (s+p-1)/s")
     assert abs(dots - 1) <= 0.005 and abs(total - 1) <= 0.025, (dots, total)
+
+
+# --- the planner (``planner/cost/terms/terapipe.py`` and GPipe's loop terms) ---------------
+def test_planner_books_kv_buffers_and_the_slice_bubble():
+    """batch 2, seq 256, s = 4 on stage 2 x data 2 x tensor 2: the loop carries the whole
+    per-replica batch (1 sequence) in slices of 64 tokens, the K/V buffers are (trips + 1)
+    copies of [L/p, b, seq, kv/t, head_dim] x 2, the bubble (p-1)/s; the CLI takes it."""
+    workload = Workload.from_preset("llama-tiny", 2, 256, "fp32", layers=4)
+    plan = candidate(stage=2, data=2, tensor=2, microbatches=4, schedule="terapipe")
+    est = estimate(workload, plan, backend="cpu")
+    kv_per_layer = 1 * 256 * (8 / 2) * 8 * 4  # b, seq, kv_heads / t, head_dim, fp32
+    assert est.memory["terapipe K/V buffers"] == pytest.approx((5 + 1) * 2 * 2 * kv_per_layer)
+    assert bubble_fraction("terapipe", 2, 4, 1) == (2 - 1) / 4
+    assert parse_settings(["stage=2,schedule=terapipe"], "--set")["schedule"] == "terapipe"
+
+
+@pytest.mark.slow
+def test_planner_memory_and_wire_like_the_compiled_step():
+    """stage 4 x data 2, s = 4, batch 2: memory within 10% and every axis's bytes within
+    5% of the compiled train step's (``planner.validate``)."""
+    workload = Workload.from_preset("llama-tiny", 2, 256, "fp32", layers=4)
+    c = validate(workload, candidate(stage=4, data=2, microbatches=4, schedule="terapipe"))
+    assert abs(c.memory_ratio - 1) <= 0.10, (c.predicted_memory, c.compiled_memory)
+    for axis, got in c.compiled_wire_by_axes.items():
+        assert abs(c.predicted_wire_by_axes[axis] / got - 1) <= 0.05, (axis, c)
