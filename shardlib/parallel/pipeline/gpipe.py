@@ -204,12 +204,8 @@ class PipelineParallel:
             check_block_stats(spec.schedule)
         spec.check(workload.blocks, workload.micro_batch)
         if spec.schedule == "terapipe":  # slices of the sequence, not micro-batches
-            check_terapipe(spec, seq=workload.seq, block_stats=bool(workload.block_stats))
-            if mesh_axes.get(Axis.CONTEXT, 1) > 1:
-                raise ShardingError(
-                    "pipeline_schedule=terapipe with a context axis: the stages already cut "
-                    "the sequence into slices. Fix: drop the context axis, or another schedule."
-                )
+            stats, context = bool(workload.block_stats), mesh_axes.get(Axis.CONTEXT, 1)
+            check_terapipe(spec, seq=workload.seq, block_stats=stats, context=context)
             what = f"terapipe slice ({workload.seq} tokens / {spec.microbatches})"
             n = workload.seq // spec.microbatches
             resolve_spec(

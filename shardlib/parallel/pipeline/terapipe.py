@@ -39,9 +39,14 @@ KV_NAMES = ("stage", None, "batch", None, "kv_heads", "head_dim")  # [p, k, b, s
 PICKED = "pipeline_round_weights"  # as gpipe's: a stage's layer, never saved per trip
 
 
-def check_terapipe(spec, *, seq: int, block_stats: bool) -> None:
+def check_terapipe(spec, *, seq: int, block_stats: bool, context: int = 1) -> None:
     """What the token-slice loop needs, with the fix, before anything compiles."""
     s = spec.microbatches
+    if context > 1:
+        raise ShardingError(
+            f"pipeline_schedule=terapipe with a context axis of {context}: the stages already "
+            "cut the sequence into slices. Fix: drop the context axis, or another schedule."
+        )
     if block_stats:
         raise ShardingError(
             "pipeline_schedule=terapipe with block statistics (an MoE router's losses): a "

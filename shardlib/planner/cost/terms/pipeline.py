@@ -123,7 +123,8 @@ def _check(workload, view) -> None:
     spec = view.plan.pipeline.spec(view)
     spec.check(workload.layers, workload.global_batch)
     if spec.schedule == "terapipe":
-        check_terapipe(spec, seq=workload.seq, block_stats=bool(workload.experts))
+        stats, context = bool(workload.experts), view[str(Axis.CONTEXT)]
+        check_terapipe(spec, seq=workload.seq, block_stats=stats, context=context)
     elif workload.experts:
         check_block_stats(view.plan.pipeline.schedule)
 
@@ -257,7 +258,8 @@ def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool
     if workload.layers % (stages * virtual) or m < stages:
         return False
     if knobs["schedule"] == "terapipe":  # m equal token slices of every sequence
-        return virtual == 1 and workload.seq % m == 0 and not workload.experts
+        context = mesh.get(str(Axis.CONTEXT), 1) > 1
+        return virtual == 1 and workload.seq % m == 0 and not workload.experts and not context
     if knobs["schedule"] == "chimera":  # two directions of m/2 over an even stage count
         return virtual == 1 and stages % 2 == 0 and m % 2 == 0
     return not (knobs["schedule"] == "1f1b" and virtual > 1 and m % stages)
