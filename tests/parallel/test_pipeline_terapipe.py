@@ -118,9 +118,11 @@ def test_terapipe_bubble_from_flops():
     """One sequence (batch 1) in s = 4 slices over p = 2 stages: p x the layer stack's FLOPs
     per device over one device's is (s+p-1)/s, TeraPipe's executed/ideal (idle share
     (p-1)/(s+p-1)): the matmuls within 0.5%, all FLOPs within 2.5%. The elementwise rest is
-    ~2% over at batch 1 (1.0198 here; 1.0035 at batch 4 with the same slices): XLA fuses
-    the slice's [heads, L/s, seq] score arithmetic with a few more multiplies per score
-    than one device's [heads, seq, seq]; the loop's own per-trip K/V bookkeeping is O(L/s)."""
+    ~2% over at batch 1 (1.020 here, 1.018-1.024 for p = 2, 4 and s = 2..8 in
+    ``benchmarks/terapipe.py``; 1.0035 at batch 4 with the same slices): the compiled
+    slice attention does more elementwise work per score than one device's [heads, seq,
+    seq] (11 multiplies and 2 adds per score against 9 and 1, counted per op); the loop's
+    own per-trip K/V bookkeeping is O(L/s)."""
     p, s = 2, 4
     one = _stack_flops(1)
     got = _stack_flops(p, pipeline_schedule="terapipe", pipeline_microbatches=s)
