@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardlib.core.ops import scan_blocks
 from shardlib.parallel.pipeline.gpipe import pipeline_layers
 from shardlib.parallel.pipeline.storage import LayerOrder
+from shardlib.parallel.pipeline.terapipe import terapipe_layers
 from shardlib.parallel.remat import partition_saved_inputs, remat_block
 from shardlib.parallel.segments import scan_segments
 
@@ -83,6 +84,8 @@ def layer_loop(plan, workload, dtype):
         return stage_layers
     if spec.fused:  # evaluation: a plain scan, over the rows in layer order
         return in_layer_order(LayerOrder.of_spec(spec), stage_layers)
+    if spec.schedule == "terapipe":
+        return terapipe_layers(spec, stage_layers)
     return pipeline_layers(spec, stage_layers)
 
 

@@ -185,9 +185,9 @@ def knob_groups(
     menu = microbatch_menu(space, per_replica)
     trades = [space.menu(knob.name) for knob in TRADES]
     for *picked, m in itertools.product(*choices, menu):
-        if per_replica % m:
-            continue
         knobs = {k: v for part in picked for k, v in part.items()} | {MICROBATCHES: m}
+        if per_replica % m and knobs.get("schedule") != "terapipe":  # its m slices seq
+            continue
         if not all(ok(workload, mesh, knobs) for ok in allows):
             continue
         yield [

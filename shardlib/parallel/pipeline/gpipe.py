@@ -61,6 +61,7 @@ from shardlib.parallel.pipeline.stats import (
     stats_slots,
 )
 from shardlib.parallel.pipeline.storage import LayerOrder
+from shardlib.parallel.pipeline.terapipe import check_terapipe
 from shardlib.parallel.pipeline.views import (
     merge_microbatches,
     split_microbatches,
@@ -114,9 +115,11 @@ class PipelineParallel:
 
     schedule: str = "gpipe"
     """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1) | chimera
-    (bidirectional, ``pipeline/chimera.py``); used when the mesh has a stage axis > 1."""
+    (bidirectional, ``pipeline/chimera.py``) | terapipe (token slices of the sequence,
+    ``pipeline/terapipe.py``; microbatches = slices); used when the mesh has a stage axis > 1."""
     microbatches: int = 0
-    """Micro-batches streamed through the pipeline per batch; 0 = one per stage."""
+    """Micro-batches streamed through the pipeline per batch (terapipe: token slices of the
+    sequence); 0 = one per stage."""
     virtual_stages: int = 1
     """Circular or 1f1b (interleaved 1F1B) schedule: layer groups per device (v); the
     bubble falls to (p-1)/(m·v). 1f1b with v > 1 needs micro-batches a multiple of p."""
@@ -200,6 +203,15 @@ class PipelineParallel:
         if workload.block_stats:  # an MoE router's losses: GPipe/circular carry them
             check_block_stats(spec.schedule)
         spec.check(workload.blocks, workload.micro_batch)
+        if spec.schedule == "terapipe":  # slices of the sequence, not micro-batches
+            stats, context = bool(workload.block_stats), mesh_axes.get(Axis.CONTEXT, 1)
+            check_terapipe(spec, seq=workload.seq, block_stats=stats, context=context)
+            what = f"terapipe slice ({workload.seq} tokens / {spec.microbatches})"
+            n = workload.seq // spec.microbatches
+            resolve_spec(
+                what, (workload.micro_batch, n), ("batch", "seq"), rules, mesh_axes, "activations"
+            )
+            return
         b = workload.micro_batch // spec.microbatches
         what = f"pipeline micro-batch ({workload.micro_batch} sequences / {spec.microbatches})"
         resolve_spec(what, (b, workload.seq), ("batch", "seq"), rules, mesh_axes, "activations")

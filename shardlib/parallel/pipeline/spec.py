@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import balanced_stages
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "chimera")
+SCHEDULES = ("gpipe", "circular", "1f1b", "chimera", "terapipe")
 FUSED_SCHEDULES = ("1f1b", "chimera")  # forward and backward in one loop: a value_and_grad
 SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
 
@@ -28,7 +28,8 @@ class PipelineSpec:
     virtual_stages: int = 1
     """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b | chimera (see the module docstrings)."""
+    """gpipe | circular | 1f1b | chimera | terapipe (see the module docstrings); under
+    terapipe ``microbatches`` counts the sequence's token slices."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline/replicas.py``)."""
@@ -111,6 +112,8 @@ class PipelineSpec:
                 f"{p * v})`` = {balanced_stages(layers, p * v)}; the trainer does this itself) "
                 f"or make model.layers a multiple of {p * v}."
             )
+        if self.schedule == "terapipe":  # m slices of the sequence (``pipeline.terapipe``)
+            return
         if m < 1 or batch % m:
             raise ShardingError(
                 f"batch {batch} is not divisible by pipeline_microbatches={m}. Fix: choose a "

@@ -117,7 +117,8 @@ def check(
             f"plan {view.mesh_text()} uses {view.size} of {cluster.num_devices} devices"
         )
     batch_ways = view.ways("batch")
-    if w.global_batch % (batch_ways * view.microbatches):
+    slices = view["stage"] > 1 and view.schedule == "terapipe"  # m cuts the sequence
+    if w.global_batch % (batch_ways * (1 if slices else view.microbatches)):
         raise ShardingError(
             f"plan {view.mesh_text()}: batch {w.global_batch} does not split into "
             f"{view.microbatches} micro-batches over {batch_ways} replicas"

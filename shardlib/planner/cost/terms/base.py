@@ -153,14 +153,21 @@ class Step:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences of one micro-batch on one device."""
+        """Sequences of one micro-batch on one device (TeraPipe: the whole per-device
+        batch, whose sequences its loop cuts into ``microbatches`` token slices)."""
         view = self.view
+        if view["stage"] > 1 and view.schedule == "terapipe":
+            return self.workload.global_batch // view.ways("batch")
         return self.workload.global_batch // (view.microbatches * view.ways("batch"))
 
     @property
     def local_seq(self) -> int:
-        """Tokens of one sequence on one device (the axes that split ``seq``)."""
-        return self.workload.seq // self.view.ways("seq")
+        """Tokens of one sequence on one device (the axes that split ``seq``; TeraPipe: of
+        one token slice, which its loop carries)."""
+        view = self.view
+        if view["stage"] > 1 and view.schedule == "terapipe":
+            return self.workload.seq // (view.ways("seq") * view.microbatches)
+        return self.workload.seq // view.ways("seq")
 
     @property
     def tokens(self) -> float:

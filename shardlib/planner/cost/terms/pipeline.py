@@ -53,6 +53,7 @@ from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.partition import partition
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.parallel.pipeline.stats import check_block_stats
+from shardlib.parallel.pipeline.terapipe import check_terapipe
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
     Comm,
@@ -89,8 +90,8 @@ __all__ = [  # re-exported: the trainer's loop trips and partition, the loop's a
     "trips",
 ]
 
-FORWARD_PERMUTES = {"gpipe": 2, "circular": 2}  # per trip (1f1b: per executed chunk)
-BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3}
+FORWARD_PERMUTES = {"gpipe": 2, "circular": 2, "terapipe": 2}  # per trip (1f1b: per executed chunk)
+BACKWARD_PERMUTES = {"gpipe": 3, "circular": 3, "terapipe": 3}
 STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
 
@@ -119,8 +120,12 @@ def _admits(workload, cluster, chosen, size) -> bool:
 def _check(workload, view) -> None:
     """The pipeline strategy's own refusals (equal stages, circular m >= p, MoE under the
     1F1B schedule), in the trainer's words."""
-    view.plan.pipeline.spec(view).check(workload.layers, workload.global_batch)
-    if workload.experts:
+    spec = view.plan.pipeline.spec(view)
+    spec.check(workload.layers, workload.global_batch)
+    if spec.schedule == "terapipe":
+        stats, context = bool(workload.experts), view[str(Axis.CONTEXT)]
+        check_terapipe(spec, seq=workload.seq, block_stats=stats, context=context)
+    elif workload.experts:
         check_block_stats(view.plan.pipeline.schedule)
 
 
@@ -237,6 +242,8 @@ def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
         scheds += [("circular", v, False) for v in virtual if v > 1]
     if "chimera" in schedules and 1 in virtual:  # not in the default menu: --fix / --set
         scheds += [("chimera", 1, False)]  # (split saved inputs: not checked under chimera)
+    if "terapipe" in schedules and 1 in virtual:  # likewise: token slices (terms.terapipe)
+        scheds += [("terapipe", 1, False)]
     return [{"schedule": s, "virtual": v, "split_saved": split} for s, v, split in scheds]
 
 
@@ -250,6 +257,9 @@ def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool
         return True
     if workload.layers % (stages * virtual) or m < stages:
         return False
+    if knobs["schedule"] == "terapipe":  # m equal token slices of every sequence
+        context = mesh.get(str(Axis.CONTEXT), 1) > 1
+        return virtual == 1 and workload.seq % m == 0 and not workload.experts and not context
     if knobs["schedule"] == "chimera":  # two directions of m/2 over an even stage count
         return virtual == 1 and stages % 2 == 0 and m % 2 == 0
     return not (knobs["schedule"] == "1f1b" and virtual > 1 and m % stages)
@@ -262,7 +272,7 @@ def _fix(settings: Mapping[str, Any]) -> tuple[dict[str, tuple], tuple[str, ...]
     virtual, schedule = settings.get("virtual"), settings.get("schedule")
     if virtual is not None:
         together = VIRTUAL_SCHEDULES if virtual > 1 else ("gpipe", "1f1b")
-        chimera = schedule == "chimera" and virtual == 1  # only where asked for by name
+        chimera = schedule in ("chimera", "terapipe") and virtual == 1  # asked for by name
         if schedule is not None and schedule not in together and not chimera:
             raise ShardingError(
                 f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
