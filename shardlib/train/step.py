@@ -247,8 +247,10 @@ def build_eval_step(setup: TrainSetup):
 
 def _whole_update(setup: TrainSetup, grads, opt_state, params):
     """optax's update with the whole state in device memory (moved there if offloaded):
-    ``(new params, new state, params, state)``, the last two as the update read them (in
-    device memory), for a skipped fp16 step to keep without mixing memory kinds."""
+    ``(new params, new state, params, state, grads)``, the last three as the update read
+    them (in device memory, the gradients in ``update_shardings``): a skipped fp16 step keeps
+    those without mixing memory kinds, and the gradient norm is taken on the laid-out
+    gradients (as the step always did: XLA then fuses the loss scalar into their sync)."""
     plan = setup.plan
     if plan.offload.params:  # the update runs in device memory (grads too: d/d host)
         grads, opt_state, params = on_device((grads, opt_state, params))
@@ -256,7 +258,7 @@ def _whole_update(setup: TrainSetup, grads, opt_state, params):
     if plan.offload.optimizer:
         opt_state = layouts.to_memory(opt_state, setup.opt_state_shardings, DEVICE_MEMORY)
     updates, new_opt_state = setup.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state, params, opt_state
+    return optax.apply_updates(params, updates), new_opt_state, params, opt_state, grads
 
 
 def build_train_step(setup: TrainSetup):
@@ -321,7 +323,7 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
                 loss = loss / scale
                 grads = jax.tree.map(lambda g: g / scale, grads)
             opt_state = state["opt_state"]
-            finite = precision.all_finite(grads) if scaled and not stream else None
+            finite = None
             if stream:  # offloaded state and weights visit the device one layer at a time
                 if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
                     grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
@@ -334,9 +336,11 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
                     state_on_host=plan.offload.optimizer, keep=finite, norm=grad_norm,
                 )  # fmt: skip
             else:
-                new_params, new_opt_state, params, opt_state = _whole_update(
+                new_params, new_opt_state, params, opt_state, grads = _whole_update(
                     setup, grads, opt_state, params
                 )
+                if scaled:
+                    finite = precision.all_finite(grads)
                 grad_norm = global_norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model (the user's loss) reports besides the loss
