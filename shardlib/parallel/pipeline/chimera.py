@@ -44,8 +44,7 @@ from shardlib.parallel.pipeline.one_f_one_b import (
 from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.stage_work import (
-    backward_from_inputs,
-    forward_saving_inputs,
+    device_work,
     handover,
     one_trip,
     split,
@@ -101,30 +100,11 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
             kp = None if keep_p2k is None else pick(keep_p2k, d_P)
             return pin([pick(w, d_P) for w in w_p2k], pk_names, "stage weights"), kp
 
-        def fwd_one(w, kp, x, ring, r):
-            return forward_saving_inputs(
-                block_fn, treedef.unflatten(w), kp, x, ring, r, split_saved
-            )
-
-        def bwd_one(w, kp, ring, r, dy, acc):
-            acc, dx = backward_from_inputs(
-                block_fn, treedef.unflatten(w), kp, ring, r, dy, treedef.unflatten(acc)
-            )
-            return jax.tree.leaves(acc), dx
-
-        def head_one(r, y, target):
-            """Every stage runs the head on its own output (only the pipelines' last count)."""
-
-            def scaled_loss(r, h):
-                loss = head_loss(r, h, target).astype(jnp.float32)
-                return loss * seed, loss
-
-            _, pull, loss = jax.vjp(scaled_loss, r, y, has_aux=True)
-            g_r, dy = pull(jnp.ones((), jnp.float32))
-            return loss, g_r, dy
-
-        def embed_grad(r, dx, inputs):
-            return jax.vjp(lambda r: embed(r, inputs), r)[1](dx)[0]
+        split_saved = spec.split_saved_inputs
+        seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
+        fwd_one, bwd_one, head_one, embed_grad = device_work(
+            block_fn, treedef, embed, head_loss, split_saved=split_saved, seed=seed
+        )
 
         fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
@@ -139,14 +119,12 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
         k = w_p2k[0].shape[2]
         zeros_PBLD = handover(jnp.zeros((p, *x_aval.shape), x_aval.dtype), "stage hand-over")
-        split_saved = spec.split_saved_inputs
 
         def saved(x, names):  # the layer inputs' layout while saved
             return split(x, names, "saved inputs") if split_saved else constrain(x, names)
 
         ring = saved(jnp.zeros((p, sched.ring_slots, k, *x_aval.shape), x_aval.dtype), RING_NAMES)
         s_P = jnp.arange(p)
-        seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
 
         def ends(items, first: bool):
             """[p]: live items on a pipeline's first (embedding) or last (head) stage."""

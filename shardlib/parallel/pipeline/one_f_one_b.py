@@ -62,8 +62,7 @@ from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
 from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.stage_work import (
-    backward_from_inputs,
-    forward_saving_inputs,
+    device_work,
     handover,
     one_trip,
     split,
@@ -221,30 +220,11 @@ def one_f_one_b_value_and_grad(
         def put_chunk(g_acc, g_pk, r_P):
             return g_pk if v == 1 else jax.vmap(put)(g_acc, g_pk, r_P)
 
-        def fwd_one(w, kp, x, ring, r):
-            w = treedef.unflatten(w)
-            return forward_saving_inputs(block_fn, w, kp, x, ring, r, split_saved)
-
-        def bwd_one(w, kp, ring, r, dy, acc):
-            acc, dx = backward_from_inputs(
-                block_fn, treedef.unflatten(w), kp, ring, r, dy, treedef.unflatten(acc)
-            )
-            return jax.tree.leaves(acc), dx
-
-        def head_one(r, y, target):
-            """Every stage runs the head on its own output (only device p-1's counts): no
-            stage sends its output to another for the head, and the cotangent stays put."""
-
-            def scaled_loss(r, h):
-                loss = head_loss(r, h, target).astype(jnp.float32)
-                return loss * seed, loss
-
-            _, pull, loss = jax.vjp(scaled_loss, r, y, has_aux=True)
-            g_r, dy = pull(jnp.ones((), jnp.float32))
-            return loss, g_r, dy
-
-        def embed_grad(r, dx, inputs):
-            return jax.vjp(lambda r: embed(r, inputs), r)[1](dx)[0]
+        split_saved = spec.split_saved_inputs
+        seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
+        fwd_one, bwd_one, head_one, embed_grad = device_work(
+            block_fn, treedef, embed, head_loss, split_saved=split_saved, seed=seed
+        )
 
         fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
@@ -258,7 +238,6 @@ def one_f_one_b_value_and_grad(
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
         k = w_pvk[0].shape[2]
         zeros_PBLD = handover(jnp.zeros((p, *x_aval.shape), x_aval.dtype), "stage hand-over")
-        split_saved = spec.split_saved_inputs
 
         def saved(x, names):  # the layer inputs' layout while saved
             return split(x, names, "saved inputs") if split_saved else constrain(x, names)
@@ -266,7 +245,6 @@ def one_f_one_b_value_and_grad(
         ring = saved(jnp.zeros((p, sched.ring_slots, k, *x_aval.shape), x_aval.dtype), RING_NAMES)
         first, last = stage_mask(p, 4) == 0, stage_mask(p, 4) == p - 1
         is_last = jnp.arange(p) == p - 1
-        seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
 
         def micro(tokens_M, i):
             return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)

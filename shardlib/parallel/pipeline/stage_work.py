@@ -143,6 +143,44 @@ def backward_from_inputs(block_fn, w_k, keep_k, ring_RK, r, dy_BLD, acc_k):
     return acc_k, constrain(dx, LAYER_NAMES)
 
 
+def device_work(block_fn, treedef, embed, head_loss, *, split_saved: bool, seed):
+    """One device's four kinds of work in a fused forward/backward loop (1F1B, Chimera), to
+    be ``vmap``-ed over the stages: ``(fwd, bwd, head, embed_grad)``.
+
+    * ``fwd(w, keep, x, ring, r) -> (y, ring)``: the chunk's layers, inputs saved in slot r;
+    * ``bwd(w, keep, ring, r, dy, acc) -> (acc, dx)``: their backward from the saved inputs;
+    * ``head(rest, y, target) -> (loss, g_rest, dy)``: every stage runs the head on its own
+      output (only the pipeline's last counts), so no stage sends its output to another
+      for it and the cotangent stays put; the loss cotangent is ``seed`` (scale / m);
+    * ``embed_grad(rest, dx, inputs) -> g_rest``: the embedding's pull-back.
+
+    ``w`` and ``acc`` are the chunk's flat leaves (``treedef`` rebuilds the blocks' tree).
+    """
+
+    def fwd(w, kp, x, ring, r):
+        return forward_saving_inputs(block_fn, treedef.unflatten(w), kp, x, ring, r, split_saved)
+
+    def bwd(w, kp, ring, r, dy, acc):
+        acc, dx = backward_from_inputs(
+            block_fn, treedef.unflatten(w), kp, ring, r, dy, treedef.unflatten(acc)
+        )
+        return jax.tree.leaves(acc), dx
+
+    def head(r, y, target):
+        def scaled_loss(r, h):
+            loss = head_loss(r, h, target).astype(jnp.float32)
+            return loss * seed, loss
+
+        _, pull, loss = jax.vjp(scaled_loss, r, y, has_aux=True)
+        g_r, dy = pull(jnp.ones((), jnp.float32))
+        return loss, g_r, dy
+
+    def embed_grad(r, dx, inputs):
+        return jax.vjp(lambda r: embed(r, inputs), r)[1](dx)[0]
+
+    return fwd, bwd, head, embed_grad
+
+
 def one_trip(step, carry, t: int):
     """``step(t, carry)`` once, in a while loop XLA keeps (trip count hidden behind a barrier).
 
