@@ -140,8 +140,17 @@ class TrainSetup:
             param_specs=self.param_specs,
             param_shardings=self.param_shardings,
             grad_shardings=self.grad_shardings,
-            batch_spec=self.batch_sharding.spec,
+            batch_spec=self.batch_spec,
+            batch_names=self.batch_names,
         )
+
+    @property
+    def batch_spec(self):
+        """The batch's PartitionSpec as the gradient path pins micro-batches (token rows)."""
+        return self.batch_sharding.spec
+
+    batch_names = None
+    """The batch arrays' logical names where they are not the decoder's token rows."""
 
     @cached_property
     def update_shardings(self) -> dict:

@@ -47,7 +47,6 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, mesh_axes, resolve_specs
 from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
-from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.plan import suggest_presets
 from shardlib.train import user_state
 from shardlib.train.config import TrainConfig
@@ -132,21 +131,15 @@ class ModelSetup(TrainSetup):
         """One NamedSharding per batch array, from the names the data declares."""
         return self.data.shardings(self.mesh, self.rules)
 
-    @cached_property
-    def step_layout(self) -> StepLayout:
-        """The decoder's, with the user's batch: its names (micro-batches keep them) and
-        its first array's spec."""
-        return StepLayout(
-            graphdef=self.graphdef,
-            dtype=self.compute_dtype,
-            workload=self.workload,
-            mesh=self.mesh,
-            param_specs=self.param_specs,
-            param_shardings=self.param_shardings,
-            grad_shardings=self.grad_shardings,
-            batch_spec=jax.tree.leaves(self.batch_sharding)[0].spec,
-            batch_names=self.data.names,
-        )
+    @property
+    def batch_spec(self):
+        """The first batch array's spec (micro-batches keep each array's own names)."""
+        return jax.tree.leaves(self.batch_sharding)[0].spec
+
+    @property
+    def batch_names(self):
+        """The names the user's data declares, one tuple per batch array."""
+        return self.data.names
 
     def abstract_batch(self):
         return self.data.abstract(self.batch_sharding)
