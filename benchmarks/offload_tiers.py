@@ -1,4 +1,4 @@
-"""Offload tiers (issue 35): device memory by kind, disk bandwidth, step time, H200 prediction.
+"""Offload tiers: device memory by kind, disk bandwidth, step time, H200 prediction.
 
     python benchmarks/offload_tiers.py [--layers 32] [--nvme-dir DIR] [--skip-steps]
 

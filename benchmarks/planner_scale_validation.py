@@ -76,7 +76,7 @@ SCALES = {
             dict(data=8, stage=16, tensor=8, schedule="1f1b", microbatches=24, remat="full"),
         ],
     ),
-    # the GPT block itself (models/gpt, issue 38), vocabulary padded to 50304 as Megatron pads
+    # the GPT block itself (models/gpt), vocabulary padded to 50304 as Megatron pads
     # GPT-2's 50257 (a multiple of 128, so tensor 8 splits the tied table)
     "gpt3-13b": (
         64,
@@ -97,7 +97,7 @@ SCALES = {
             dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
         ],
     ),
-    # GLaM 64B/64E (models/glam, issue 38): 1.16T parameters, 96.6B activated per token, on
+    # GLaM 64B/64E (models/glam): 1.16T parameters, 96.6B activated per token, on
     # the paper's 1024 chips with its 1M-token batches of 1024-token sequences; beside the
     # pick, the paper's 2D sharding (experts over 64 devices, the hidden dims over 16)
     "glam-64b-64e": (

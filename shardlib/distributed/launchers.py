@@ -10,7 +10,7 @@ one guarded way:
 - the coordinator is where JAX's detection puts it (Slurm: the step's first node; Open MPI:
   ``mpirun``'s host) on a port in JAX's range (61440-65535, outside Linux's ephemeral ports),
   but derived from the job *and the step*: JAX derives it from the job alone, so two
-  ``srun`` steps of one allocation met on one coordinator and cross-joined (issue 39). The
+  ``srun`` steps of one allocation would meet on one coordinator and cross-join. The
   port is even, leaving the next one for process 0's join desk;
 - the job's identity, checked at the desk, is ``slurm:JOB.STEP`` or ``openmpi:JOB``: a
   process of another step that still reaches this coordinator (ports wrap) is refused, and

@@ -10,7 +10,7 @@ loop). What it adds, with W the fp32 bytes of one stage's blocks on a device:
   both live through the loop. The chunk a trip picks from the stack (a gather, where
   1F1B's v = 1 slices) adds W more on llama-tiny and nothing on llama-small, whose peak is
   elsewhere, so it is not booked. Compiled minus 1F1B's compiled: 4.0-4.2 W on five
-  llama-tiny plans, 1.9 W on llama-small (issue 33's Chimera note);
+  llama-tiny plans, 1.9 W on llama-small (``benchmarks/chimera.py``);
 * wire over ``stage``, per step: the weights' flip (one collective permute of W, the up
   stages' copies) and the gradients' flip back (W, fp32) that sums each stage's two
   replicas; per executed forward and backward a second hand-over permute (both rolls,

@@ -7,7 +7,7 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
   lives in host memory; the device holds one layer's slice and the non-stacked parameters'
   state (embedding, head, norms) during the update (compiled: ``analysis.memory_kinds``).
   With ``per_layer=false`` the whole state visits the device for the update: device memory
-  does not fall (the H200 run of issue 35), only host memory grows. Either way the state
+  does not fall (measured on an H200: docs/gpu.md), only host memory grows. Either way the state
   crosses the host link twice per step, after the backward pass: nothing overlaps it;
 * NVMe (``offload.nvme_path``): the state lives in files; each step reads and writes it
   once at the disk's rate, layer by layer through host buffers (the next layer's read
