@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from shardlib.parallel.pipeline.timetable import Phases
+
 DOWN, UP = 0, 1  # direction = the chunk a device runs: its down stage s or up stage p-1-s
 
 
@@ -46,7 +48,7 @@ class Items:
 
 
 @dataclass(frozen=True)
-class ChimeraSchedule:
+class ChimeraSchedule(Phases):
     p: int
     m: int
 
@@ -70,20 +72,6 @@ class ChimeraSchedule:
     def steady(self) -> int:
         """Trips with both a forward and a backward: m - 1."""
         return self.m - 1
-
-    @property
-    def cooldown_start(self) -> int:
-        return self.warmup + self.steady
-
-    @property
-    def trips(self) -> int:
-        """Loop trips of all three phases: m + 2p - 3."""
-        return self.steady + 2 * self.warmup
-
-    @property
-    def executed(self) -> int:
-        """Chunk forwards (and backwards) each device executes: m + p - 2, for m useful."""
-        return self.steady + self.warmup
 
     def heads(self, t: int) -> bool:
         """Whether trip t finishes micro-batches (down on device p-1, up on device 0)."""

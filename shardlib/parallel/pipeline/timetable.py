@@ -26,8 +26,32 @@ class Items:
     slot: jnp.ndarray
 
 
+class Phases:
+    """A fused forward/backward loop's three phases, from its ``warmup`` (forward-only
+    trips; as many backward-only ones close the loop) and ``steady`` (both) trip counts:
+    1F1B's (``Schedule``) and Chimera's (``chimera_timetable``)."""
+
+    warmup: int
+    steady: int
+
+    @property
+    def cooldown_start(self) -> int:
+        return self.warmup + self.steady
+
+    @property
+    def trips(self) -> int:
+        """Loop trips of all three phases (1F1B: vm + vp + p - 2; Chimera: m + 2p - 3)."""
+        return self.steady + 2 * self.warmup
+
+    @property
+    def executed(self) -> int:
+        """Chunk forwards (and backwards) each device executes (1F1B: vm + p - 1; Chimera:
+        m + p - 2), for the useful ones (vm; m)."""
+        return self.steady + self.warmup
+
+
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(Phases):
     p: int
     m: int
     v: int = 1
@@ -50,20 +74,6 @@ class Schedule:
     def steady(self) -> int:
         """Iterations with both a forward and a backward: vm + p - vp."""
         return self.v * self.m + self.p - self.v * self.p
-
-    @property
-    def cooldown_start(self) -> int:
-        return self.warmup + self.steady
-
-    @property
-    def trips(self) -> int:
-        """Loop trips of all three phases: vm + vp + p - 2."""
-        return self.steady + 2 * self.warmup
-
-    @property
-    def executed(self) -> int:
-        """Chunk forwards (and backwards) each device executes: vm + p - 1, for vm useful."""
-        return self.steady + self.warmup
 
     def heads(self, t: int) -> bool:
         """Whether device p-1 finishes round v-1 at trip t (the head and loss run then)."""
