@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from pipeline_timetables import walk
 
 from shardlib import ShardingError, mesh_spec
 from shardlib.analysis import hlo, hlo_flops
@@ -33,23 +34,12 @@ from shardlib.train.setup import make_setup
 
 def _simulate(p, v, m):
     """{(kind, micro, virtual stage): iteration} from ``Schedule``, per device and trip."""
-    sched, when = Schedule(p, m, v), {}
-    phases = [
-        (0, sched.warmup, True, False),
-        (sched.warmup, sched.cooldown_start, True, True),
-        (sched.cooldown_start, sched.trips, False, True),
-    ]
-    for start, end, fwd_on, bwd_on in phases:
-        for t in range(start, end):
-            for kind, on, items in (("f", fwd_on, sched.forward), ("b", bwd_on, sched.backward)):
-                it = items(t, np)
-                for s in range(p):
-                    if bool(it.live[s]):
-                        assert on, (kind, t, s, "work outside its phase")
-                        key = (kind, int(it.micro[s]), int(it.round[s]) * p + s)
-                        assert key not in when, key
-                        when[key] = (t, int(it.slot[s]))
-    return sched, when
+    sched = Schedule(p, m, v)
+
+    def item(kind, it, t, s):
+        return (kind, int(it.micro[s]), int(it.round[s]) * p + s), (t, int(it.slot[s]))
+
+    return sched, walk(sched, p, item)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 import test_pipeline_1f1b as toy
+from pipeline_timetables import walk
 
 from shardlib import ShardingError, mesh_spec
 from shardlib.core.layout import use_layout
@@ -38,23 +39,12 @@ from shardlib.train.step import grad_function, make_loss_fn
 
 def _simulate(p, m):
     """{(kind, micro, device): (trip, slot, direction)} from ``ChimeraSchedule``."""
-    sched, when = ChimeraSchedule(p, m), {}
-    phases = [
-        (0, sched.warmup, True, False),
-        (sched.warmup, sched.cooldown_start, True, True),
-        (sched.cooldown_start, sched.trips, False, True),
-    ]
-    for start, end, fwd_on, bwd_on in phases:
-        for t in range(start, end):
-            for kind, on, items in (("f", fwd_on, sched.forward), ("b", bwd_on, sched.backward)):
-                it = items(t, np)
-                for s in range(p):
-                    if bool(it.live[s]):
-                        assert on, (kind, t, s, "work outside its phase")
-                        key = (kind, int(it.micro[s]), s)
-                        assert key not in when, key
-                        when[key] = (t, int(it.slot[s]), int(it.direction[s]))
-    return sched, when
+    sched = ChimeraSchedule(p, m)
+
+    def item(kind, it, t, s):
+        return (kind, int(it.micro[s]), s), (t, int(it.slot[s]), int(it.direction[s]))
+
+    return sched, walk(sched, p, item)
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (4, 4), (4, 8), (6, 4), (8, 16)])
