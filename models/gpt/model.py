@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.llama.cache import decode as decode_cached
+from models.llama.cache import init_cache
+from models.llama.model import Block as LlamaBlock
 from models.llama.model import stack_blocks
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims
@@ -139,6 +142,23 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)  # [h, d, e]
         self.bo = _const(0.0, (e,), ("embed",))  # [embed]
 
+    window = 0
+    """Every earlier position is visible (``models.llama.cache.attend_cached`` reads it)."""
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(wq, wk, wv, wo), as the KV-cache path reads them (``models.llama.cache``)."""
+        return self.wq[...], self.wk[...], self.wv[...], self.wo[...]
+
+    def biased(self, q_BLHK, k_BLHK, v_BLHK):
+        """q, k and v with their biases added (the KV-cache path's separate products)."""
+        dt = q_BLHK.dtype
+        return (q_BLHK + self.bq[...].astype(dt), k_BLHK + self.bk[...].astype(dt),
+                v_BLHK + self.bv[...].astype(dt))  # fmt: skip
+
+    def rotary(self, x_BLHK, positions_L=None):
+        """None: GPT's positions are learned and added to the embeddings."""
+        return x_BLHK
+
     def __call__(self, x_BLD, positions_L=None):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
@@ -179,20 +199,15 @@ class MLP(nnx.Module):
         return constrain(out_BLD + self.b_proj[...].astype(dt), RESIDUAL)
 
 
-class Block(nnx.Module):
-    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+class Block(LlamaBlock):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)): Llama's residual
+    wiring (``__call__``, and ``decode`` on the KV cache) around GPT's sublayers."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.attn_norm = LayerNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = LayerNorm(cfg)
         self.mlp = MLP(cfg, rngs)
-
-    def __call__(self, x_BLD, positions_L=None):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
-        x_BLD = checkpoint_name(x_BLD, "attn_residual")
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, RESIDUAL)
 
 
 class GPT(nnx.Module):
@@ -253,3 +268,15 @@ class GPT(nnx.Module):
     @property
     def max_positions(self) -> int:
         return self.cfg.max_positions
+
+    def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
+        """Logits [batch, T, vocab] of T new tokens at positions start.. (their learned
+        position rows added), and the KV cache with their keys and values written in."""
+        positions_T = start + jnp.arange(tokens_BT.shape[1])
+        x_BTD = self.embed(tokens_BT, positions_L=positions_T, dtype=dtype)
+        return decode_cached(self, x_BTD, cache, start, dtype=dtype)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
+        """Zeroed keys and values [layers, batch, length, heads, head_dim]."""
+        cfg = self.cfg
+        return init_cache(cfg.layers, batch, length, cfg.heads, cfg.head_width, dtype)
