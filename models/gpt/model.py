@@ -259,6 +259,9 @@ class GPT(nnx.Module):
     the tied LM head (``Decoder``)."""
 
     checkpoint_names = CHECKPOINT_NAMES
+    block_kind = "gpt"
+    """The planner's activation coefficients fitted on GPT blocks (LayerNorm, biases, GELU)
+    rather than Llama's (``shardlib.planner.cost.coefficients``)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
