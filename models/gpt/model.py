@@ -190,7 +190,7 @@ class Attention(nnx.Module):
                 v_BLHK + self.bv[...].astype(dt))  # fmt: skip
 
     def rotary(self, x_BLHK, positions_L=None):
-        """None: GPT's positions are learned and added to the embeddings."""
+        """The identity: GPT's positions are learned and added to the embeddings."""
         return x_BLHK
 
     def __call__(self, x_BLD, positions_L=None):
