@@ -84,7 +84,11 @@ SCALES = {
         {"vocab": 50304},
         1024,
         2048,
-        ["pick", dict(data=8, tensor=8, microbatches=8, remat="selective")],
+        [
+            "pick",
+            dict(data=8, tensor=8, microbatches=8, remat="selective"),
+            dict(data=8, fsdp=4, tensor=2, microbatches=8),  # remat none (the pick before)
+        ],
     ),
     "gpt3-175b": (
         1024,

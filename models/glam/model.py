@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.llama.cache import attend_cached
 from models.llama.model import Attention, RMSNorm, _param, stack_blocks
 from models.moe.model import EXPERT_NAMES, Moe, MoeConfig, MoeLayer
 from shardlib.core.layout import constrain
@@ -154,6 +155,22 @@ class GlamPair(nnx.Module):
         x_BLD = checkpoint_name(x_BLD, "attn_residual")
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, RESIDUAL), stats
+
+    def decode(self, x_BTD, kv, positions_T, start):
+        """Both layers on their slices of the KV cache (``models.llama.cache``), kv: (k, v)
+        [2, ...]; the new tokens are one routing group, as in ``MoeBlock.decode``."""
+        (k, v), t = kv, x_BTD.shape[1]
+        out_BTD, (k0, v0) = attend_cached(
+            self.moe_attn, self.moe_attn_norm(x_BTD), (k[0], v[0]), positions_T, start
+        )
+        x_BTD = x_BTD + out_BTD
+        x_BTD = x_BTD + self.moe(self.moe_norm(x_BTD), group=t)[0]
+        out_BTD, (k1, v1) = attend_cached(
+            self.attn, self.attn_norm(x_BTD), (k[1], v[1]), positions_T, start
+        )
+        x_BTD = x_BTD + out_BTD
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return x_BTD, (jnp.stack([k0, k1]), jnp.stack([v0, v1]))
 
 
 class Glam(Moe):

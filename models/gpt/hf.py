@@ -19,6 +19,9 @@ with causal-mask buffers ``h.0.attn.bias`` that are not read) import too (``base
 
 from __future__ import annotations
 
+from functools import partial
+
+from models.llama.lora import merge
 from shardlib.core.capabilities import HFAdapter
 
 _LAYER = "transformer.h.{i}."
@@ -116,6 +119,10 @@ def gpt2_config_json(model: dict) -> dict:
     }
 
 
+LORA_WEIGHTS = {"q": "attn/wq", "k": "attn/wk", "v": "attn/wv", "o": "attn/wo"}
+LORA_WEIGHTS |= {"fc": "mlp/w_fc", "proj": "mlp/w_proj"}
+"""LoRA target -> the block weight its factors adapt (``models.gpt.model.LORA_TARGETS``)."""
+
 ADAPTER = HFAdapter(
     hf_type="gpt2",
     preset="gpt2",  # config.json sets every field that matters for any GPT preset
@@ -126,4 +133,5 @@ ADAPTER = HFAdapter(
     config_json=gpt2_config_json,
     base_prefix="transformer.",  # the hub's gpt2 files are GPT2Model's: h.0..., wte.weight
     fused=FUSED,
+    merged=partial(merge, weights=LORA_WEIGHTS),  # LoRA folded into c_attn, c_proj, c_fc
 )

@@ -27,6 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.llama.cache import decode as decode_cached
+from models.llama.cache import init_cache
+from models.llama.lora import adapted, add_lora, update
+from models.llama.model import Block as LlamaBlock
 from models.llama.model import stack_blocks
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims
@@ -67,8 +71,22 @@ class GPTConfig:
     """Learned positions n_ctx (2048 for GPT-3, 1024 for GPT-2): the longest sequence."""
     norm_eps: float = 1e-5
     """LayerNorm epsilon (GPT-2's ``layer_norm_epsilon``)."""
+    lora_rank: int = 0
+    """LoRA adapters' rank on ``lora_targets`` (0: none); the base weights stay, frozen by
+    the trainer (``models.llama.lora``, as for Llama)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / rank) * A @ B (Hu et al. 2021)."""
+    lora_targets: tuple[str, ...] = ("q", "v")
+    """Projections that get adapters, from q, k, v (the blocks of GPT-2's ``c_attn``), o
+    (``attn.c_proj``), fc (``mlp.c_fc``) and proj (``mlp.c_proj``)."""
 
     def __post_init__(self) -> None:
+        bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if bad or self.lora_rank < 0:
+            raise ValueError(
+                f"model: lora_targets={self.lora_targets}, lora_rank={self.lora_rank}: "
+                f"targets must come from {', '.join(LORA_TARGETS)} and rank be >= 0."
+            )
         if self.head_dim == 0 and self.embed % self.heads:
             raise ValueError(
                 f"model: embed={self.embed} is not a multiple of heads={self.heads}, so "
@@ -92,7 +110,14 @@ class GPTConfig:
         (f + e); then token and position tables ((V + n_ctx) e) and the final LayerNorm."""
         e, a, d, f = self.embed, self.heads, self.head_width, self.mlp_width
         block = 4 * e + 4 * e * a * d + 3 * a * d + e + 2 * e * f + f + e
+        sizes = {"q": (e, a * d), "k": (e, a * d), "v": (e, a * d), "o": (a * d, e)}
+        sizes |= {"fc": (e, f), "proj": (f, e)}  # LoRA: A [in, rank] and B [rank, out] each
+        block += sum(self.lora_rank * sum(sizes[t]) for t in self.lora_targets)
         return self.layers * block + (self.vocab + self.max_positions) * e + 2 * e
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "fc", "proj")
+"""Projections LoRA can adapt; ``hf.LORA_WEIGHTS`` names the weight of each."""
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float):
@@ -138,6 +163,35 @@ class Attention(nnx.Module):
         self.bv = _const(0.0, (h, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)  # [h, d, e]
         self.bo = _const(0.0, (e,), ("embed",))  # [embed]
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
+        for t, w, names in (
+            ("q", self.wq, ("embed", "heads", "head_dim")),
+            ("k", self.wk, ("embed", "kv_heads", "head_dim")),
+            ("v", self.wv, ("embed", "kv_heads", "head_dim")),
+        ):
+            add_lora(self, cfg, rngs, t, w, names, inputs=1)
+        add_lora(self, cfg, rngs, "o", self.wo, ("heads", "head_dim", "embed"), inputs=2)
+
+    window = 0
+    """Every earlier position is visible (``models.llama.cache.attend_cached`` reads it)."""
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(wq, wk, wv, wo) with their LoRA updates added, as the KV-cache path reads them
+        (``models.llama.cache``)."""
+        return tuple(
+            adapted(self, t, w, self.lora_scale)
+            for t, w in (("q", self.wq), ("k", self.wk), ("v", self.wv), ("o", self.wo))
+        )
+
+    def biased(self, q_BLHK, k_BLHK, v_BLHK):
+        """q, k and v with their biases added (the KV-cache path's separate products)."""
+        dt = q_BLHK.dtype
+        return (q_BLHK + self.bq[...].astype(dt), k_BLHK + self.bk[...].astype(dt),
+                v_BLHK + self.bv[...].astype(dt))  # fmt: skip
+
+    def rotary(self, x_BLHK, positions_L=None):
+        """The identity: GPT's positions are learned and added to the embeddings."""
+        return x_BLHK
 
     def __call__(self, x_BLD, positions_L=None):
         dt = x_BLD.dtype
@@ -148,6 +202,9 @@ class Attention(nnx.Module):
         b_HJK = jnp.stack([self.bq[...], self.bk[...], self.bv[...]], axis=1).astype(dt)
         qkv_BLHJK = matmul("bld,dhjk->blhjk", x_BLD, w_DHJK, name="qkv") + b_HJK
         q, k, v = (t[:, :, :, 0] for t in jnp.split(qkv_BLHJK, 3, axis=3))  # [b, l, h, d] each
+        s = self.lora_scale  # LoRA adapters, if any, beside the fused product
+        q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),
+                   v + update(self, "v", x_BLD, 1, s))  # fmt: skip
         q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "attn_q")
         k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "attn_k")
         v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "attn_v")
@@ -155,6 +212,7 @@ class Attention(nnx.Module):
         out_BLHK = checkpoint_name(out_BLHK, "attn_context")
         out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "head_dim"))
         out_BLD = matmul("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt), name="o")
+        out_BLD = out_BLD + update(self, "o", out_BLHK, 2, s)
         return constrain(out_BLD + self.bo[...].astype(dt), RESIDUAL)
 
 
@@ -168,19 +226,26 @@ class MLP(nnx.Module):
         self.b_fc = _const(0.0, (f,), ("mlp",))  # [mlp]
         self.w_proj = _param(rngs, (f, e), ("mlp", "embed"), out_std)  # [mlp, embed]
         self.b_proj = _const(0.0, (e,), ("embed",))  # [embed]
+        self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
+        add_lora(self, cfg, rngs, "fc", self.w_fc, ("embed", "mlp"), inputs=1)
+        add_lora(self, cfg, rngs, "proj", self.w_proj, ("mlp", "embed"), inputs=1)
 
     def __call__(self, x_BLD):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+        s = self.lora_scale
         h_BLF = matmul("bld,df->blf", x_BLD, self.w_fc[...].astype(dt), name="fc")
+        h_BLF = h_BLF + update(self, "fc", x_BLD, 1, s)
         h_BLF = jax.nn.gelu(h_BLF + self.b_fc[...].astype(dt), approximate=True)
         h_BLF = checkpoint_name(constrain(h_BLF, ("batch", "seq", "mlp")), "mlp_hidden")
         out_BLD = matmul("blf,fd->bld", h_BLF, self.w_proj[...].astype(dt), name="proj")
+        out_BLD = out_BLD + update(self, "proj", h_BLF, 1, s)
         return constrain(out_BLD + self.b_proj[...].astype(dt), RESIDUAL)
 
 
-class Block(nnx.Module):
-    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+class Block(LlamaBlock):
+    """Pre-LN residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x)): Llama's residual
+    wiring (``__call__``, and ``decode`` on the KV cache) around GPT's sublayers."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.attn_norm = LayerNorm(cfg)
@@ -188,18 +253,15 @@ class Block(nnx.Module):
         self.mlp_norm = LayerNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BLD, positions_L=None):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_L)
-        x_BLD = checkpoint_name(x_BLD, "attn_residual")
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, RESIDUAL)
-
 
 class GPT(nnx.Module):
     """Token and position embeddings, ``layers`` stacked ``Block``s, final LayerNorm and
     the tied LM head (``Decoder``)."""
 
     checkpoint_names = CHECKPOINT_NAMES
+    block_kind = "gpt"
+    """The planner's activation coefficients fitted on GPT blocks (LayerNorm, biases, GELU)
+    rather than Llama's (``shardlib.planner.cost.coefficients``)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -253,3 +315,15 @@ class GPT(nnx.Module):
     @property
     def max_positions(self) -> int:
         return self.cfg.max_positions
+
+    def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
+        """Logits [batch, T, vocab] of T new tokens at positions start.. (their learned
+        position rows added), and the KV cache with their keys and values written in."""
+        positions_T = start + jnp.arange(tokens_BT.shape[1])
+        x_BTD = self.embed(tokens_BT, positions_L=positions_T, dtype=dtype)
+        return decode_cached(self, x_BTD, cache, start, dtype=dtype)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
+        """Zeroed keys and values [layers, batch, length, heads, head_dim]."""
+        cfg = self.cfg
+        return init_cache(cfg.layers, batch, length, cfg.heads, cfg.head_width, dtype)

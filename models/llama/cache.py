@@ -1,11 +1,23 @@
-"""Llama with a KV cache: one function for prefill (T = prompt length) and decode (T = 1).
+"""The KV cache every decoder here generates with: one path for prefill (T = prompt length)
+and decode (T = 1), shared by Llama (and Qwen2, Mistral), GPT, the MoE model (Mixtral) and
+GLaM.
 
-Keys and values of every layer live in one buffer [layers, batch, length, kv_heads,
+Keys and values of every decoder layer live in one buffer [layers, batch, length, kv_heads,
 head_dim] that the layer scan carries slice by slice; T new tokens at positions
 ``start .. start+T-1`` write theirs in place and attend to every cached position at or
-before their own (causal). The blocks' norms, MLP, rotary embedding and LoRA-adapted weights
-are the model's own modules, so the cached path cannot drift from ``Llama.__call__``
-(tests check greedy decoding with the cache against argmax decoding without it).
+before their own (causal). What differs between the families stays in their modules:
+
+- a scanned unit (a block, or a group of several decoder layers such as ``MoeGroup``) has
+  ``decode(x_BTD, kv, positions_T, start) -> (x_BTD, kv)``; ``kv`` is its layers' slice of
+  the cache, (k, v) each [batch, length, kv_heads, head_dim], with a leading [layers of the
+  unit] dim when the unit holds more than one layer;
+- an attention module offers what ``attend_cached`` reads: ``weights()`` (wq, wk, wv, wo,
+  LoRA updates added), ``biased(q, k, v)``, ``rotary(x, positions)``, ``window`` (0: none)
+  and, where it has one, an output bias ``bo``.
+
+The norms, MLPs, routers, rotary embeddings and adapted weights are the models' own modules,
+so the cached path cannot drift from their ``__call__`` (tests check greedy decoding with the
+cache against argmax decoding without it, family by family).
 """
 
 from __future__ import annotations
@@ -18,13 +30,17 @@ CACHE_NAMES = (None, "batch", None, "kv_heads", "head_dim")
 """Logical names of a cache buffer's dims: batch over the data axes, kv heads over tensor."""
 
 
-def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict:
-    shape = (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim)
+def init_cache(layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
+               dtype=jnp.float32) -> dict:  # fmt: skip
+    """Zeroed keys and values, each [layers, batch, length, kv_heads, head_dim]."""
+    shape = (layers, batch, length, kv_heads, head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _attend_cached(attn, x_BTD, k_BSGK, v_BSGK, positions_T, start):
-    """Self-attention of T new tokens against the cache, which they are first written into."""
+def attend_cached(attn, x_BTD, kv, positions_T, start):
+    """Self-attention of T new tokens against the cache, which they are first written into:
+    (out [batch, T, embed], (k, v) [batch, length, kv_heads, head_dim] updated)."""
+    k_BSGK, v_BSGK = kv
     dt, (b, t, _) = x_BTD.dtype, x_BTD.shape
     wq, wk, wv, wo = attn.weights()
     _, h, d = wq.shape
@@ -49,24 +65,31 @@ def _attend_cached(attn, x_BTD, k_BSGK, v_BSGK, positions_T, start):
     probs_BGJTS = jax.nn.softmax(scores_BGJTS, axis=-1)
     out_BTGJK = jnp.einsum("bgjts,bsgk->btgjk", probs_BGJTS, v_BSGK.astype(jnp.float32))
     out_BTHK = out_BTGJK.reshape(b, t, h, d).astype(dt)
-    return jnp.einsum("bthk,hkd->btd", out_BTHK, wo.astype(dt)), k_BSGK, v_BSGK
+    out_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, wo.astype(dt))
+    if hasattr(attn, "bo"):  # GPT's output bias
+        out_BTD = out_BTD + attn.bo[...].astype(dt)
+    return out_BTD, (k_BSGK, v_BSGK)
 
 
-def decode(model, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
-    """(logits [batch, T, vocab] fp32, cache): see the module docstring."""
-    positions_T = start + jnp.arange(tokens_BT.shape[1])
-    x_BTD = model.embed(tokens_BT, dtype=dtype)
+def decode(model, x_BTD, cache: dict, start, *, dtype=jnp.float32):
+    """(logits [batch, T, vocab] fp32, cache) of the embedded new tokens ``x_BTD`` at
+    positions start..start+T-1: ``model.blocks`` scanned unit by unit, then ``model.head``."""
+    positions_T = start + jnp.arange(x_BTD.shape[1])
     block_graph, blocks_state = nnx.split(model.blocks)
+    units = jax.tree.leaves(blocks_state)[0].shape[0]
+    layers = cache["k"].shape[0]
+    if layers % units:
+        raise ValueError(f"generate: a cache of {layers} layers for {units} stacked units.")
+    per_unit = layers // units
+    k, v = cache["k"], cache["v"]
+    if per_unit > 1:  # [units, layers of a unit, ...]: a free reshape of an unsplit dim
+        k, v = (c.reshape(units, per_unit, *c.shape[1:]) for c in (k, v))
 
-    def layer(x_BTD, xs):
-        layer_state, k_BSGK, v_BSGK = xs
-        block = nnx.merge(block_graph, layer_state)
-        out_BTD, k_BSGK, v_BSGK = _attend_cached(
-            block.attn, block.attn_norm(x_BTD), k_BSGK, v_BSGK, positions_T, start
-        )
-        x_BTD = x_BTD + out_BTD
-        x_BTD = x_BTD + block.mlp(block.mlp_norm(x_BTD))
-        return x_BTD, (k_BSGK, v_BSGK)
+    def unit(x_BTD, xs):
+        unit_state, k, v = xs
+        x_BTD, kv = nnx.merge(block_graph, unit_state).decode(x_BTD, (k, v), positions_T, start)
+        return x_BTD, kv
 
-    x_BTD, (k, v) = jax.lax.scan(layer, x_BTD, (blocks_state, cache["k"], cache["v"]))
-    return model.head(x_BTD, dtype=dtype), {"k": k, "v": v}
+    x_BTD, (k, v) = jax.lax.scan(unit, x_BTD, (blocks_state, k, v))
+    cache = {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+    return model.head(x_BTD, dtype=dtype), cache

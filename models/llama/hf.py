@@ -11,9 +11,7 @@ checkpoints rotate neighbours, which import undoes for the ``rotary`` q/k weight
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-
+from models.llama.lora import merge
 from models.llama.rotary import ROPE_TYPES, yarn_attention_factor
 from shardlib.core.capabilities import HFAdapter
 
@@ -151,24 +149,7 @@ CHECKED = ("rope_theta", "norm_eps", "rope_scaling", "rope_type", "tie_embedding
 
 def merge_lora(flat: dict, model: dict) -> dict:
     """Base weights with (alpha / rank) * A @ B added; adapters dropped. Numpy or jax."""
-    rank = model.get("lora_rank", 0)
-    out = {k: v for k, v in flat.items() if "/lora_" not in k}
-    if not rank:
-        return out
-    scale = model["lora_alpha"] / rank
-    for target, weight in LORA_WEIGHTS.items():
-        module = weight.rpartition("/")[0]
-        a = flat.get(f"blocks/{module}/lora_{target}_a")
-        if a is None:
-            continue
-        b = flat[f"blocks/{module}/lora_{target}_b"]
-        w = out[f"blocks/{weight}"]
-        xp = np if isinstance(w, np.ndarray) else jnp
-        layers = w.shape[0]
-        a_LIR, b_LRO = a.reshape(layers, -1, rank), b.reshape(layers, rank, -1)
-        delta = xp.matmul(a_LIR, b_LRO).reshape(w.shape)  # [layers, *in, *out]
-        out[f"blocks/{weight}"] = (w + scale * delta).astype(w.dtype)
-    return out
+    return merge(flat, model, LORA_WEIGHTS)
 
 
 ADAPTER = HFAdapter(

@@ -1,4 +1,5 @@
-"""LoRA adapters (Hu et al. 2021) on a Llama's projections, as ``nnx.LoRAParam`` factors.
+"""LoRA adapters (Hu et al. 2021) on a decoder's projections (Llama's and GPT's), as
+``nnx.LoRAParam`` factors.
 
 The adapted projection is ``x @ W + (alpha / rank) * (x @ A) @ B``: ``nnx.LoRALinear``'s
 math, applied on the activations (``update``) beside the model's fused q/k/v and gate/up
@@ -65,3 +66,27 @@ def update(module: nnx.Module, target: str, x, inputs: int, lora_scale: float):
     dt = x.dtype
     xa = jnp.tensordot(x, a[...].astype(dt), axes=inputs)  # [..., rank]
     return lora_scale * jnp.tensordot(xa, b[...].astype(dt), axes=1)
+
+
+def merge(flat: dict, model: dict, weights: dict[str, str]) -> dict:
+    """Base weights with (alpha / rank) * A @ B added, adapters dropped: the parameters to
+    export. ``flat``: paths -> arrays (numpy or jax); ``model``: the config fields;
+    ``weights``: LoRA target -> the block weight its factors adapt (``attn/wq``)."""
+    rank = model.get("lora_rank", 0)
+    out = {k: v for k, v in flat.items() if "/lora_" not in k}
+    if not rank:
+        return out
+    scale = model["lora_alpha"] / rank
+    for target, weight in weights.items():
+        module = weight.rpartition("/")[0]
+        a = flat.get(f"blocks/{module}/lora_{target}_a")
+        if a is None:
+            continue
+        b = flat[f"blocks/{module}/lora_{target}_b"]
+        w = out[f"blocks/{weight}"]
+        xp = np if isinstance(w, np.ndarray) else jnp
+        layers = w.shape[0]
+        a_LIR, b_LRO = a.reshape(layers, -1, rank), b.reshape(layers, rank, -1)
+        delta = xp.matmul(a_LIR, b_LRO).reshape(w.shape)  # [layers, *in, *out]
+        out[f"blocks/{weight}"] = (w + scale * delta).astype(w.dtype)
+    return out

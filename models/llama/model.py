@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.llama.cache import attend_cached, init_cache
+from models.llama.cache import decode as decode_cached
 from models.llama.lora import adapted, add_lora, update
 from models.llama.norm import rms_norm
 from models.llama.rotary import check_scaling, rotary
@@ -273,6 +275,12 @@ class Block(nnx.Module):
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, RESIDUAL)
 
+    def decode(self, x_BTD, kv, positions_T, start):
+        """The block on the KV cache (``models.llama.cache``): prefill, or one decode step."""
+        out_BTD, kv = attend_cached(self.attn, self.attn_norm(x_BTD), kv, positions_T, start)
+        x_BTD = x_BTD + out_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), kv
+
 
 def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs):
     """``count`` blocks as one module whose every weight has a leading ``layers`` dim."""
@@ -342,14 +350,9 @@ class Llama(nnx.Module):
     def decode(self, tokens_BT, cache: dict, start, *, dtype=jnp.float32):
         """Logits [batch, T, vocab] of T new tokens at positions start.., and the KV cache
         with their keys and values written in (``models.llama.cache``: prefill and decode)."""
-        from models.llama.cache import decode
-
-        if not isinstance(self.blocks, Block):
-            raise ValueError(f"generate: {type(self).__name__} blocks have no KV-cache path.")
-        return decode(self, tokens_BT, cache, start, dtype=dtype)
+        return decode_cached(self, self.embed(tokens_BT, dtype=dtype), cache, start, dtype=dtype)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed keys and values [layers, batch, length, kv_heads, head_dim]."""
-        from models.llama.cache import init_cache
-
-        return init_cache(self.cfg, batch, length, dtype)
+        cfg = self.cfg
+        return init_cache(cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim, dtype)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.llama.cache import attend_cached
 from models.llama.model import Attention, Block, Llama, LlamaConfig, RMSNorm, _param, stack_blocks
 from models.moe.routing import Routing, route
 from shardlib.core.capabilities import ExpertRouting
@@ -172,10 +173,12 @@ class MoeLayer(nnx.Module):
         """The experts a subclass replaces ([groups, E, C, embed] in and out; GLaM's GELU)."""
         return Experts(cfg, rngs)
 
-    def __call__(self, x_BLD) -> tuple[jax.Array, dict]:
+    def __call__(self, x_BLD, group: int = 0) -> tuple[jax.Array, dict]:
+        """(output, router statistics); ``group``: tokens per routing group, 0 for the
+        config's (the KV-cache path routes each step's new tokens as one group)."""
         cfg = self.cfg
         b, l, d = x_BLD.shape
-        s = cfg.group_size or l
+        s = group or cfg.group_size or l
         if l % s:
             raise ValueError(
                 f"model: group_size={cfg.group_size} does not divide the sequence length {l}. "
@@ -216,6 +219,15 @@ class MoeBlock(nnx.Module):
         y_BLD, stats = self.moe(self.mlp_norm(x_BLD))
         return constrain(x_BLD + y_BLD, ("batch", "seq", "embed")), stats
 
+    def decode(self, x_BTD, kv, positions_T, start):
+        """The block on the KV cache (``models.llama.cache``). The T new tokens are one
+        routing group: the prompt at prefill, as a sequence in training; one token at each
+        decode step, which a capacity never drops (k distinct experts, one slot each)."""
+        out_BTD, kv = attend_cached(self.attn, self.attn_norm(x_BTD), kv, positions_T, start)
+        x_BTD = x_BTD + out_BTD
+        y_BTD, _ = self.moe(self.mlp_norm(x_BTD), group=x_BTD.shape[1])
+        return x_BTD + y_BTD, kv
+
 
 class MoeGroup(nnx.Module):
     """``moe_every - 1`` dense Llama blocks, then one MoE block: the unit the stack repeats.
@@ -233,13 +245,23 @@ class MoeGroup(nnx.Module):
             x_BLD = block(x_BLD, positions_L)
         return self.moe(x_BLD, positions_L)
 
+    def decode(self, x_BTD, kv, positions_T, start):
+        """The group's layers on their slices of the cache, kv: (k, v) [moe_every, ...] (or
+        the one layer's, without that dim, when moe_every is 1: ``models.llama.cache``)."""
+        if not self.dense:
+            return self.moe.decode(x_BTD, kv, positions_T, start)
+        k, v = kv
+        out_k, out_v = [], []
+        for i, block in enumerate([*self.dense, self.moe]):
+            x_BTD, (k_i, v_i) = block.decode(x_BTD, (k[i], v[i]), positions_T, start)
+            out_k.append(k_i)
+            out_v.append(v_i)
+        return x_BTD, (jnp.stack(out_k), jnp.stack(out_v))
+
 
 class Moe(Llama):
     """Llama's embedding and head around a stack of ``MoeGroup``s (``Decoder`` with stats,
-    ``Routed``). Llama's KV-cache path runs Llama blocks only: not a ``Generator``."""
-
-    init_cache = None  # None opts out of the Generator protocol (isinstance is False)
-    decode = None
+    ``Routed``, and Llama's ``Generator``: the cache holds every decoder layer)."""
 
     def routing(self) -> ExpertRouting:
         """The routing of its MoE layers (``shardlib.core.model.Routed``)."""

@@ -270,6 +270,10 @@ class Inventory:
     it), which a training sequence must fit; None: the model declares no limit."""
     model_type: type | None = None
     """The class of the model the factory built."""
+    block_kind: str = ""
+    """The model class's ``block_kind``: which of the planner's per-block fitted memory
+    coefficients describe its blocks (``planner.cost.coefficients``); "": the default,
+    fitted on Llama blocks."""
 
 
 def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
@@ -308,6 +312,7 @@ def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
         routing=built[0][1],
         max_positions=built[0][2] if isinstance(built[0][2], int) else None,
         model_type=built[0][0],
+        block_kind=getattr(built[0][0], "block_kind", ""),
     )
 
 

@@ -120,6 +120,9 @@ class Workload:
     """Intermediates the model tags with ``checkpoint_name`` (for ``remat=names:...``)."""
     block_stats: bool = False
     """The blocks return per-layer statistics besides the residual (an MoE router's)."""
+    block_kind: str = ""
+    """Which fitted per-block memory coefficients the planner reads (the model class's
+    ``block_kind``, ``Inventory.block_kind``); "": the Llama-fitted defaults."""
 
     def __hash__(self) -> int:
         return self._hash
@@ -179,6 +182,7 @@ class Workload:
             microbatches=microbatches,
             checkpoint_names=inv.checkpoint_names,
             block_stats=inv.block_stats,
+            block_kind=inv.block_kind,
         )
 
     @classmethod

@@ -180,7 +180,8 @@ class Lora:
     alpha: float = 16.0
     """The update is (alpha / rank) * A @ B."""
     targets: str = "q,v"
-    """Comma-separated projections from q, k, v, o, gate, up, down."""
+    """Comma-separated projections the model offers: q, k, v, o, gate, up, down (Llama
+    family), q, k, v, o, fc, proj (GPT)."""
 
     def model_settings(self) -> dict:
         """The model config fields that build the adapters (none when rank is 0)."""

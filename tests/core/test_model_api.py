@@ -212,10 +212,11 @@ def test_moe_numbers_are_those_of_the_two_stack_model():
 
 
 def test_llama_generates_and_the_moe_model_routes():
-    """A dense model has no routing; the MoE model has no KV-cache path (generate refuses it)."""
+    """A dense model has no routing; the MoE model routes and generates (its groups have a
+    KV-cache path too: ``tests/models/test_generate.py``)."""
     llama, moe = build(resolve_model("llama-tiny")), moe_model()
     assert isinstance(llama, Generator) and not isinstance(llama, Routed)
-    assert isinstance(moe, Routed) and not isinstance(moe, Generator)
+    assert isinstance(moe, Routed) and isinstance(moe, Generator)
     assert llama.max_positions == llama.cfg.max_positions
     assert moe.routing() == ExpertRouting(
         experts=8, top_k=2, capacity_factor=2.0, dim="expert", every=2, group_size=0, no_drop=False

@@ -136,11 +136,8 @@ def test_one_fine_tuning_step_exports_and_generates(style, prepared, tmp_path, c
     capsys.readouterr()
     code = cli.main(["generate", "--hf", str(out), "--prompt", "the cat", "--max-new-tokens",
                      "3", "--tokenizer", str(prepared.parent / "tokenizer.json")])  # fmt: skip
-    printed = capsys.readouterr()
-    if style == "mixtral":  # the MoE blocks have no KV-cache path: refused, naming why
-        assert code == 2 and "KV" in printed.err, printed.err
-    else:
-        assert code == 0 and printed.out.startswith("the cat ")
+    printed = capsys.readouterr()  # Mixtral's MoE blocks too (``MoeBlock.decode``)
+    assert code == 0 and printed.out.startswith("the cat "), printed.err
 
 
 @pytest.mark.hf

@@ -40,16 +40,18 @@ import numpy as np
 
 from shardlib.core.mesh import MeshSpec, simulate_cpu_devices
 from shardlib.parallel.plan import ParallelPlan
+from shardlib.planner.calibrate.gpt_probes import GPT_FREE, GPT_PROBES
 from shardlib.planner.candidate import candidate
-from shardlib.planner.cost.coefficients import COEFFICIENTS
+from shardlib.planner.cost.coefficients import BLOCK_KINDS, COEFFICIENTS
 
-FREE = tuple(COEFFICIENTS)
+FREE = tuple(k for k in COEFFICIENTS if not k.startswith(tuple(f"{b}_" for b in BLOCK_KINDS)))
 REMAT_RECORDS = "shardlib/planner/calibrate/remat_probes.jsonl"
 """The compiled ``remat`` and ``scale`` probe groups (jax 0.10.2, CPU, fp32)."""
 FREE_SETS: dict[str, tuple[str, ...]] = {
     "remat": tuple(k for k in FREE if k.startswith(("selective_", "full_", "remat_"))),
     "pipeline": tuple(k for k in FREE if k.startswith("pipe_")),
     "layers": tuple(k for k in FREE if k.startswith("layer_")) + ("moe_dense_mlp",),
+    "gpt": GPT_FREE,
 }
 """Coefficient subsets ``--free`` refits alone: a change to one policy's buffers (``remat``:
 on ``--group remat`` and ``scale`` records) or to the pipelines' (``pipeline``: on all
@@ -260,6 +262,7 @@ GROUPS: dict[str, tuple[Probe, ...]] = {
     "small": PROBES + CONTEXT_PROBES + MOE_PROBES + PIPELINE_PROBES,
     "scale": SCALE_PROBES,
     "head": HEAD_PROBES,
+    "gpt": GPT_PROBES,  # the GPT block's own counts (``--free gpt``; gpt_probes.py)
 }
 GROUPS["remat"] = tuple(
     (plan, words) for plan, words in GROUPS["small"] if plan.remat.policy != "none"

@@ -31,7 +31,31 @@ COEFFICIENTS: dict[str, float] = {
     "pipe_logits": 0.744,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
     "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
     "pipe_1f1b_tables": 0.908,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
+    # the GPT block's own (``for_block``; LayerNorm, biases, GELU MLP): fitted alone on its
+    # 22 probes (``calibrate.gpt_probes``, ``--free gpt``), worst 9.9%; read as a sum
+    "gpt_layer_h": 0.0,
+    "gpt_layer_qkv": 0.0,
+    "gpt_layer_mlp": 6.616,
+    "gpt_layer_live_h": 39.024,  # remat=none: elements of width h live once (one layer's
+    # backward: fp32 LayerNorm and tanh-GELU temporaries); Llama's is 0 (absent)
+    "gpt_layer_live_mlp": 0.0,  # ... of width mlp
+    "gpt_selective_h": 0.0,
+    "gpt_selective_mlp": 0.518,
 }
+BLOCK_KINDS = ("gpt",)
+"""Block kinds (``Workload.block_kind``) with coefficients of their own: ``KIND_NAME`` keys
+replace ``NAME`` for that kind's workloads (``for_block``); the rest are shared."""
+
+
+def for_block(calib: dict, kind: str) -> dict:
+    """``calib`` as a ``kind`` block reads it: its own ``kind_*`` counts in place of the
+    Llama-fitted ones (the per-layer saved sets, which depend on the block's norms and MLP)."""
+    if not kind:
+        return calib
+    own = {k.removeprefix(f"{kind}_"): v for k, v in calib.items() if k.startswith(f"{kind}_")}
+    return {**calib, **own}
+
+
 # Refitted on all 99 probes (``calibrate.fit.PROBES``) after the memory changes of 2026-11 (RMSNorm
 # keeps only its input, q/k/v and gate/up cut by split, full remat's input split over tensor:
 # terms.remat.saved_input_split), fixed_bytes kept (runtime scratch: those changes do not touch

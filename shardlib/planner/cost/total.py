@@ -22,7 +22,7 @@ from shardlib.parallel.context.choice import Device
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost import kernels
-from shardlib.planner.cost.coefficients import COEFFICIENTS
+from shardlib.planner.cost.coefficients import COEFFICIENTS, for_block
 from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
 from shardlib.planner.cost.terms.base import Comm, Contribution, Step
 from shardlib.planner.inputs.cluster import Cluster
@@ -192,7 +192,7 @@ def estimate(
     given, plan = plan, plan.with_attention(picked)
     view = PlanView(plan)
     check(workload, plan, cluster, view)
-    calib = COEFFICIENTS if calib is None else calib
+    calib = for_block(COEFFICIENTS if calib is None else calib, workload.block_kind)
     step = Step(workload, plan, backend, view, TERMS, calib, cluster)
     parts = program.terms(step)
     memory: dict[str, float] = defaultdict(float)

@@ -56,7 +56,9 @@ def _layer_parts(
     t = view["tensor"]
     tokens = micro_batch * step.local_seq
     policy = per_layer(view.remat) if policy is None else policy
-    k = saved_coefficients(policy, step.calib, defined=by_definition(step))
+    k = saved_coefficients(
+        policy, step.calib, defined=by_definition(step), mlp_matrices=w.mlp_matrices
+    )
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
     qkv = w.local_qkv_width(t)  # per device: K/V heads fewer than t are whole on each
@@ -126,6 +128,11 @@ def activations(step: Step) -> dict[str, float]:
         working += live * (2 if segments and policy == "full" else 1)
     if policy == "full":  # and the rest of the recomputed layer: part of the none set
         working += c["full_layer_live"] * layer_activation_bytes(step, b, "none", scores=False)
+    if policy == "none":  # one layer's backward working set beyond its saved set (fitted
+        # per block kind: 0 for Llama's; GPT's fp32 LayerNorm and GELU temporaries)
+        live_elems = c.get("layer_live_h", 0.0) * w.embed
+        live_elems += c.get("layer_live_mlp", 0.0) * w.mlp / view["tensor"]
+        working += live_elems * b * step.local_seq * w.compute_bytes
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
     head_batch = batches[0] if batches else b

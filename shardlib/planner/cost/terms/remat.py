@@ -127,14 +127,21 @@ def by_definition(step: Step) -> bool:
     return step.backend != "cpu" and not cpu_cluster
 
 
-def saved_coefficients(policy: str, calib: dict, *, defined: bool = False) -> dict[str, float]:
+def saved_coefficients(
+    policy: str, calib: dict, *, defined: bool = False, mlp_matrices: int = 3
+) -> dict[str, float]:
     """Elements saved per token per layer, by width (``WIDTHS``; see ``terms.model``).
-    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted."""
+    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted.
+    ``mlp_matrices``: ``KEPT`` counts SwiGLU's three; a two-matrix (GELU) MLP keeps one
+    mlp-wide buffer fewer (its fc output and activation under none, the fc output alone
+    under selective, where SwiGLU keeps gate, up and their product, or gate and up)."""
     fitted = {k: calib.get(f"layer_{k}", 0.0) for k in WIDTHS}
     if policy == "none" and not defined:
         return fitted
     if policy in KEPT:
-        kept = KEPT[policy]
+        kept = dict(KEPT[policy])
+        if "mlp" in kept:
+            kept["mlp"] += mlp_matrices - 3
         out = {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
         if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
             out["scores"] = fitted["scores"]
