@@ -64,3 +64,61 @@ def test_3d_is_still_refused_by_the_cost_model():
     plan = ParallelPlan(mesh=MeshSpec((("tensor", 2), ("tensor2", 2), ("tensor3", 2))))
     with pytest.raises(ShardingError, match="3D tensor axes"):
         estimate(WORKLOAD, plan, backend="cpu")
+
+
+# --- the search (behind an option) ---------------------------------------------------------------
+
+
+def _grid_depth(est) -> int:
+    from shardlib.planner.candidate import PlanView
+
+    return PlanView(est.plan).settings["grid_depth"]
+
+
+def test_search_tries_grids_only_when_asked_and_returns_the_exhaustive_optimum():
+    from shardlib.planner import load_cluster
+    from shardlib.planner.cost.terms.tensor25d import GRID_DEPTHS
+    from shardlib.planner.search import Space, exhaustive, rank_key, search
+
+    workload = Workload.from_preset("llama-7b", 64, 2048, "bf16")
+    cluster = load_cluster("h100-8")
+    assert not any(_grid_depth(e) for e in exhaustive(workload, cluster, Space(zero=(0,))).best)
+    for space, tried in (
+        # 1D, 2 x 2 (beside data=2) and 2 x 2 x 2 on 8 devices
+        (
+            Space(microbatches=(1, 4), zero=(0,), remat=("none", "full"), grid_depth=GRID_DEPTHS),
+            {0, 1, 2},
+        ),
+        (
+            Space(microbatches=(1, 4), zero=(0,), remat=("none", "full")).fixing({"grid_depth": 2}),
+            {2},
+        ),  # --fix
+    ):
+        full = exhaustive(workload, cluster, space)
+        assert {_grid_depth(e) for e in full.best} == tried
+        fast = search(workload, cluster, space, top=3)
+        assert rank_key(fast.best[0]) == rank_key(full.best[0])
+        assert fast.best[0].plan == full.best[0].plan
+        assert fast.evaluated < full.evaluated
+
+
+def test_a_searched_grid_is_the_plan_the_trainer_runs():
+    """``candidate(tensor=8, grid_depth=2)`` is the 2 x 2 x 2 Tesseract plan the cost model
+    and the trainer read (mode 2.5d, tensor's place innermost), and a bad depth is refused
+    with the depths that fit."""
+    from shardlib import ShardingError
+    from shardlib.planner import candidate
+
+    plan = candidate(data=2, tensor=8, grid_depth=2)
+    assert plan.mesh.axes == (("data", 2), ("tensor_depth", 2), ("tensor2", 2), ("tensor", 2))
+    assert plan.tensor.mode == "2.5d"
+    assert (
+        estimate(WORKLOAD, plan, backend="cpu").memory
+        == estimate(
+            WORKLOAD,
+            ParallelPlan(mesh=plan.mesh, tensor=TensorParallel(mode="2.5d")),
+            backend="cpu",
+        ).memory
+    )
+    with pytest.raises(ShardingError, match="grid_depth one of 2, or 0"):
+        candidate(tensor=8, grid_depth=1)

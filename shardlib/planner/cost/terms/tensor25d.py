@@ -16,12 +16,24 @@ Outside the layers the embedding and head tables follow FSDP's pattern over ``te
 all-reduce, and the lookup and logits move the tokens' width over ``tensor`` a few times.
 The batch is split over ``tensor2 x tensor_depth`` (``Term.axis_splits``), so the model
 term's FLOPs and saved activations are per d·q of the tokens; parameters follow the rules.
+
+The search (behind an option: ``Space(grid_depth=GRID_DEPTHS)``, ``shardlib plan
+--tensor-grid``) tries the searched ``tensor`` size t also as a d x q x q grid
+(``grid_depth`` = d; 0 is Megatron's 1D), on meshes whose other axes are data only: the
+combinations with FSDP, context, experts or stages are not measured against the compiler.
+Off by default: the grid multiplies the plans per mesh, and the term is validated at a few
+sizes (``tests/planner/test_planner_tensor25d.py``, ``benchmarks/tensor25d_scale.py``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 
 WEIGHT_GATHERS = 2
@@ -72,26 +84,27 @@ def grid(step: Step) -> Contribution:
     t = view["tensor"]
     comms = [
         Comm("tensor25d", "weights", "all-gather", rows, q, layer * e, WEIGHT_GATHERS * runs, True),
-        Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, layers, True),
+        # each micro-batch's dW is reduced inside its backward (the SUMMA reduction), not
+        # once after accumulation: per layer run
+        Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, runs, True),
         Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
         Comm("tensor25d", "activations", scatter, cols, t, width, RESIDUAL_MOVES / 2 * runs,
              False),
     ]  # fmt: skip
-    outside = 0.0
+    outside, m = 0.0, view.microbatches
     for name, gathers in OUTSIDE_GATHERS.items():
         table = _gathered(step, False, {name})
         outside += table
         comms += [
             Comm("tensor25d", name, "all-gather", rows, q, table * e, gathers, True),
-            Comm("tensor25d", f"{name} grads", scatter, rows, q, table * MASTER_BYTES, 1, True),
+            Comm("tensor25d", f"{name} grads", scatter, rows, q, table * MASTER_BYTES, m, True),
         ]
     for kind, moves in OUTSIDE_MOVES.items():
         kind = scatter if kind == "reduce-scatter" else kind
-        m = moves * view.microbatches
-        comms.append(Comm("tensor25d", "lookup and logits", kind, cols, t, width, m, False))
-    if d > 1:  # weights replicated over depth: their gradients summed over it
+        comms.append(Comm("tensor25d", "lookup and logits", kind, cols, t, width, moves * m, False))
+    if d > 1:  # weights replicated over depth: their gradients summed over it, per micro-batch
         held = (layer * layers + outside) / q * MASTER_BYTES
-        comms.append(Comm("tensor25d", "grads", "all-reduce", depth, d, held, 1, True))
+        comms.append(Comm("tensor25d", "grads", "all-reduce", depth, d, held, m, True))
     # gathered copies live at once, as FSDP's (the same fitted shares: an all-gather over
     # one axis before use), and a layer's gradient as computed, [m, n/q] before its scatter
     # (``terms.state`` books its held [m/q, n/q] part)
@@ -101,8 +114,82 @@ def grid(step: Step) -> Contribution:
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
 
 
+GRID_DEPTHS = (0, 1, 2, 4, 8, 16)
+"""``grid_depth`` values the search tries when asked to search grids: 0 (1D), then d."""
+
+
+def grid_axes(tensor: int, depth: int) -> tuple[tuple[str, int], ...]:
+    """``tensor``'s t devices as (tensor_depth, tensor2, tensor) = (d, q, q) for
+    ``grid_depth`` = d >= 1 (no tensor_depth axis at d = 1: 2D); ShardingError if t is not
+    d·q² with q >= 2."""
+    q = math.isqrt(tensor // depth) if depth >= 1 and tensor % depth == 0 else 0
+    if q < 2 or depth * q * q != tensor:
+        fits = [d for d in range(1, tensor + 1) if tensor % d == 0 and _square(tensor // d)]
+        raise ShardingError(
+            f"grid_depth={depth} with tensor={tensor}: a 2D/2.5D grid arranges the tensor "
+            f"devices as d x q x q (q >= 2). Fix: grid_depth one of "
+            f"{', '.join(map(str, fits)) or 'none (tensor is not d·q²)'}, or 0 (1D)."
+        )
+    axes = ((str(Axis.TENSOR_DEPTH), depth),) if depth > 1 else ()
+    return (*axes, (str(Axis.TENSOR2), q), (str(Axis.TENSOR), q))
+
+
+def _square(n: int) -> bool:
+    return n >= 4 and math.isqrt(n) ** 2 == n
+
+
+def _depths(mesh: Mapping[str, int], space) -> list[int]:
+    """The menu's depths this mesh runs: tensor = d·q² (q >= 2), no axis but data beside."""
+    t = mesh.get(str(Axis.TENSOR), 1)
+    others = all(s == 1 for a, s in mesh.items() if a not in (str(Axis.DATA), str(Axis.TENSOR)))
+    grids = [d for d in space.menu("grid_depth") if d >= 1 and t % d == 0 and _square(t // d)]
+    return ([0] if 0 in space.menu("grid_depth") else []) + (grids if others else [])
+
+
+def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
+    return [{"grid_depth": d} for d in _depths(mesh, space)]
+
+
+def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool:
+    """Each micro-batch's rows split over the grid's depth x rows (the trainer's check)."""
+    d = knobs.get("grid_depth", 0)
+    if d == 0:
+        return True
+    # grids are offered beside data only (``_depths``): data alone splits the batch
+    rows = workload.global_batch // mesh[str(Axis.DATA)] // knobs["microbatches"]
+    return rows % (d * math.isqrt(mesh[str(Axis.TENSOR)] // d)) == 0
+
+
+def _bounds(mesh: Mapping[str, int], space, m: int) -> list[dict]:
+    """Each form of the tensor devices bounds its own plans (a grid can move fewer
+    critical-path bytes than 1D): one bound per depth tried."""
+    depths = _depths(mesh, space)
+    return [{"grid_depth": d} for d in depths] if depths != [0] else []
+
+
+def _residual_split(step: Step, policy: str) -> tuple[float, int]:
+    """The two norms' inputs (the block input and the residual between attention and MLP)
+    stay split over ``tensor`` as the residual stream is (``res_embed``); the norms' outputs
+    are saved gathered (the column products' dW reuses them). ``full`` keeps only the
+    input, which ``remat.saved_input_split`` already splits."""
+    if not grid_active(step.view) or policy not in ("none", "selective"):
+        return 0.0, 1
+    return 2.0, step.view[str(Axis.TENSOR)]
+
+
+def _depth_of(view) -> int:
+    return view.get(str(Axis.TENSOR_DEPTH), 1) if grid_active(view) else 0
+
+
 TERM = Term(
     "tensor25d",
     cost=grid,
     axis_splits={str(Axis.TENSOR2): ("batch",), str(Axis.TENSOR_DEPTH): ("batch",)},
+    knobs=(Knob("grid_depth", (0,)),),
+    settings=lambda view: {"grid_depth": _depth_of(view)},
+    knobs_text=lambda view: f"2.5d d={d}" if (d := _depth_of(view)) else "",
+    choices=_choices,
+    allows=_allows,
+    bounds=_bounds,
+    residual_split=_residual_split,
 )

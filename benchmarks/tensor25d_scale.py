@@ -1,0 +1,68 @@
+"""The planner's 2D/2.5D term against compiled programs at 7B/13B width on 64-256 devices.
+
+    python benchmarks/tensor25d_scale.py            # every row below (about 3 minutes)
+    python benchmarks/tensor25d_scale.py --rows 0,1 # some of them
+
+The tests check the term on llama-small (``tests/planner/test_planner_tensor25d.py``); the
+search tries grids only behind ``--tensor-grid``, so this says how far the term holds at
+the widths the search would propose them for. Each plan is compiled from abstract shapes
+on simulated CPU devices (``planner.validate``: nothing is allocated, fp32) and compared
+with ``estimate(..., backend="cpu")``. Few layers keep the compile short: every layer is
+the same program, so the per-layer share is the same at full depth. Target: memory within
+10%; wire bytes are printed beside it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+
+import argparse
+import time
+
+# (devices, model, layers, global batch, seq, candidate keywords)
+ROWS = [
+    (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1)),
+    (64, "llama-7b", 8, 64, 1024, dict(data=2, tensor=32, grid_depth=2)),
+    (64, "llama-7b", 8, 64, 1024, dict(tensor=64, grid_depth=4)),
+    (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1, remat="selective")),
+    (64, "llama-7b", 8, 64, 1024, dict(tensor=64, grid_depth=4, remat="full", microbatches=2)),
+    (256, "llama2-13b", 4, 64, 1024, dict(data=4, tensor=64, grid_depth=4)),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="", help="comma-separated row indices (default all)")
+    args = parser.parse_args()
+    picked = [int(i) for i in args.rows.split(",")] if args.rows else range(len(ROWS))
+    rows = [ROWS[i] for i in picked]
+
+    import shardlib
+
+    shardlib.simulate_cpu_devices(max(r[0] for r in rows))
+    from shardlib.planner import Workload, candidate
+    from shardlib.planner.candidate import PlanView
+    from shardlib.planner.validate import validate
+
+    print("| model, layers, batch x seq | plan | memory predicted / compiled GiB | wire ratio |")
+    print("| --- | --- | --- | --- |")
+    for _, model, layers, batch, seq, knobs in rows:
+        workload = Workload.from_preset(model, batch, seq, "fp32", layers=layers)
+        plan = candidate(**knobs)
+        start = time.perf_counter()
+        check = validate(workload, plan)
+        view = PlanView(plan)
+        print(
+            f"| {model}, {layers}, {batch} x {seq} | {view.mesh_text()} ({view.knobs_text()}) | "
+            f"{check.predicted_memory / 2**30:.3f} / {check.compiled_memory / 2**30:.3f} = "
+            f"{check.memory_ratio:.3f} | {check.wire_ratio:.3f} |"
+            f"  ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
