@@ -13,15 +13,16 @@ the same program, so the per-layer share is the same at full depth. Target: memo
 
 Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 15-25 s a row):
 
-| model, layers, batch x seq | plan | memory predicted / compiled GiB | wire ratio |
-| --- | --- | --- | --- |
-| llama-7b, 8, 64 x 1024 | data=4 x tensor2=4 x tensor=4 (2.5d d=1) | 8.395 / 7.945 = 1.057 | 1.031 |
-| llama-7b, 8, 64 x 1024 | data=2 x tensor_depth=2 x tensor2=4 x tensor=4 (d=2) | 8.395 / 7.945 = 1.057 | 1.016 |
-| llama-7b, 8, 64 x 1024 | tensor_depth=4 x tensor2=4 x tensor=4 (d=4) | 8.395 / 7.945 = 1.057 | 0.996 |
-| llama-7b, 8, 64 x 1024 | data=4 x tensor2=4 x tensor=4 (d=1, remat=selective) | 4.610 / 4.005 = 1.151 | 0.963 |
-| llama-7b, 8, 64 x 1024 | tensor_depth=4 x tensor2=4 x tensor=4 (d=4, m=2, remat=full) | 3.293 / 3.318 = 0.993 | 0.834 |
-| llama2-13b, 4, 64 x 1024 | data=4 x tensor_depth=4 x tensor2=4 x tensor=4 (d=4, 256 devices) | 3.249 / 3.326 = 0.977 | 1.041 |
+| row | model, layers | mesh (grid d, knobs) | memory pred. / compiled GiB | wire |
+| --- | --- | --- | --- | --- |
+| 0 | llama-7b, 8 | data=4 x 4 x 4 (d=1) | 8.395 / 7.945 = 1.057 | 1.031 |
+| 1 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2) | 8.395 / 7.945 = 1.057 | 1.016 |
+| 2 | llama-7b, 8 | 4 x 4 x 4 (d=4) | 8.395 / 7.945 = 1.057 | 0.996 |
+| 3 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=selective) | 4.610 / 4.005 = 1.151 | 0.963 |
+| 4 | llama-7b, 8 | 4 x 4 x 4 (d=4, m=2, remat=full) | 3.293 / 3.318 = 0.993 | 0.834 |
+| 5 | llama2-13b, 4 | data=4 x 4 x 4 x 4 (d=4; 256 devices) | 3.249 / 3.326 = 0.977 | 1.041 |
 
+(batch 64 x seq 1024 throughout; grids written tensor_depth x tensor2 x tensor.)
 Five of six within 10%. Left: ``selective`` over-books by about 0.6 GiB outside the
 layers (per layer it is 366 / 361 MiB predicted / compiled, from two depths), the working
 set of the recomputed scores and the head as fitted on 1D programs; the same plan in 1D
