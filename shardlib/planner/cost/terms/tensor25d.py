@@ -35,6 +35,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
+from shardlib.planner.cost.terms.remat import per_layer
 
 WEIGHT_GATHERS = 2
 """Gathers of each weight over ``tensor2`` per layer run: forward and backward."""
@@ -44,6 +45,12 @@ gather and scatter x forward and backward)."""
 EXTRA_GATHER_2D = 1
 """At d = 1 XLA's partitioner gathers the attention output projection's dY twice in the
 backward (jax 0.10.2; tests/parallel/test_tensor25d.py): one more per layer run."""
+RECOMPUTED_GATHERS, RECOMPUTED_SCATTERS = 2, 1
+"""What ``remat=full``'s recomputed forward moves again over ``tensor`` per layer run: the
+normed residual's two gathers (before qkv, before gate/up) and the attention output's
+reduce-scatter (the MLP's output is not needed for the backward); over ``tensor2`` it
+gathers the column products' weights again (compiled, jax 0.10.2: the row products' gathers
+are shared with the backward's)."""
 OUTSIDE_GATHERS = {"embedding": 1, "lm_head": 2}
 """Gathers over ``tensor2`` of the tables outside the layers (the head's forward and
 backward, the lookup's forward)."""
@@ -57,13 +64,16 @@ def grid_active(view) -> bool:
     return view.get(Axis.TENSOR2, 1) > 1 and Axis.TENSOR3 not in view.sizes
 
 
-def _gathered(step: Step, per_layer: bool, names=None) -> float:
-    """Elements of the matrices split over ``tensor2`` as one device gathers them."""
+def _gathered(step: Step, per_layer: bool, names=None, columns: bool = False) -> float:
+    """Elements of the matrices split over ``tensor2`` as one device gathers them (``columns``:
+    only the column products', whose input dim is ``embed``: qkv, gate and up)."""
     total = 0.0
     for param, _ in step.table:
         if param.per_layer != per_layer or len(param.dims) < 2:
             continue
         if names is not None and param.name not in names:
+            continue
+        if columns and param.dims[0][0] != "embed":
             continue
         if Axis.TENSOR2 in step.splits[param.name]:
             total += param.numel / step.shard(param, without=(Axis.TENSOR2,))
@@ -81,16 +91,22 @@ def grid(step: Step) -> Contribution:
     layer = _gathered(step, True)
     width = step.micro_batch * step.local_seq * w.embed * e  # B/(dq) tokens' residual
     gathers = RESIDUAL_MOVES / 2 + (EXTRA_GATHER_2D if d == 1 else 0)
+    scatters = RESIDUAL_MOVES / 2
     t = view["tensor"]
+    if per_layer(view.remat) == "full":  # the recomputed forward, up to the MLP's product
+        gathers += RECOMPUTED_GATHERS
+        scatters += RECOMPUTED_SCATTERS
     comms = [
         Comm("tensor25d", "weights", "all-gather", rows, q, layer * e, WEIGHT_GATHERS * runs, True),
         # each micro-batch's dW is reduced inside its backward (the SUMMA reduction), not
         # once after accumulation: per layer run
         Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, runs, True),
         Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
-        Comm("tensor25d", "activations", scatter, cols, t, width, RESIDUAL_MOVES / 2 * runs,
-             False),
+        Comm("tensor25d", "activations", scatter, cols, t, width, scatters * runs, False),
     ]  # fmt: skip
+    if per_layer(view.remat) == "full":  # the column products' weights, gathered again
+        again = _gathered(step, True, columns=True) * e
+        comms.append(Comm("tensor25d", "recompute", "all-gather", rows, q, again, runs, True))
     outside, m = 0.0, view.microbatches
     for name, gathers in OUTSIDE_GATHERS.items():
         table = _gathered(step, False, {name})
