@@ -1,5 +1,8 @@
 """2D and 2.5D tensor parallelism (``parallel/tensor25d.py``; Tesseract, Wang et al. 2021):
-the collectives of the grid ``tensor_depth x tensor2 x tensor`` (d x q x q; d = 1 is 2D).
+the collectives of the grid ``tensor_depth x tensor2 x tensor`` (d x q x q; d = 1 is 2D),
+and 3D (``parallel/tensor3d.py``), which is the 2D grid with its rows over
+``tensor2 x tensor3``: below, q is then the rows' size and "over ``tensor2``" means over both
+(d = 1; the search does not try 3D: ``estimate`` costs a given 3D plan).
 
 Per layer and device, as the compiled program runs them (tests/parallel/test_tensor25d.py
 checks the same counts against the HLO):
@@ -60,8 +63,15 @@ head's reduce-scatters, the final norm's gather, the lookup gradient's all-to-al
 
 
 def grid_active(view) -> bool:
-    """A 2D or 2.5D plan: ``tensor2`` without ``tensor3`` (3D is not costed)."""
-    return view.get(Axis.TENSOR2, 1) > 1 and Axis.TENSOR3 not in view.sizes
+    """A 2D, 2.5D or 3D plan: a ``tensor2`` axis (3D adds ``tensor3``)."""
+    return view.get(Axis.TENSOR2, 1) > 1
+
+
+def _row_axes(view) -> tuple[str, ...]:
+    """The grid's row role: ``tensor2``, or ``tensor2 x tensor3`` in 3D (``tensor3d.py``:
+    3D is the 2D tiling with the rows spread over two axes)."""
+    three = view.get(Axis.TENSOR3, 1) > 1
+    return (str(Axis.TENSOR2), *((str(Axis.TENSOR3),) if three else ()))
 
 
 def _gathered(step: Step, per_layer: bool, names=None, columns: bool = False) -> float:
@@ -76,7 +86,7 @@ def _gathered(step: Step, per_layer: bool, names=None, columns: bool = False) ->
         if columns and param.dims[0][0] != "embed":
             continue
         if Axis.TENSOR2 in step.splits[param.name]:
-            total += param.numel / step.shard(param, without=(Axis.TENSOR2,))
+            total += param.numel / step.shard(param, without=_row_axes(step.view))
     return total
 
 
@@ -84,8 +94,8 @@ def grid(step: Step) -> Contribution:
     view, w = step.view, step.workload
     if not grid_active(view):
         return Contribution()
-    q, d = view[Axis.TENSOR2], view.get(Axis.TENSOR_DEPTH, 1)
-    rows, cols, depth = (str(Axis.TENSOR2),), (str(Axis.TENSOR),), (str(Axis.TENSOR_DEPTH),)
+    rows, cols, depth = _row_axes(view), (str(Axis.TENSOR),), (str(Axis.TENSOR_DEPTH),)
+    q, d = math.prod(view[a] for a in rows), view.get(Axis.TENSOR_DEPTH, 1)
     e, scatter = w.compute_bytes, step.scatter_kind
     runs, layers = layer_runs(step), step.layers_per_device
     layer = _gathered(step, True)
@@ -198,16 +208,25 @@ def _residual_split(step: Step, policy: str) -> tuple[float, int]:
 
 
 def _depth_of(view) -> int:
-    return view.get(str(Axis.TENSOR_DEPTH), 1) if grid_active(view) else 0
+    """``grid_depth`` of a plan: 0 for 1D and 3D (not a Tesseract grid)."""
+    if not grid_active(view) or view.get(str(Axis.TENSOR3), 1) > 1:
+        return 0
+    return view.get(str(Axis.TENSOR_DEPTH), 1)
+
+
+def _knobs_text(view) -> str:
+    if view.get(str(Axis.TENSOR3), 1) > 1:
+        return "3d"
+    return f"2.5d d={d}" if (d := _depth_of(view)) else ""
 
 
 TERM = Term(
     "tensor25d",
     cost=grid,
-    axis_splits={str(Axis.TENSOR2): ("batch",), str(Axis.TENSOR_DEPTH): ("batch",)},
+    axis_splits={str(a): ("batch",) for a in (Axis.TENSOR2, Axis.TENSOR3, Axis.TENSOR_DEPTH)},
     knobs=(Knob("grid_depth", (0,)),),
     settings=lambda view: {"grid_depth": _depth_of(view)},
-    knobs_text=lambda view: f"2.5d d={d}" if (d := _depth_of(view)) else "",
+    knobs_text=_knobs_text,
     choices=_choices,
     allows=_allows,
     bounds=_bounds,
