@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import argparse
 import time
 
+THREE_D_DATA = (("data", 4), ("tensor3", 2), ("tensor2", 2), ("tensor", 4))
 # (devices, model, layers, global batch, seq, candidate keywords)
 ROWS = [
     (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1)),
@@ -66,14 +67,8 @@ ROWS = [
     # 3D (tensor x tensor2 x tensor3: the grid with rows over two axes), given as mesh axes
     (8, "llama-small", 3, 16, 32, dict(mesh=(("tensor", 2), ("tensor2", 2), ("tensor3", 2)))),
     (64, "llama-7b", 8, 64, 1024, dict(mesh=(("tensor3", 4), ("tensor2", 4), ("tensor", 4)))),
-    (
-        64,
-        "llama-7b",
-        8,
-        64,
-        1024,
-        dict(mesh=(("data", 4), ("tensor3", 2), ("tensor2", 2), ("tensor", 4)), remat="full"),
-    ),
+    (64, "llama-7b", 8, 64, 1024, dict(mesh=THREE_D_DATA, remat="full")),
+    (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1, remat="full")),
 ]
 
 
