@@ -18,32 +18,16 @@ explicit collective is needed: XLA gathers each weight over ``tensor2`` before u
 the residual over ``tensor`` before each block and reduce-scatters it after, and sums the
 weight gradients over ``tensor_depth`` (the depth layers saw different tokens).
 
-Formulas (per device, per linear layer, forward + backward; B tokens, element bytes e):
+Parameter memory per device: m·n·e/q² per linear layer (Colossal-AI's 2.5D table:
+parameters O(1/q²), activations and compute O(1/(dq²)); REFERENCE.md's Colossal-AI row).
 
-- parameter memory: m·n·e/q² (Colossal-AI's 2.5D table: parameters O(1/q²), activations
-  and compute O(1/(dq²)); REFERENCE.md's Colossal-AI row);
-- Tesseract's SUMMA traffic: the forward broadcasts q blocks of X along grid rows and q of
-  W along grid columns; the backward's dX = dY·Wᵀ broadcasts W and reduces dX blocks, and
-  dW = Xᵀ·dY broadcasts X and reduces dW blocks (Colossal-AI's ``Matmul_AB_2p5D``,
-  ``Matmul_ABT_2p5D``, ``Matmul_ATB_2p5D``). With a ring broadcast of a block costing
-  (q-1)/q of it per device, q of them cost (q-1) blocks:
-
-      V_summa = 3(q-1)·B·m·e/(dq²) + 3(q-1)·m·n·e/q²                         (1)
-
-  which for B·m = m·n = M is Colossal-AI's bandwidth entry 3(q-1)(d+1)/(dq) in units of
-  M·e/q (d = 1: 2D's 6(q-1)/q). The weight gradients' sum over depth, an all-reduce of
-  each W block over the d layers, adds 2(d-1)/d·m·n·e/q² (the table leaves it out).
-
-- the GSPMD form moves the same weight bytes as (1): per weight one gather over ``tensor2``
-  in the forward, one in the backward and one reduce-scatter of its gradient, 3(q-1)·m·n·e/q²,
-  plus the depth all-reduce. Its activation traffic differs from (1) by design: the blocks'
-  inner products keep Megatron's column-then-row pairing (``tensor.py``), so activations
-  move only at the residual stream, 4(q-1)·B·h·e/(dq²) per attention or MLP block (gather
-  and reduce-scatter, forward and backward; at d = 1 XLA adds one more gather per layer),
-  where (1) summed over the block's products moves 3(q-1)·B·Σm·e/(dq²). Both fall as 1/d,
-  the paper's point: depth trades replicated weights for fewer activation bytes per device.
-
-``tests/parallel/test_tensor25d.py`` compares the compiled HLO with these formulas.
+Wire bytes: ``tensor25d_traffic.py`` lists Tesseract's terms per product (three weight
+broadcasts or reductions over ``tensor2``, the depth all-reduce, three activation terms over
+``tensor``) and what this form moves instead. The weight terms coincide collective for
+collective; the activations move only at the residual stream (Megatron's column-then-row
+pairing), fewer bytes than the paper's SUMMA count. Both fall as 1/d, the paper's point:
+depth trades replicated weights for fewer activation bytes per device.
+``tests/parallel/test_tensor25d.py`` compares the compiled HLO with each term.
 """
 
 from __future__ import annotations
@@ -65,12 +49,6 @@ def tensor_25d(
         params={**megatron, "embed": (row,)},
         activations={**megatron, "batch": (depth, row), "res_embed": (column,)},
     )
-
-
-def summa_wire_bytes(tokens: int, m: int, n: int, *, q: int, d: int, e: int) -> tuple[float, float]:
-    """Formula (1) for Y[tokens, n] = X[tokens, m]·W[m, n], per device, forward + backward:
-    (activation bytes, weight bytes); the depth all-reduce, 2(d-1)/d·m·n·e/q², is apart."""
-    return 3 * (q - 1) * tokens * m * e / (d * q**2), 3 * (q - 1) * m * n * e / q**2
 
 
 def grid(mesh_axes: Mapping[str, int]) -> tuple[int, int]:

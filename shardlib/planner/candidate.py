@@ -30,8 +30,10 @@ from shardlib.parallel.offload import Offload
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.parallel.remat import Remat
+from shardlib.parallel.tensor import TensorParallel
 from shardlib.planner.cost.terms import SEARCH_AXES, TERMS, hooks
 from shardlib.planner.cost.terms.remat import REMAT
+from shardlib.planner.cost.terms.tensor25d import grid_axes
 
 __all__ = ["AXIS_ORDER", "REMAT", "PlanView", "batch_ways", "candidate"]
 
@@ -57,6 +59,7 @@ def candidate(
     offload: bool = False,
     attention: str = "auto",
     loss_chunk: int = 0,
+    grid_depth: int = 0,
     **sizes: int,
 ) -> ParallelPlan:
     """The ``ParallelPlan`` of one point of the search space.
@@ -69,15 +72,21 @@ def candidate(
     on the host. ``attention`` is ``attention_impl`` (``auto``: costed as the trainer picks on
     the cluster's devices; the published 2021 programs pin ``dense``); ``loss_chunk`` is
     ``parallel.loss.chunk`` (the head and loss in slices of that many positions; 0: whole).
+    ``grid_depth`` d >= 1 lays ``tensor``'s t devices out as a d x q x q Tesseract grid
+    (``tensor_depth x tensor2 x tensor``, mode 2.5d; d = 1 is 2D); 0 keeps Megatron's 1D.
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
     if unknown:
         known = ", ".join(AXIS_ORDER)
         raise TypeError(f"candidate: no searched axis {sorted(unknown)}; axes: {known}.")
     axes = tuple((str(a), sizes[a]) for a in AXIS_ORDER if sizes.get(a, 1) > 1)
+    if grid_depth:  # tensor's devices as d x q x q, in tensor's place (innermost)
+        grid = grid_axes(sizes[str(Axis.TENSOR)], grid_depth)
+        axes = tuple(p for a in axes for p in (grid if a[0] == Axis.TENSOR else (a,)))
     staged = sizes.get(str(Axis.STAGE), 1) > 1
     return ParallelPlan(
         mesh=_mesh(axes or ((str(Axis.DATA), 1),)),
+        tensor=_tensor("2.5d" if grid_depth else "auto"),
         data=_data(zero, 1 if staged else microbatches),
         pipeline=_pipeline(schedule, microbatches if staged else 0, virtual, split_saved),
         remat=_remat(remat),
@@ -100,6 +109,7 @@ _pipeline = functools.lru_cache(maxsize=256)(
     )
 )
 _remat = functools.lru_cache(maxsize=16)(Remat)
+_tensor = functools.lru_cache(maxsize=4)(lambda mode: TensorParallel(mode=mode))
 _offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=optimizer))
 
 

@@ -253,8 +253,9 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     micro-batch (the largest matmuls: the throughput model's fastest rate), plus the
     critical-path collectives at one micro-batch (their bytes do not depend on m, their
     latency only grows with m). Where a term moves bytes that fall with more micro-batches
-    (a pipeline loop's bubble trips), its ``bounds`` name the plans that bound the mesh
-    instead, at the most micro-batches ``m``; the smallest bound is kept. The compute is
+    (a pipeline loop's bubble trips) or has forms that move fewer (a 2.5D grid), its
+    ``bounds`` name the plans that bound the mesh instead (every combination of the terms'
+    bounds), at the most micro-batches ``m``; the smallest bound is kept. The compute is
     the matmuls' and elementwise work's only (``total.COMPUTE_EXTRAS`` left out)."""
     whole = estimate_or_none(workload, candidate(**mesh), cluster)
     if whole is None:
@@ -262,8 +263,12 @@ def lower_bound(workload: Workload, mesh: dict[str, int], cluster: Cluster, spac
     options = [whole]
     per_replica = _per_replica(workload, mesh)
     m = max((m for m in microbatch_menu(space, per_replica) if per_replica % m == 0), default=1)
-    bounds = [knobs for t in TERMS if t.bounds for knobs in t.bounds(mesh, space, m)]
-    if bounds:
+    # each term's bounding knobs ([] : its defaults bound), combined across the terms
+    per_term = [t.bounds(mesh, space, m) or [{}] for t in TERMS if t.bounds]
+    bounds = [
+        {k: v for part in combo for k, v in part.items()} for combo in itertools.product(*per_term)
+    ]
+    if bounds != [{}]:
         plans = [candidate(**mesh, **knobs) for knobs in bounds]
         options = [e for e in (estimate_or_none(workload, p, cluster) for p in plans) if e]
     critical = min((_critical_s(e, cluster) for e in options), default=math.inf)

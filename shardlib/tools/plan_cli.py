@@ -28,13 +28,14 @@ from shardlib.core.workload import Workload
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
 from shardlib.planner.cost.terms import SEARCH_AXES
 from shardlib.planner.cost.terms.remat import modelled_segments
+from shardlib.planner.cost.terms.tensor25d import GRID_DEPTHS
 from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
 SCHEDULES = ("gpipe", "1f1b", "circular", "chimera", "terapipe")
 KNOBS = (
     "zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload",
-    "attention", "loss_chunk",
+    "attention", "loss_chunk", "grid_depth",
 )  # fmt: skip
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
@@ -62,6 +63,12 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=VALUE,...",
         help="settings every plan keeps, e.g. tensor=8,stage=8,schedule=1f1b (rest searched)",
+    )
+    c.add_argument(
+        "--tensor-grid",
+        action="store_true",
+        help="also try each tensor size t as a 2D/2.5D (Tesseract) grid d x q x q, "
+        "beside data only (off by default: validated at fewer sizes than 1D)",
     )
     c.add_argument(
         "--validate",
@@ -110,8 +117,8 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ShardingError(f"{flag} {word}: {key} is true or false.")
             out[key] = value.lower() in ("true", "1", "yes")
-        elif key in (*axes, "zero", "microbatches", "virtual", "loss_chunk"):
-            least = 0 if key in ("zero", "loss_chunk") else 1
+        elif key in (*axes, "zero", "microbatches", "virtual", "loss_chunk", "grid_depth"):
+            least = 0 if key in ("zero", "loss_chunk", "grid_depth") else 1
             if not value.isdigit() or int(value) < least:
                 raise ShardingError(f"{flag} {word}: {key} is a whole number >= {least}.")
             out[key] = int(value)
@@ -207,7 +214,8 @@ def cmd_plan(args, console: Console) -> int:
 
     cluster = _cluster(args)
     workload = _workload(args)
-    space = Space().fixing(parse_settings(args.fix, "--fix"))
+    space = Space(grid_depth=GRID_DEPTHS) if args.tensor_grid else Space()
+    space = space.fixing(parse_settings(args.fix, "--fix"))
     _check_fixed(workload, cluster, space)
     start = time.perf_counter()
     result = search(workload, cluster, space, top=args.top)

@@ -43,6 +43,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
+from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.parallel.compression import onebit_compress, onebit_decompress
 
@@ -89,14 +90,52 @@ def compressed_allreduce(x_P, worker_error_P, server_error_K, *, axis: str, n: i
     return mean_P, werr_NK.reshape(-1), serr_1K[0]
 
 
+def apply_exp_avg_mask(mu, exp_avg_mask):
+    """DeepSpeed's ``exp_avg_mask``: the averaged momentum of the compressed stage times a
+    mask (OnebitAdam / OnebitLamb multiply ``exp_avg`` by it right after the compressed
+    all-reduce). Signs cannot encode 0, so a momentum that should stay exactly 0 (BERT's
+    position embeddings past the trained length) would otherwise collect compression error.
+    ``exp_avg_mask``: None, or a tree like the parameters of arrays broadcastable to them."""
+    if exp_avg_mask is None:
+        return mu
+    return jax.tree.map(lambda m, k: m * jnp.asarray(k, m.dtype), mu, exp_avg_mask)
+
+
+def check_exp_avg_mask(exp_avg_mask, params) -> None:
+    """The mask's tree and shapes against the parameters', before anything is compiled."""
+    if exp_avg_mask is None:
+        return
+    want, got = jax.tree.structure(params), jax.tree.structure(exp_avg_mask)
+    if want != got:
+        raise ShardingError(
+            f"exp_avg_mask: its tree {got} is not the parameters' {want}. Fix: build it "
+            "with jax.tree.map(lambda p: 1.0, params) and set the masked entries."
+        )
+    for path, p, k in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params),
+        jax.tree.leaves(exp_avg_mask), strict=True,
+    ):  # fmt: skip
+        shape = jnp.shape(k)
+        try:
+            jnp.broadcast_shapes(shape, p.shape)
+        except ValueError:
+            name = jax.tree_util.keystr(path[0])
+            raise ShardingError(
+                f"exp_avg_mask{name}: shape {shape} does not broadcast to the parameter's "
+                f"{p.shape}. Fix: a mask of shape {p.shape} (or 1.0 for no mask)."
+            ) from None
+
+
 def scale_by_onebit_adam(
     *, b1: float, b2: float, eps: float, freeze_step: int, n: int, steps: int,
-    bias_correction: bool = True, axis: str = AXIS,
+    bias_correction: bool = True, axis: str = AXIS, exp_avg_mask=None,
 ) -> optax.GradientTransformation:  # fmt: skip
     """Adam's direction ``m̂ / (sqrt(v̂) + eps)`` with 1-bit momentum averaging after
     ``freeze_step`` steps. ``update`` takes each device's *local* gradient inside shard_map
     over ``axis`` (size ``n``). A run of at most ``freeze_step`` steps never compresses, and
-    its program holds only the fp32 path (equal to optax.adam on the averaged gradient)."""
+    its program holds only the fp32 path (equal to optax.adam on the averaged gradient).
+    ``exp_avg_mask`` multiplies the averaged momentum of each compressed step
+    (``apply_exp_avg_mask``)."""
 
     def init(params):
         p = padded_size(params, n)
@@ -123,7 +162,8 @@ def scale_by_onebit_adam(
         mean_P, werr, serr = compressed_allreduce(
             x_P, state.worker_error, state.server_error, axis=axis, n=n
         )
-        return unravel(mean_P[: flat.shape[0]]), state.nu, werr, serr
+        mu = apply_exp_avg_mask(unravel(mean_P[: flat.shape[0]]), exp_avg_mask)
+        return mu, state.nu, werr, serr
 
     def update(grads, state, params=None):
         del params

@@ -44,7 +44,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from shardlib.train.lamb import Leads, adam_direction, layer_norm, per_array, per_layer, trust_ratio
-from shardlib.train.onebit import AXIS, compressed_allreduce, padded_size
+from shardlib.train.onebit import AXIS, apply_exp_avg_mask, compressed_allreduce, padded_size
 
 
 class OneBitLambState(NamedTuple):
@@ -100,13 +100,15 @@ def scale_by_onebit_lamb(
     *, b1: float, b2: float, eps: float, weight_decay: float, mask, freeze_step: int, n: int,
     steps: int, bias_correction: bool = True, trust_ratio_min: float = 0.0,
     trust_ratio_max: float = 0.0, factors: Factors = DEFAULTS, axis: str = AXIS,
-    leads: Leads = per_array,
+    leads: Leads = per_array, exp_avg_mask=None,
 ) -> optax.GradientTransformation:  # fmt: skip
     """LAMB's update before the learning rate (direction, decay, trust ratio), with 1-bit
     momentum averaging after ``freeze_step`` (>= 1) steps. ``update`` takes each device's
     *local* gradient inside shard_map over ``axis`` (size ``n``). A run of at most
     ``freeze_step`` steps holds only the fp32 path, equal to ``optimizer=lamb``. ``leads``:
-    the stacked layer dims of each array, each layer with its own coefficients."""
+    the stacked layer dims of each array, each layer with its own coefficients.
+    ``exp_avg_mask`` multiplies the averaged momentum of each compressed step, before the
+    gradient is reconstructed from it (``onebit.apply_exp_avg_mask``; DeepSpeed's order)."""
     direction = adam_direction(b1, b2, eps, bias_correction)
     decay = optax.add_decayed_weights(weight_decay, mask)
     lo, hi = trust_ratio_min, trust_ratio_max or math.inf
@@ -157,6 +159,7 @@ def scale_by_onebit_lamb(
             state.server_error, axis=axis, n=n,
         )  # fmt: skip
         mu = jax.tree.map(lambda m, s: m / per_layer(s, m), unravel(mean_P[: flat.shape[0]]), scale)
+        mu = apply_exp_avg_mask(mu, exp_avg_mask)
         recon = jax.tree.map(lambda m, m0: (m - b1 * m0) / (1 - b1), mu, m_last)
         nu_fresh = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu_fresh, recon)
         count = optax.safe_increment(state.adam.count)

@@ -219,7 +219,7 @@ def resolve_optimizer(opt, plan: ParallelPlan):
 
 
 def _onebit(
-    cfg, lr: optax.Schedule, steps: int, n: int, leads: Leads = per_array
+    cfg, lr: optax.Schedule, steps: int, n: int, leads: Leads = per_array, exp_avg_mask=None
 ) -> optax.GradientTransformation:
     """Adam(W) or LAMB whose momentum is averaged over the ``n`` data devices in 1 bit
     (``train/onebit.py``, ``train/onebit_lamb.py``); decoupled decay after the direction,
@@ -239,13 +239,14 @@ def _onebit(
             mask=decay_mask, freeze_step=cfg.freeze_step, n=n, steps=steps,
             bias_correction=cfg.bias_correction, trust_ratio_min=cfg.trust_ratio_min,
             trust_ratio_max=cfg.trust_ratio_max, factors=factors, leads=leads,
+            exp_avg_mask=exp_avg_mask,
         )  # fmt: skip
         return optax.chain(direction, optax.scale_by_learning_rate(lr))
     from shardlib.train.onebit import scale_by_onebit_adam
 
     direction = scale_by_onebit_adam(
         b1=cfg.b1, b2=cfg.b2, eps=cfg.eps or 1e-8, freeze_step=cfg.freeze_step, n=n,
-        steps=steps, bias_correction=cfg.bias_correction,
+        steps=steps, bias_correction=cfg.bias_correction, exp_avg_mask=exp_avg_mask,
     )  # fmt: skip
     wd = cfg.weight_decay if cfg.name == "adamw" else 0.0  # adam: no decay, as below
     decay = [optax.add_decayed_weights(wd, decay_mask)] if wd else []
@@ -291,7 +292,7 @@ def _optimizer(cfg, lr: optax.Schedule, leads: Leads = per_array) -> optax.Gradi
 
 
 def build_optimizer(
-    cfg, steps: int, plan: ParallelPlan | None = None, names=None
+    cfg, steps: int, plan: ParallelPlan | None = None, names=None, exp_avg_mask=None
 ) -> optax.GradientTransformation:
     """Global-norm clipping (if set), then the named optimizer with the named schedule.
 
@@ -301,6 +302,9 @@ def build_optimizer(
     (the averaged gradient is never formed after warm-up). With the model's logical
     ``names`` the trust ratios of LAMB and LARS are per layer of a stacked ``[layers, ...]``
     array (``train/lamb.py``), as the papers take them per tensor; without, per array.
+    ``exp_avg_mask`` (1-bit Adam / LAMB only; DeepSpeed's parameter-group key, a tree like
+    the parameters) multiplies the averaged momentum of each compressed step
+    (``onebit.apply_exp_avg_mask``); ``onebit.with_exp_avg_mask`` sets it on a setup.
     """
     if plan is not None:
         cfg, plan = resolve_optimizer(cfg, plan)
@@ -314,8 +318,16 @@ def build_optimizer(
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     lr = schedule(cfg, steps)
     leads = per_array if names is None else stacked_dims(names)
-    if plan is not None and plan.data.onebit_momentum:
-        parts.append(_onebit(cfg, lr, steps, plan.mesh_axes.get(Axis.DATA, 1), leads))
+    onebit = plan is not None and plan.data.onebit_momentum
+    if exp_avg_mask is not None and not onebit:
+        raise ShardingError(
+            f"exp_avg_mask is 1-bit Adam's and LAMB's (it masks the compressed momentum), but "
+            f"optimizer={cfg.name} runs without parallel.data.onebit_momentum. Fix: "
+            "optimizer=onebit_adam or onebit_lamb, or drop exp_avg_mask."
+        )
+    if onebit:
+        n = plan.mesh_axes.get(Axis.DATA, 1)
+        parts.append(_onebit(cfg, lr, steps, n, leads, exp_avg_mask))
     else:
         parts.append(_optimizer(cfg, lr, leads))
     return optax.chain(*parts)

@@ -315,6 +315,20 @@ class TrainSetup:
 
         return build_train_step(self)
 
+    def with_exp_avg_mask(self, exp_avg_mask) -> TrainSetup:
+        """This setup with DeepSpeed's ``exp_avg_mask`` for 1-bit Adam / LAMB (a tree like
+        the parameters, each leaf broadcastable to its parameter; ``onebit.apply_exp_avg_mask``):
+        a tensor, so set from Python as DeepSpeed sets it in a parameter group, not from a
+        config file. Checked against the parameters before anything is compiled."""
+        from shardlib.train.onebit import check_exp_avg_mask
+
+        check_exp_avg_mask(exp_avg_mask, self.param_shapes)
+        cfg = self.cfg
+        tx = build_optimizer(
+            cfg.optimizer, cfg.run.steps, self.plan, self.param_names, exp_avg_mask
+        )
+        return dataclasses.replace(self, tx=freeze_base(tx, cfg.lora.rank))
+
 
 def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     """Validate the config against the mesh and derive every layout (nothing is compiled).

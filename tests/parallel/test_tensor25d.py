@@ -3,32 +3,34 @@
 Parity: d = 1 (2 x 2, the 2D case) and d = 2 (2 x 2 x 2) train like one device (fp32,
 5 steps, loss and gradients within 1e-5).
 
-Formulas (compile only, nothing runs; the module docstring derives them), per layer and
-device, GPU form of the compiled HLO (``explain``'s ``gpu_collectives``), B tokens, h the
-width, e = 4 bytes, W the layer's weight bytes:
+Wire bytes (compile only, nothing runs), per layer and device, GPU form of the compiled HLO
+(``explain``'s ``gpu_collectives``), each collective assigned to a product (qkv, attention
+out, gate/up, down: the einsum in its metadata) and to one of Tesseract's terms
+(``parallel/tensor25d_traffic.py``). llama-tiny, 2 layers, b=8, s=32 (B = 256 tokens),
+fp32, q = 2; bytes for d = 1 / d = 2:
 
-- weights over ``tensor2``: 3(q-1)·W/q², Tesseract's weight term (Wang et al. 2021;
-  Colossal-AI's ``Matmul_*_2p5D``: one broadcast pass forward, one in each backward product);
-- weight gradients over ``tensor_depth``: 2(d-1)/d·W/q² (the all-reduce over the layers);
-- activations over ``tensor``: 8(q-1)·B·h·e/(dq²) (gather + reduce-scatter of the residual
-  per block, forward and backward): falls as 1/d, as Tesseract's activation term does;
-- parameters per device: Ψ·e/q² (Colossal-AI's 2.5D table, parameters O(1/q²)).
+| term (per layer) | paper | HLO | HLO / paper |
+| --- | --- | --- | --- |
+| weight forward, 4 products (all-gather tensor2) | 73728 | 73728 | 1.000 |
+| weight for dX, 4 products (all-gather tensor2) | 73728 | 73728 | 1.000 |
+| dW reduce, fused (reduce-scatter tensor2) | 73728 | 73728 | 1.000 |
+| dW over depth, fused (all-reduce tensor_depth) | 0 / 73728 | 0 / 73728 | - / 1.000 |
+| X forward, qkv + gate/up (all-gather tensor) | 32768 / 16384 | 32768 / 16384 | 1.000 |
+| dX reduce, qkv and gate/up (reduce-scatter tensor) | 16384 / 8192 each | same | 1.000 |
+| X for dW, qkv + gate/up | 32768 / 16384 | 0 (gathered X kept) | - |
+| X forward, dX reduce, X for dW of attention out (m = 128) | 3 x 32768 / 16384 | 0 | - |
+| the same of down (m = 256) | 3 x 65536 / 32768 | 0 | - |
+| Y reduce, attention out and down (n = 64) | 0 | 16384 / 8192 each | GSPMD term 1.000 |
+| dY gather, attention out and down (n = 64) | 0 | 32768 / 8192, 16384 / 8192 | 2 / 1 x term |
+| norms' statistics | - | 3328 / 1664 | - |
+| whole layer | 614400 / 491520 | 371968 / 362112 | 0.605 / 0.737 |
 
-Measured (jax 0.10.2, CPU, llama-tiny with 2 layers, b=8, s=32, so B·h·e = 65536 B and
-W = 294912 B per layer; q = 2), bytes per layer and device:
-
-| figure | d = 1 | d = 2 | formula d = 1 / d = 2 | ratio d = 1 / d = 2 |
-| --- | --- | --- | --- | --- |
-| weights over tensor2 | 221440 | 221184 | 221184 / 221184 | 1.001 / 1.000 |
-| gradients over tensor_depth | 0 | 73728 | 0 / 73728 | - / 1.000 |
-| activations over tensor | 150528 | 66816 | 147456 (9 moves) / 65536 | 1.021 / 1.020 |
-| whole layer | 371968 | 362112 | 368640 / 360448 | 1.009 / 1.005 |
-| Tesseract's (1) + depth term | | | 614400 / 491520 | 0.605 / 0.737 |
-| parameters per device | 180864 | 180864 | Ψ·e/q² = 180544 | 1.002 / 1.002 |
-
-The last bytes row is the paper's SUMMA count (activation term over the layer's four
-products, Σm = 512): the GSPMD form moves its weight bytes exactly and fewer activation
-bytes (it pairs the products Megatron's way, so only the residual's width moves).
+So the whole-layer ratio is the algorithm's, not a miscount: every weight term and every
+activation term of the column products is the paper's to the byte; the row products (their
+weights laid out transposed by the logical-name rules) reduce their output instead of
+broadcasting their wider input, and dW reuses the forward's gathered X. The GSPMD terms sum
+to 352256 / 360448 (plus at d = 1 XLA's second dY gather of the out projection, 16384):
+HLO / that = 1.009 / 1.005. Parameters per device: 180864 = 1.002 x Ψ·e/q² at both d.
 Parity (5 steps): loss 1.5e-7, gradient norm 6.6e-8 / 6.2e-8, gradients 5.0e-7 / 4.8e-7.
 """
 
@@ -42,7 +44,13 @@ from layout_cases import assert_parity, assert_refused, first_devices_mesh
 
 from shardlib import rules_for_mesh
 from shardlib.analysis import explain
-from shardlib.parallel.tensor25d import summa_wire_bytes
+from shardlib.parallel.tensor25d_traffic import (
+    WEIGHT_TERMS,
+    Product,
+    block_products,
+    gspmd_terms,
+    tesseract_terms,
+)
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
 
@@ -112,45 +120,106 @@ def _layer_weight_bytes(setup) -> int:
     return sum(math.prod(x.shape[1:]) * E for x in leaves if x.ndim >= 3)
 
 
-def _per_layer_by_axes(report) -> dict[str, float]:
-    out: dict[str, float] = {}
+EINSUMS = {
+    "bld,dgjk->blgjk": "qkv",
+    "blhk,hkd->bld": "attention out",
+    "bld,djf->bljf": "gate/up",
+    "blf,fd->bld": "down",
+}  # the products' einsums in ``models/llama`` (op_name metadata of the HLO)
+
+
+def _term(op) -> tuple[str, str] | None:
+    """(product, term) of one per-layer collective of the compiled step, ``None`` for the
+    norms' statistics; "layer" where XLA fuses a term of every product into one op."""
+    backward = "transpose(" in op.op_name
+    found = [p for s, p in EINSUMS.items() if s in op.op_name]
+    product = found[0] if len(found) == 1 else None
+    kind, axes = op.kind, op.axes
+    if axes == ("tensor_depth",) and kind == "all-reduce":
+        return "layer", "dW over depth"
+    if axes == ("tensor2",) and kind == "reduce-scatter" and backward:
+        return "layer", "dW reduce"
+    if axes == ("tensor2",) and kind == "all-gather" and product:
+        return product, "weight for dX" if backward else "weight forward"
+    if axes != ("tensor",) or op.buffer_bytes < 4096:
+        return None
+    if kind == "all-gather" and not backward and op.op_name.endswith("/mul"):
+        return "columns", "X forward"  # the normed residual, before qkv and gate/up
+    row = product in ("attention out", "down")
+    if product and kind == "reduce-scatter" and row and not backward:
+        return product, "Y reduce"
+    if product and kind == "reduce-scatter" and not row and backward:
+        return product, "dX reduce"
+    if product and kind == "all-gather" and row and backward:
+        return product, "dY gather"
+    return None
+
+
+def _measured(report) -> tuple[dict, float]:
+    """Per-layer wire bytes by (product, term), and the bytes no term claims."""
+    by_term: dict[tuple[str, str], float] = {}
+    left = 0.0
     for op in report.gpu_collectives:
-        if op.count == LAYERS:
-            key = ",".join(op.axes)
-            out[key] = out.get(key, 0.0) + op.wire_bytes
-    return out
+        if op.count != LAYERS:
+            continue
+        key = _term(op)
+        if key is None:
+            left += op.wire_bytes
+        else:
+            by_term[key] = by_term.get(key, 0.0) + op.wire_bytes
+    return by_term, left
 
 
 @pytest.mark.parametrize("axes", [D1, D2], ids=["d1", "d2"])
-def test_wire_bytes_per_layer_match_formulas(axes):
+def test_each_collective_against_tesseracts_term(axes):
+    """Per product and term (``parallel/tensor25d_traffic.py``): where the GSPMD form runs
+    the paper's collective, the HLO's bytes are the paper's within 5%; where it runs another
+    (row products, dW's reuse of the gathered X), they are the GSPMD term's."""
     setup, report = _report(tuple(axes.items()))
     d, q = axes.get("tensor_depth", 1), axes["tensor"]
-    w = _layer_weight_bytes(setup)
     tokens = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq
-    bhe = tokens * setup.workload.embed * E
-    by_axes = _per_layer_by_axes(report)
-    weights = by_axes.get("tensor2", 0.0)
-    assert abs(weights / (3 * (q - 1) * w / q**2) - 1) < 0.05, (weights, w)
-    depth = by_axes.get("tensor_depth", 0.0)
-    assert abs(depth - 2 * (d - 1) / d * w / q**2) <= 0.05 * w / q**2, (depth, w)
-    # the residual's gathers and reduce-scatters (plus the norms' small sums): 8 per layer;
-    # at d = 1 XLA's partitioner (jax 0.10.2) gathers the out projection's dY twice in the
-    # backward (two transposes of "blhk,hkd->bld", not merged): one more (q-1)·B·h·e/q²
-    gathers = 8 + (1 if d == 1 else 0)
-    activations = by_axes.get("tensor", 0.0)
-    formula_act = gathers * (q - 1) * bhe / (d * q**2)
-    assert abs(activations / formula_act - 1) < 0.05, (activations, formula_act)
-    total = sum(by_axes.values())
-    formula = (3 * (q - 1) + 2 * (d - 1) / d) * w / q**2 + formula_act
-    assert abs(total / formula - 1) < 0.05, (by_axes, formula)
-    # Tesseract's (1) over the layer's four products: the same weight bytes, more activation
-    # bytes than the GSPMD pairing moves (see the table above)
     m = setup.workload
-    qkv, attn = (m.heads + 2 * m.kv_heads) * m.head_dim, m.heads * m.head_dim
-    products = [(m.embed, qkv), (attn, m.embed), (m.embed, 2 * m.mlp), (m.mlp, m.embed)]
-    summa = [summa_wire_bytes(tokens, a, b, q=q, d=d, e=E) for a, b in products]
-    assert abs(weights / sum(s[1] for s in summa) - 1) < 0.05
-    assert activations < sum(s[0] for s in summa)
+    products = block_products(
+        embed=m.embed, qkv=(m.heads + 2 * m.kv_heads) * m.head_dim,
+        attn=m.heads * m.head_dim, mlp_in=2 * m.mlp, mlp=m.mlp,
+    )  # fmt: skip
+    assert sum(p.m * p.n for p in products) * E == _layer_weight_bytes(setup)
+    paper = {p.name: tesseract_terms(tokens, p, q=q, d=d, e=E) for p in products}
+    gspmd = {p.name: gspmd_terms(tokens, p, q=q, d=d, e=E) for p in products}
+    got, left = _measured(report)
+
+    def close(measured, formula) -> bool:
+        assert abs(measured - formula) <= 0.05 * formula, (measured, formula)
+        return True
+
+    for p in products:  # the weight terms: the paper's collectives, per product
+        for term in WEIGHT_TERMS[:2]:
+            assert close(got[(p.name, term)], paper[p.name][term])
+    for term in WEIGHT_TERMS[2:]:  # fused by XLA over the layer's four gradients
+        want = sum(paper[p.name][term] for p in products)
+        if want:
+            assert close(got[("layer", term)], want)
+        else:
+            assert ("layer", term) not in got
+    columns = [p for p in products if not p.row]
+    assert close(got[("columns", "X forward")], sum(paper[p.name]["X forward"] for p in columns))
+    for p in columns:  # the paper's dX reduce; its X-for-dW broadcast is not run (X kept)
+        assert close(got[(p.name, "dX reduce")], paper[p.name]["dX reduce"])
+        assert (p.name, "X for dW") not in got
+    # d = 1: XLA (jax 0.10.2) gathers the out projection's dY twice (two transposes of
+    # "blhk,hkd->bld", not merged), one more (q-1)·B·n·e/(dq²)
+    extra = gspmd["attention out"]["dY gather"] if d == 1 else 0.0
+    for p in (p for p in products if p.row):  # output-wide moves instead of the paper's three
+        assert close(got[(p.name, "Y reduce")], gspmd[p.name]["Y reduce"])
+        more = extra if p.name == "attention out" else 0.0
+        assert close(got[(p.name, "dY gather")], gspmd[p.name]["dY gather"] + more)
+    total = sum(got.values()) + left
+    assert left < 0.02 * total, (left, total)  # the norms' statistics
+    # the whole layer against the paper's count: the ratio is the terms' (0.605 / 0.737)
+    paper_total = sum(sum(t.values()) for t in paper.values())
+    gspmd_total = sum(sum(t.values()) for t in gspmd.values())
+    assert gspmd_total < paper_total
+    assert close(total, gspmd_total + extra)
 
 
 def test_param_memory_is_one_over_q_squared():
@@ -163,10 +232,11 @@ def test_param_memory_is_one_over_q_squared():
 
 
 @pytest.mark.parametrize("q, d", [(2, 1), (2, 2), (4, 2), (8, 4)])
-def test_formula_1_is_colossal_ais_bandwidth_entry(q, d):
-    """With B·m = m·n = M, (1) is Colossal-AI's 3(q-1)(d+1)/(dq) in units of M·e/q
-    (REFERENCE.md's 2.5D row; d = 1: 2D's 6(q-1)/q)."""
+def test_tesseract_terms_are_colossal_ais_bandwidth_entry(q, d):
+    """With B·m = m·n = M and no depth term, the paper's six SUMMA terms sum to Colossal-AI's
+    3(q-1)(d+1)/(dq) in units of M·e/q (REFERENCE.md's 2.5D row; d = 1: 2D's 6(q-1)/q)."""
     side = 64
-    activations, weights = summa_wire_bytes(side, side, side, q=q, d=d, e=E)
+    terms = tesseract_terms(side, Product("p", side, side, row=False), q=q, d=d, e=E)
     unit = side * side * E / q
-    assert (activations + weights) / unit == pytest.approx(3 * (q - 1) * (d + 1) / (d * q))
+    summa = sum(terms.values()) - terms["dW over depth"]
+    assert summa / unit == pytest.approx(3 * (q - 1) * (d + 1) / (d * q))

@@ -1,7 +1,8 @@
 """One small module per strategy's cost: memory it adds, collectives it runs, FLOPs it adds.
 
 ``state`` (parameters, gradients, optimizer state under every split), ``model`` (FLOPs and
-saved activations), ``dp`` (with ZeRO-1/2), ``fsdp``, ``tensor``, ``context``, ``expert``,
+saved activations), ``dp`` (with ZeRO-1/2), ``onebit`` (1-bit Adam/LAMB's compressed
+momentum), ``fsdp``, ``tensor``, ``tensor25d`` (2D/2.5D grids), ``context``, ``expert``,
 ``pipeline`` (and ``chimera``'s doubled weights, ``terapipe``'s K/V buffers), ``remat``,
 ``offload``, ``loss``: each describes what the trainer's compiled program does, and
 ``benchmarks/planner_validation.py`` checks them against compiled executables.
@@ -23,6 +24,7 @@ from shardlib.planner.cost.terms import (
     loss,
     model,
     offload,
+    onebit,
     pipeline,
     remat,
     state,
@@ -37,6 +39,7 @@ TERMS = Terms(
         state.TERM,
         model.TERM,
         dp.TERM,
+        onebit.TERM,
         fsdp.TERM,
         tensor.TERM,
         tensor25d.TERM,

@@ -289,6 +289,9 @@ class Term:
     """``saved(step, policy, kept)``: the parts of one layer's saved activations per token it
     replaces (``terms.model``: ``attention`` elements, ``mlp`` addends), given the elements
     ``policy`` keeps by width (``terms.remat.saved_coefficients``)."""
+    residual_split: Callable[[Step, str], tuple[float, int]] | None = None
+    """``residual_split(step, policy)``: (h-wide elements per token of ``KEPT[policy]`` that
+    its layout keeps split, the ways): 2.5D keeps the residual stream split over ``tensor``."""
     scales_saved: Callable[[Step], float] | None = None
     """How many sets of its layers' saved activations a device keeps (a pipeline's trips)."""
     head_batch: Callable[[Step], int] | None = None

@@ -98,7 +98,8 @@ def gradient_reduction(step: Step) -> Contribution:
 
 
 def _reductions(step: Step, param: ParamInfo) -> tuple:
-    return (((DATA,), None),)
+    # 1-bit momentum: no gradient crosses data after the warm-up (``terms.onebit``)
+    return () if step.view.onebit else (((DATA,), None),)
 
 
 def _choices(workload, mesh, space) -> list[dict]:

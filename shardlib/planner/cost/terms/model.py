@@ -61,6 +61,9 @@ def _layer_parts(
     )
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
+    for split in step.hooks("residual_split"):  # h-wide buffers a layout keeps split
+        elements, ways = split(step, policy)
+        k["h"] -= elements * (1 - 1 / ways)
     qkv = w.local_qkv_width(t)  # per device: K/V heads fewer than t are whole on each
     parts: dict[str, Any] = {
         "attention": k["scores"] * w.heads * w.seq / t if scores else 0.0,

@@ -47,9 +47,9 @@ SEARCH_AXIS = SearchAxis(
 
 
 def _unmodelled(view) -> str:
-    if view.plan.tensor.sequence_parallel or "tensor3" in view:
-        return "tensor.sequence_parallel or 3D tensor axes"
-    return ""  # 2D and 2.5D: terms.tensor25d
+    if view.plan.tensor.sequence_parallel:
+        return "tensor.sequence_parallel"
+    return ""  # 2D, 2.5D and 3D: terms.tensor25d
 
 
 def tensor(step: Step) -> Contribution:

@@ -1,5 +1,8 @@
 """2D and 2.5D tensor parallelism (``parallel/tensor25d.py``; Tesseract, Wang et al. 2021):
-the collectives of the grid ``tensor_depth x tensor2 x tensor`` (d x q x q; d = 1 is 2D).
+the collectives of the grid ``tensor_depth x tensor2 x tensor`` (d x q x q; d = 1 is 2D),
+and 3D (``parallel/tensor3d.py``), which is the 2D grid with its rows over
+``tensor2 x tensor3``: below, q is then the rows' size and "over ``tensor2``" means over both
+(d = 1; the search does not try 3D: ``estimate`` costs a given 3D plan).
 
 Per layer and device, as the compiled program runs them (tests/parallel/test_tensor25d.py
 checks the same counts against the HLO):
@@ -16,13 +19,26 @@ Outside the layers the embedding and head tables follow FSDP's pattern over ``te
 all-reduce, and the lookup and logits move the tokens' width over ``tensor`` a few times.
 The batch is split over ``tensor2 x tensor_depth`` (``Term.axis_splits``), so the model
 term's FLOPs and saved activations are per d·q of the tokens; parameters follow the rules.
+
+The search (behind an option: ``Space(grid_depth=GRID_DEPTHS)``, ``shardlib plan
+--tensor-grid``) tries the searched ``tensor`` size t also as a d x q x q grid
+(``grid_depth`` = d; 0 is Megatron's 1D), on meshes whose other axes are data only: the
+combinations with FSDP, context, experts or stages are not measured against the compiler.
+Off by default: the grid multiplies the plans per mesh, and the term is validated at a few
+sizes (``tests/planner/test_planner_tensor25d.py``, ``benchmarks/tensor25d_scale.py``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
+from shardlib.planner.cost.terms.remat import per_layer
 
 WEIGHT_GATHERS = 2
 """Gathers of each weight over ``tensor2`` per layer run: forward and backward."""
@@ -32,6 +48,12 @@ gather and scatter x forward and backward)."""
 EXTRA_GATHER_2D = 1
 """At d = 1 XLA's partitioner gathers the attention output projection's dY twice in the
 backward (jax 0.10.2; tests/parallel/test_tensor25d.py): one more per layer run."""
+RECOMPUTED_GATHERS, RECOMPUTED_SCATTERS = 2, 1
+"""What ``remat=full``'s recomputed forward moves again over ``tensor`` per layer run: the
+normed residual's two gathers (before qkv, before gate/up) and the attention output's
+reduce-scatter (the MLP's output is not needed for the backward); over ``tensor2`` it
+gathers the column products' weights again (compiled, jax 0.10.2: the row products' gathers
+are shared with the backward's)."""
 OUTSIDE_GATHERS = {"embedding": 1, "lm_head": 2}
 """Gathers over ``tensor2`` of the tables outside the layers (the head's forward and
 backward, the lookup's forward)."""
@@ -41,20 +63,30 @@ head's reduce-scatters, the final norm's gather, the lookup gradient's all-to-al
 
 
 def grid_active(view) -> bool:
-    """A 2D or 2.5D plan: ``tensor2`` without ``tensor3`` (3D is not costed)."""
-    return view.get(Axis.TENSOR2, 1) > 1 and Axis.TENSOR3 not in view.sizes
+    """A 2D, 2.5D or 3D plan: a ``tensor2`` axis (3D adds ``tensor3``)."""
+    return view.get(Axis.TENSOR2, 1) > 1
 
 
-def _gathered(step: Step, per_layer: bool, names=None) -> float:
-    """Elements of the matrices split over ``tensor2`` as one device gathers them."""
+def _row_axes(view) -> tuple[str, ...]:
+    """The grid's row role: ``tensor2``, or ``tensor2 x tensor3`` in 3D (``tensor3d.py``:
+    3D is the 2D tiling with the rows spread over two axes)."""
+    three = view.get(Axis.TENSOR3, 1) > 1
+    return (str(Axis.TENSOR2), *((str(Axis.TENSOR3),) if three else ()))
+
+
+def _gathered(step: Step, per_layer: bool, names=None, columns: bool = False) -> float:
+    """Elements of the matrices split over ``tensor2`` as one device gathers them (``columns``:
+    only the column products', whose input dim is ``embed``: qkv, gate and up)."""
     total = 0.0
     for param, _ in step.table:
         if param.per_layer != per_layer or len(param.dims) < 2:
             continue
         if names is not None and param.name not in names:
             continue
+        if columns and param.dims[0][0] != "embed":
+            continue
         if Axis.TENSOR2 in step.splits[param.name]:
-            total += param.numel / step.shard(param, without=(Axis.TENSOR2,))
+            total += param.numel / step.shard(param, without=_row_axes(step.view))
     return total
 
 
@@ -62,36 +94,43 @@ def grid(step: Step) -> Contribution:
     view, w = step.view, step.workload
     if not grid_active(view):
         return Contribution()
-    q, d = view[Axis.TENSOR2], view.get(Axis.TENSOR_DEPTH, 1)
-    rows, cols, depth = (str(Axis.TENSOR2),), (str(Axis.TENSOR),), (str(Axis.TENSOR_DEPTH),)
+    rows, cols, depth = _row_axes(view), (str(Axis.TENSOR),), (str(Axis.TENSOR_DEPTH),)
+    q, d = math.prod(view[a] for a in rows), view.get(Axis.TENSOR_DEPTH, 1)
     e, scatter = w.compute_bytes, step.scatter_kind
     runs, layers = layer_runs(step), step.layers_per_device
     layer = _gathered(step, True)
     width = step.micro_batch * step.local_seq * w.embed * e  # B/(dq) tokens' residual
     gathers = RESIDUAL_MOVES / 2 + (EXTRA_GATHER_2D if d == 1 else 0)
+    scatters = RESIDUAL_MOVES / 2
     t = view["tensor"]
+    if per_layer(view.remat) == "full":  # the recomputed forward, up to the MLP's product
+        gathers += RECOMPUTED_GATHERS
+        scatters += RECOMPUTED_SCATTERS
     comms = [
         Comm("tensor25d", "weights", "all-gather", rows, q, layer * e, WEIGHT_GATHERS * runs, True),
-        Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, layers, True),
+        # each micro-batch's dW is reduced inside its backward (the SUMMA reduction), not
+        # once after accumulation: per layer run
+        Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, runs, True),
         Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
-        Comm("tensor25d", "activations", scatter, cols, t, width, RESIDUAL_MOVES / 2 * runs,
-             False),
+        Comm("tensor25d", "activations", scatter, cols, t, width, scatters * runs, False),
     ]  # fmt: skip
-    outside = 0.0
+    if per_layer(view.remat) == "full":  # the column products' weights, gathered again
+        again = _gathered(step, True, columns=True) * e
+        comms.append(Comm("tensor25d", "recompute", "all-gather", rows, q, again, runs, True))
+    outside, m = 0.0, view.microbatches
     for name, gathers in OUTSIDE_GATHERS.items():
         table = _gathered(step, False, {name})
         outside += table
         comms += [
             Comm("tensor25d", name, "all-gather", rows, q, table * e, gathers, True),
-            Comm("tensor25d", f"{name} grads", scatter, rows, q, table * MASTER_BYTES, 1, True),
+            Comm("tensor25d", f"{name} grads", scatter, rows, q, table * MASTER_BYTES, m, True),
         ]
     for kind, moves in OUTSIDE_MOVES.items():
         kind = scatter if kind == "reduce-scatter" else kind
-        m = moves * view.microbatches
-        comms.append(Comm("tensor25d", "lookup and logits", kind, cols, t, width, m, False))
-    if d > 1:  # weights replicated over depth: their gradients summed over it
+        comms.append(Comm("tensor25d", "lookup and logits", kind, cols, t, width, moves * m, False))
+    if d > 1:  # weights replicated over depth: their gradients summed over it, per micro-batch
         held = (layer * layers + outside) / q * MASTER_BYTES
-        comms.append(Comm("tensor25d", "grads", "all-reduce", depth, d, held, 1, True))
+        comms.append(Comm("tensor25d", "grads", "all-reduce", depth, d, held, m, True))
     # gathered copies live at once, as FSDP's (the same fitted shares: an all-gather over
     # one axis before use), and a layer's gradient as computed, [m, n/q] before its scatter
     # (``terms.state`` books its held [m/q, n/q] part)
@@ -101,8 +140,95 @@ def grid(step: Step) -> Contribution:
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
 
 
+GRID_DEPTHS = (0, 1, 2, 4, 8, 16)
+"""``grid_depth`` values the search tries when asked to search grids: 0 (1D), then d."""
+
+
+def grid_axes(tensor: int, depth: int) -> tuple[tuple[str, int], ...]:
+    """``tensor``'s t devices as (tensor_depth, tensor2, tensor) = (d, q, q) for
+    ``grid_depth`` = d >= 1 (no tensor_depth axis at d = 1: 2D); ShardingError if t is not
+    d·q² with q >= 2."""
+    q = math.isqrt(tensor // depth) if depth >= 1 and tensor % depth == 0 else 0
+    if q < 2 or depth * q * q != tensor:
+        fits = [d for d in range(1, tensor + 1) if tensor % d == 0 and _square(tensor // d)]
+        raise ShardingError(
+            f"grid_depth={depth} with tensor={tensor}: a 2D/2.5D grid arranges the tensor "
+            f"devices as d x q x q (q >= 2). Fix: grid_depth one of "
+            f"{', '.join(map(str, fits)) or 'none (tensor is not d·q²)'}, or 0 (1D)."
+        )
+    axes = ((str(Axis.TENSOR_DEPTH), depth),) if depth > 1 else ()
+    return (*axes, (str(Axis.TENSOR2), q), (str(Axis.TENSOR), q))
+
+
+def _square(n: int) -> bool:
+    return n >= 4 and math.isqrt(n) ** 2 == n
+
+
+def _depths(mesh: Mapping[str, int], space) -> list[int]:
+    """The menu's depths this mesh runs: tensor = d·q² (q >= 2), no axis but data beside."""
+    t = mesh.get(str(Axis.TENSOR), 1)
+    others = all(s == 1 for a, s in mesh.items() if a not in (str(Axis.DATA), str(Axis.TENSOR)))
+    grids = [d for d in space.menu("grid_depth") if d >= 1 and t % d == 0 and _square(t // d)]
+    return ([0] if 0 in space.menu("grid_depth") else []) + (grids if others else [])
+
+
+def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
+    return [{"grid_depth": d} for d in _depths(mesh, space)]
+
+
+def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool:
+    """Each micro-batch's rows split over the grid's depth x rows (the trainer's check);
+    ZeRO at most 1 beside a grid (ZeRO-2 with a 4 x 4 grid compiled 1.23x under the
+    prediction's memory, ``benchmarks/tensor25d_scale.py``: not searched until modelled)."""
+    d = knobs.get("grid_depth", 0)
+    if d == 0:
+        return True
+    if knobs.get("zero", 0) > 1:
+        return False
+    # grids are offered beside data only (``_depths``): data alone splits the batch
+    rows = workload.global_batch // mesh[str(Axis.DATA)] // knobs["microbatches"]
+    return rows % (d * math.isqrt(mesh[str(Axis.TENSOR)] // d)) == 0
+
+
+def _bounds(mesh: Mapping[str, int], space, m: int) -> list[dict]:
+    """Each form of the tensor devices bounds its own plans (a grid can move fewer
+    critical-path bytes than 1D): one bound per depth tried."""
+    depths = _depths(mesh, space)
+    return [{"grid_depth": d} for d in depths] if depths != [0] else []
+
+
+def _residual_split(step: Step, policy: str) -> tuple[float, int]:
+    """The two norms' inputs (the block input and the residual between attention and MLP)
+    stay split over ``tensor`` as the residual stream is (``res_embed``); the norms' outputs
+    are saved gathered (the column products' dW reuses them). ``full`` keeps only the
+    input, which ``remat.saved_input_split`` already splits."""
+    if not grid_active(step.view) or policy not in ("none", "selective"):
+        return 0.0, 1
+    return 2.0, step.view[str(Axis.TENSOR)]
+
+
+def _depth_of(view) -> int:
+    """``grid_depth`` of a plan: 0 for 1D and 3D (not a Tesseract grid)."""
+    if not grid_active(view) or view.get(str(Axis.TENSOR3), 1) > 1:
+        return 0
+    return view.get(str(Axis.TENSOR_DEPTH), 1)
+
+
+def _knobs_text(view) -> str:
+    if view.get(str(Axis.TENSOR3), 1) > 1:
+        return "3d"
+    return f"2.5d d={d}" if (d := _depth_of(view)) else ""
+
+
 TERM = Term(
     "tensor25d",
     cost=grid,
-    axis_splits={str(Axis.TENSOR2): ("batch",), str(Axis.TENSOR_DEPTH): ("batch",)},
+    axis_splits={str(a): ("batch",) for a in (Axis.TENSOR2, Axis.TENSOR3, Axis.TENSOR_DEPTH)},
+    knobs=(Knob("grid_depth", (0,)),),
+    settings=lambda view: {"grid_depth": _depth_of(view)},
+    knobs_text=_knobs_text,
+    choices=_choices,
+    allows=_allows,
+    bounds=_bounds,
+    residual_split=_residual_split,
 )

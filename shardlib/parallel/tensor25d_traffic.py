@@ -1,0 +1,100 @@
+"""Tesseract's wire bytes term by term, and what shardlib's GSPMD 2.5D form moves instead.
+
+Why a second module: ``tensor25d.py`` holds the rules; this holds the accounting that says
+where the compiled program and the paper (Wang et al. 2021, Tesseract; Colossal-AI's
+``Matmul_AB_2p5D`` / ``Matmul_ABT_2p5D`` / ``Matmul_ATB_2p5D``) agree and where they differ.
+
+One linear layer Y[B, n] = X[B, m]·W[m, n] on a d x q x q grid, per device, forward and
+backward. Tesseract keeps every weight as W[m/q over rows, n/q over columns] and runs every
+product as SUMMA (AB forward; ABT for dX = dY·Wᵀ; ATB for dW = Xᵀ·dY). q broadcasts of a
+block cost (q-1) blocks per device, as does a reduce of q partial blocks:
+
+=====================  ======================  ============  ===========================
+term                   paper collective        mesh axis     bytes
+=====================  ======================  ============  ===========================
+``weight forward``     AB: broadcast W         ``tensor2``   (q-1)·m·n·e/q²
+``weight for dX``      ABT: broadcast W        ``tensor2``   (q-1)·m·n·e/q²
+``dW reduce``          ATB: reduce dW          ``tensor2``   (q-1)·m·n·e/q² (fp32 grads)
+``dW over depth``      all-reduce over depth   ``depth``     2(d-1)/d·m·n·e/q²
+``X forward``          AB: broadcast X         ``tensor``    (q-1)·B·m·e/(dq²)
+``dX reduce``          ABT: reduce dX          ``tensor``    (q-1)·B·m·e/(dq²)
+``X for dW``           ATB: broadcast X        ``tensor``    (q-1)·B·m·e/(dq²)
+=====================  ======================  ============  ===========================
+
+shardlib's rules give each weight dim one mesh axis by its logical name, so a Megatron pair
+(qkv then out projection, gate/up then down) keeps W₁ = [embed/q over rows, mlp/q over
+columns] (SUMMA's layout: a **column** product) but W₂ = [mlp/q over columns, embed/q over
+rows], the transpose of Tesseract's (a **row** product). What XLA then moves per product:
+
+- all four weight terms: the same collectives and bytes as the paper (gathers over
+  ``tensor2`` = the q broadcasts; the fused gradient reduce-scatter; the depth all-reduce);
+- a column product: ``X forward`` and ``dX reduce`` as the paper (the residual's gather and
+  reduce-scatter over ``tensor``); ``X for dW`` is 0: the gathered X of the forward is
+  kept for dW (memory for bytes: [B/(dq), m] held instead of [B/(dq), m/q]);
+- a row product: none of the paper's three X/dX terms (each of width m = heads·head_dim or
+  mlp). Instead ``Y reduce`` (its partial sums over the columns, reduce-scattered) in the
+  forward and ``dY gather`` in the backward, each (q-1)·B·n·e/(dq²) of width n = embed;
+  dW reuses the gathered dY. This is Tesseract's ABT form run forward (broadcast W,
+  reduce C) and is fewer bytes whenever 2n < 3m, which every transformer block satisfies.
+
+So the weight terms agree exactly and the activation terms agree on the column products;
+the whole layer moves less than the paper's count. Matching it would mean a weight layout
+per product (the row products' weights transposed), not expressible as one logical-name
+table, and would add bytes: not worth doing. ``tests/parallel/test_tensor25d_traffic.py``
+checks every term against the compiled HLO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHT_TERMS = ("weight forward", "weight for dX", "dW reduce", "dW over depth")
+"""The weight terms: the paper's and the GSPMD form's collectives coincide."""
+PAPER_ACTIVATION_TERMS = ("X forward", "dX reduce", "X for dW")
+"""Tesseract's activation terms (width m, the product's input)."""
+ROW_TERMS = ("Y reduce", "dY gather")
+"""What a row product of the GSPMD form moves instead (width n, its output)."""
+
+
+@dataclass(frozen=True)
+class Product:
+    """One linear layer of a block, Y[B, n] = X[B, m]·W[m, n]."""
+
+    name: str
+    m: int  # input width
+    n: int  # output width
+    row: bool  # the second product of a Megatron pair (weight laid out [n over rows])
+
+
+def tesseract_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
+    """The paper's bytes per device for product ``p`` (forward + backward) by term;
+    ``e`` is the element size of weights and activations (gradients reduced in the same)."""
+    weight = (q - 1) * p.m * p.n * e / q**2
+    act = (q - 1) * tokens * p.m * e / (d * q**2)
+    depth = 2 * (d - 1) / d * p.m * p.n * e / q**2
+    terms = dict.fromkeys(WEIGHT_TERMS[:3], weight) | {"dW over depth": depth}
+    return terms | dict.fromkeys(PAPER_ACTIVATION_TERMS, act)
+
+
+def gspmd_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
+    """What the compiled GSPMD form moves for ``p`` by the same terms (0 where it needs
+    none), plus ``ROW_TERMS`` for a row product."""
+    paper = tesseract_terms(tokens, p, q=q, d=d, e=e)
+    terms = {k: paper[k] for k in WEIGHT_TERMS}
+    if p.row:
+        out = (q - 1) * tokens * p.n * e / (d * q**2)
+        return terms | dict.fromkeys(PAPER_ACTIVATION_TERMS, 0.0) | dict.fromkeys(ROW_TERMS, out)
+    return terms | {"X forward": paper["X forward"], "dX reduce": paper["dX reduce"],
+                    "X for dW": 0.0} | dict.fromkeys(ROW_TERMS, 0.0)  # fmt: skip
+
+
+def block_products(*, embed: int, qkv: int, attn: int, mlp_in: int, mlp: int) -> tuple:
+    """A transformer layer's four products: qkv and out projection, gate/up and down
+    (``qkv`` = (heads + 2·kv_heads)·head_dim, ``attn`` = heads·head_dim, ``mlp_in`` the
+    gate and up widths together)."""
+    return (
+        Product("qkv", embed, qkv, row=False),
+        Product("attention out", attn, embed, row=True),
+        Product("gate/up", embed, mlp_in, row=False),
+        Product("down", mlp, embed, row=True),
+    )
