@@ -184,8 +184,11 @@ def collective_seconds(comm: Comm, cluster: Cluster, axes: tuple) -> float:
     (``planner.cost.links``: NCCL's rings over NVLink and the hosts' NICs)."""
     if comm.group <= 1 or comm.count == 0:
         return 0.0
-    bw, latency = links.priced(cluster, comm.kind, axes, comm.axes)
-    return comm.wire_bytes / bw + latency * comm.count * comm.ops
+    ops = comm.count * comm.ops
+    one = links.seconds(
+        cluster, comm.kind, axes, comm.axes, comm.wire_bytes / ops, comm.buffer_bytes / comm.ops
+    )
+    return one * ops
 
 
 def exposed_strategies(view: PlanView) -> frozenset[str]:
