@@ -225,7 +225,7 @@ def exposed_seconds(
         if is_exposed(comm, exposed):
             critical += seconds
         else:
-            key = WINDOW.get(comm.strategy, "default")
+            key = comm.window or WINDOW.get(comm.strategy, "default")
             key = key if key in windows else "default"
             hidden[key] = hidden.get(key, 0.0) + seconds
     spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
@@ -233,15 +233,21 @@ def exposed_seconds(
     return critical + spill, critical + sum(hidden.values())
 
 
-def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
-    """The compute seconds each kind of overlappable collective hides behind (``Term.window``):
-    ``backward`` the backward pass, ``attention`` the attention blocks, ``default``
-    ``OVERLAP`` of all compute."""
+def overlap_windows(rate: Rate, compute_s: float, recompute: bool = False) -> dict[str, float]:
+    """The compute seconds each kind of overlappable collective hides behind (``Term.window``,
+    ``Comm.window``): ``backward`` the backward pass, ``attention`` the attention blocks,
+    ``default`` ``OVERLAP`` of all compute; ``forward`` and ``backward prefetch``: ``OVERLAP``
+    of one phase's compute (FSDP: a layer's forward gather hides behind the forward, its
+    backward gather and its gradient reduction behind the backward, which holds the
+    recomputed forward too under ``recompute``)."""
     total = sum(rate.seconds.values())
     parts = ("scores", "values", "softmax")
     attention = sum(rate.seconds.get(k, 0.0) for k in parts) / total
+    forward = (1 / 4 if recompute else 1 - BACKWARD_SHARE) * compute_s
     return {
         "backward": BACKWARD_SHARE * compute_s,
         "attention": attention * compute_s,
         "default": OVERLAP * compute_s,
+        "forward": OVERLAP * forward,
+        "backward prefetch": OVERLAP * (compute_s - forward),
     }
