@@ -143,7 +143,7 @@ def fsdp(step: Step) -> Contribution:
         # a layer's gradients leave together, once per layer and micro-batch
         Comm("fsdp", "grads", grad_kind, axes, n, sum(layer) * MASTER_BYTES, layer_grads, True,
              1, back),
-    ]  # fmt: skip
+    ][0 if phased else 1 :]  # fmt: skip
     gathered_outer = 0.0
     tables = vocab_tables(step)
     if tables:
