@@ -34,10 +34,12 @@ the tie. Here the rate depends on the plan:
   what compute they hide behind (``Term.window``): gradient reductions behind the backward
   pass (without stages: a micro-batch's reduction behind its own backward), exposed only
   beyond it; ring-attention passes behind the attention blocks only (Liu et al. 2023: a
-  pass is free while a block's compute outlasts its transfer); the rest (FSDP gathers and
-  reductions) behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not
-  fitted; llm-foundry's FSDP runs across hosts, ``benchmarks/fsdp_validation.py``, read
-  within 5% with it).
+  pass is free while a block's compute outlasts its transfer); FSDP's behind ``OVERLAP`` of
+  their own phase's compute (``Comm.window``: a layer's forward gather behind the forward,
+  its backward gather and gradient reduction behind the backward; prefetch is partial: an
+  assumption, not fitted; llm-foundry's FSDP runs across hosts,
+  ``benchmarks/fsdp_validation.py``, read within 5% with it); the rest behind ``OVERLAP``
+  of all compute.
 * **Beyond the roofline**: the loss head's fp32 softmax passes over the logits
   (``BlockTraffic.logits``), the saved activations' HBM round trip (``saved_seconds``) and
   the kernels' launch gaps (``launch_seconds``), measured against the H200 runs of
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from shardlib.planner.candidate import PlanView
 
 OVERLAP = 0.8
-"""Fraction of compute time that FSDP prefetches hide behind (an assumption: the
+"""Fraction of a window's compute time that FSDP prefetches hide behind (an assumption: the
 calibration runs use none)."""
 BACKWARD_SHARE = 2 / 3
 """The backward pass's share of compute (two matmuls per forward one): the window a
