@@ -57,9 +57,36 @@ def test_latency_ring_hops_and_the_tree_for_all_reduce(a100):
     where = links.span(big, axes, ("fsdp",))
     ring_hop = (64 * big.inter_host_latency + 448 * big.intra_host_latency) / 512
     assert links.latency(big, "all-gather", where) == pytest.approx(511 * ring_hop)
+    assert links.latency(big, "all-reduce", where) == pytest.approx(2 * 511 * ring_hop)
     tree = 2 * (math.log2(64) * big.inter_host_latency + 7 * big.intra_host_latency)
-    assert links.latency(big, "all-reduce", where) == pytest.approx(tree)
+    assert links.tree_latency(big, where) == pytest.approx(tree)
     assert tree < 2 * 511 * ring_hop
+
+
+def test_all_reduce_across_hosts_is_the_faster_of_ring_and_tree_each_at_its_own_price(a100):
+    """NCCL picks ring or tree per message; the tree's low latency comes with its own (lower)
+    bandwidth, never with the ring's."""
+    big = a100.with_hosts(64)
+    axes, names = (("fsdp", 512),), ("fsdp",)
+    where = links.span(big, axes, names)
+    bw, _ = links.priced(big, "all-reduce", axes, names)
+    ring_lat = links.latency(big, "all-reduce", where) * links.RING_PLATEAU
+    tree_lat = links.tree_latency(big, where)
+
+    def seconds(buffer):
+        wire = 2 * buffer * 511 / 512
+        return links.seconds(big, "all-reduce", axes, names, wire, buffer), wire
+
+    small, wire = seconds(64 * 1024)  # latency-bound: the tree
+    assert small == pytest.approx(wire / (links.TREE_BUSBW * bw) + tree_lat)
+    huge, wire = seconds(64e9)  # bandwidth-bound: the ring, plateau and all
+    assert huge == pytest.approx(wire / bw + ring_lat)
+    for buffer in (64 * 1024, 1e8, 1e9, 64e9):  # never the tree's latency at the ring's rate
+        t, wire = seconds(buffer)
+        assert t > wire / bw + tree_lat
+    # inside one host, or any other kind: the ring as before
+    one = links.seconds(big, "all-gather", axes, names, 1e9, 1e9)
+    assert one == pytest.approx(1e9 / bw + links.latency(big, "all-gather", where))
 
 
 def test_presets_without_measured_bus_bandwidth_take_the_default_fraction(a100):

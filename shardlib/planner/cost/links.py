@@ -22,10 +22,16 @@ hosts, with ``W`` the ring's wire bytes per device (``ring_wire_bytes``):
   the peer is in another host.
 
 Latency (small messages): a ring of ``g`` takes ``g - 1`` steps (all-reduce ``2(g - 1)``)
-over its hops, ``H`` of them NIC hops and the rest NVLink ones; across hosts NCCL
-runs an all-reduce as a tree when that is faster: ``2 (log2 H x inter + (g_h - 1) x intra)``
-hop latencies. The bandwidths are the cluster preset's achieved ones (``Cluster.busbw``: the
-published nccl-tests bus bandwidths each preset cites), not fitted on training runs.
+over its hops, ``H`` of them NIC hops and the rest NVLink ones. An all-reduce across hosts
+is run by NCCL as a ring or a tree, whichever its tuning model says is faster for the
+message (``seconds``), each with its own latency and bandwidth (NCCL ``src/graph/tuning.cc``,
+``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime``): the tree's is
+``2 (log2 H x inter + (g_h - 1) x intra)`` hop latencies at ``TREE_BUSBW`` of the ring's
+bus bandwidth; the ring's, once the message fills its channels, ``RING_PLATEAU`` times its
+hop latencies. (Before, the tree's latency was taken with the ring's bandwidth: a large
+all-reduce over many hosts came out faster than either algorithm runs it.) The bandwidths
+are the cluster preset's achieved ones (``Cluster.busbw``: the published nccl-tests bus
+bandwidths each preset cites), not fitted on training runs.
 Hierarchical forms (HSDP's data axis, ZeRO++'s secondary partition inside a host) need no
 rule of their own: their groups are priced by the same span.
 """
@@ -82,8 +88,23 @@ def bandwidth(cluster: Cluster, kind: str, where: Span) -> float:
     return inter  # collective-permute: a peer in another host
 
 
+TREE_BUSBW = 0.92
+"""A tree all-reduce's bus bandwidth across hosts, as a fraction of the ring's: NCCL's tuning
+model (``tuning.cc``, NCCL 2.12 onwards) sets the tree's to ``min(0.92 x busBw, nChannels x
+perChMaxTreeBw)``; the per-channel cap (Ampere at 4+ nodes: 17.8 GB/s) binds only below
+about ten channels, so 0.92. (NCCL 2.7-2.8, 2020-21, capped the tree at 80 GB/s across more
+than two nodes.)"""
+RING_PLATEAU = 1.4
+"""NCCL's factor on a ring all-reduce's latency across nodes once each rank and channel has
+64 bytes or more (``ncclTopoGetAlgoTime``, "Plateau effect of ring": 1.4 from compute
+capability 8.0, 1.9 before)."""
+MAX_CHANNELS = 32
+"""NCCL's ``MAXCHANNELS``: the plateau is applied when the buffer has 64 bytes per rank per
+channel even with all of them (a lower bound on where NCCL applies it)."""
+
+
 def latency(cluster: Cluster, kind: str, where: Span) -> float:
-    """Seconds of hop latencies of one collective (message-size independent)."""
+    """Seconds of a ring's hop latencies of one collective (message-size independent)."""
     intra, inter = cluster.intra_host_latency, cluster.inter_host_latency
     if kind == "collective-permute":
         return inter if where.hosts > 1 else intra
@@ -91,16 +112,36 @@ def latency(cluster: Cluster, kind: str, where: Span) -> float:
     # a ring's g hops: one leaves each host (a NIC), the rest are NVLink; each of its
     # g - 1 steps (2(g - 1) for an all-reduce) waits on the ring's hops in turn
     hop = (hosts * inter + (g - hosts) * intra) / g if hosts > 1 else intra
-    ring = (2 if kind == "all-reduce" else 1) * (g - 1) * hop
-    if kind != "all-reduce" or hosts == 1:
-        return ring
-    # NCCL's tree across hosts (a chain inside each): up and down, log2(H) NIC hops deep
-    tree = 2 * (math.ceil(math.log2(hosts)) * inter + (where.per_host - 1) * intra)
-    return min(ring, tree)
+    return (2 if kind == "all-reduce" else 1) * (g - 1) * hop
+
+
+def tree_latency(cluster: Cluster, where: Span) -> float:
+    """Seconds of NCCL's tree all-reduce across hosts (a chain inside each): up and down,
+    ``log2 H`` NIC hops deep."""
+    inter, intra = cluster.inter_host_latency, cluster.intra_host_latency
+    return 2 * (math.ceil(math.log2(where.hosts)) * inter + (where.per_host - 1) * intra)
 
 
 @functools.lru_cache(maxsize=65536)
 def priced(cluster: Cluster, kind: str, axes: tuple, names: tuple) -> tuple[float, float]:
-    """(bytes/s, seconds of latency per collective) of ``kind`` over ``names``."""
+    """(bytes/s, seconds of ring latency per collective) of ``kind`` over ``names``."""
     where = span(cluster, axes, names)
     return bandwidth(cluster, kind, where), latency(cluster, kind, where)
+
+
+def seconds(
+    cluster: Cluster, kind: str, axes: tuple, names: tuple, wire: float, buffer: float
+) -> float:
+    """Seconds of one collective of ``kind`` over ``names`` moving ``wire`` ring wire bytes
+    per device (``ring_wire_bytes`` of a ``buffer``-byte message): its ring, or for an
+    all-reduce across hosts the faster of NCCL's ring and tree, each at its own latency and
+    bandwidth."""
+    bw, ring_latency = priced(cluster, kind, axes, names)
+    where = span(cluster, axes, names)
+    if kind != "all-reduce" or where.hosts == 1:
+        return wire / bw + ring_latency
+    if buffer >= 64 * MAX_CHANNELS * where.group:
+        ring_latency *= RING_PLATEAU
+    ring = wire / bw + ring_latency
+    tree = wire / (TREE_BUSBW * bw) + tree_latency(cluster, where)
+    return min(ring, tree)

@@ -34,10 +34,12 @@ the tie. Here the rate depends on the plan:
   what compute they hide behind (``Term.window``): gradient reductions behind the backward
   pass (without stages: a micro-batch's reduction behind its own backward), exposed only
   beyond it; ring-attention passes behind the attention blocks only (Liu et al. 2023: a
-  pass is free while a block's compute outlasts its transfer); the rest (FSDP gathers and
-  reductions) behind ``OVERLAP`` of the compute (prefetch is partial: an assumption, not
-  fitted; llm-foundry's FSDP runs across hosts, ``benchmarks/fsdp_validation.py``, read
-  within 5% with it).
+  pass is free while a block's compute outlasts its transfer); FSDP's behind ``OVERLAP`` of
+  their own phase's compute (``Comm.window``: a layer's forward gather behind the forward,
+  its backward gather and gradient reduction behind the backward; prefetch is partial: an
+  assumption, not fitted; llm-foundry's FSDP runs across hosts,
+  ``benchmarks/fsdp_validation.py``, read within 5% with it); the rest behind ``OVERLAP``
+  of all compute.
 * **Beyond the roofline**: the loss head's fp32 softmax passes over the logits
   (``BlockTraffic.logits``), the saved activations' HBM round trip (``saved_seconds``) and
   the kernels' launch gaps (``launch_seconds``), measured against the H200 runs of
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from shardlib.planner.candidate import PlanView
 
 OVERLAP = 0.8
-"""Fraction of compute time that FSDP prefetches hide behind (an assumption: the
+"""Fraction of a window's compute time that FSDP prefetches hide behind (an assumption: the
 calibration runs use none)."""
 BACKWARD_SHARE = 2 / 3
 """The backward pass's share of compute (two matmuls per forward one): the window a
@@ -184,8 +186,11 @@ def collective_seconds(comm: Comm, cluster: Cluster, axes: tuple) -> float:
     (``planner.cost.links``: NCCL's rings over NVLink and the hosts' NICs)."""
     if comm.group <= 1 or comm.count == 0:
         return 0.0
-    bw, latency = links.priced(cluster, comm.kind, axes, comm.axes)
-    return comm.wire_bytes / bw + latency * comm.count * comm.ops
+    ops = comm.count * comm.ops
+    one = links.seconds(
+        cluster, comm.kind, axes, comm.axes, comm.wire_bytes / ops, comm.buffer_bytes / comm.ops
+    )
+    return one * ops
 
 
 def exposed_strategies(view: PlanView) -> frozenset[str]:
@@ -222,7 +227,7 @@ def exposed_seconds(
         if is_exposed(comm, exposed):
             critical += seconds
         else:
-            key = WINDOW.get(comm.strategy, "default")
+            key = comm.window or WINDOW.get(comm.strategy, "default")
             key = key if key in windows else "default"
             hidden[key] = hidden.get(key, 0.0) + seconds
     spill = sum(max(0.0, s - windows[k]) for k, s in hidden.items())
@@ -230,15 +235,21 @@ def exposed_seconds(
     return critical + spill, critical + sum(hidden.values())
 
 
-def overlap_windows(rate: Rate, compute_s: float) -> dict[str, float]:
-    """The compute seconds each kind of overlappable collective hides behind (``Term.window``):
-    ``backward`` the backward pass, ``attention`` the attention blocks, ``default``
-    ``OVERLAP`` of all compute."""
+def overlap_windows(rate: Rate, compute_s: float, recompute: bool = False) -> dict[str, float]:
+    """The compute seconds each kind of overlappable collective hides behind (``Term.window``,
+    ``Comm.window``): ``backward`` the backward pass, ``attention`` the attention blocks,
+    ``default`` ``OVERLAP`` of all compute; ``forward`` and ``backward prefetch``: ``OVERLAP``
+    of one phase's compute (FSDP: a layer's forward gather hides behind the forward, its
+    backward gather and its gradient reduction behind the backward, which holds the
+    recomputed forward too under ``recompute``)."""
     total = sum(rate.seconds.values())
     parts = ("scores", "values", "softmax")
     attention = sum(rate.seconds.get(k, 0.0) for k in parts) / total
+    forward = (1 / 4 if recompute else 1 - BACKWARD_SHARE) * compute_s
     return {
         "backward": BACKWARD_SHARE * compute_s,
         "attention": attention * compute_s,
         "default": OVERLAP * compute_s,
+        "forward": OVERLAP * forward,
+        "backward prefetch": OVERLAP * (compute_s - forward),
     }

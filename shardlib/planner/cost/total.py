@@ -229,7 +229,7 @@ def estimate(
     bubble_s *= (1 + extra_s / rate_s) if rate_s > 0 else 1
     compute_s = rate_s + extra_s
     total_s = sum(rate.seconds.values())
-    windows = throughput.overlap_windows(rate, compute_s)
+    windows = throughput.overlap_windows(rate, compute_s, view.remat == "full")
     exposed_s, comm_s = throughput.exposed_seconds(comms, cluster, plan.mesh.axes, windows, view)
     update_s = throughput.update_seconds(step, cluster)
     step_s = compute_s + exposed_s + bubble_s + host_s + update_s

@@ -62,6 +62,9 @@ class Comm:
     """Whether it can hide behind compute (weight prefetch, gradient reduction)."""
     ops: int = 1
     """Collectives per execution when several tensors are listed as one (latency counts)."""
+    window: str = ""
+    """What compute it hides behind (``throughput.overlap_windows``), where it differs from
+    its term's ``window`` ("": the term's)."""
 
     @property
     def wire_bytes(self) -> float:

@@ -129,30 +129,21 @@ def fsdp(step: Step) -> Contribution:
     # the per-layer tensors travel as separate collectives: listed once, ``ops`` of them
     layer = [param.numel / ways for param, ways in gathered(step) if param.per_layer]
     gathered_layer = sum(layer) * weight_bytes
+    # without stages a layer's forward gather hides behind the forward pass only, its
+    # backward gather(s) and its gradient reduction behind the backward pass only (a
+    # gradient does not exist before it): each phase is a window of its own
+    phased = view["stage"] == 1
+    forward = step.layers_per_device * m if phased else 0
+    back = "backward prefetch" if phased else ""
     comms = [
-        Comm(
-            "fsdp",
-            "weights",
-            "all-gather",
-            axes,
-            n,
-            gathered_layer,
-            layer_gathers,
-            True,
-            len(layer),
-        ),
+        Comm("fsdp", "weights", "all-gather", axes, n, gathered_layer, forward, True,
+             len(layer), "forward"),
+        Comm("fsdp", "weights", "all-gather", axes, n, gathered_layer, layer_gathers - forward,
+             True, len(layer), back),
         # a layer's gradients leave together, once per layer and micro-batch
-        Comm(
-            "fsdp",
-            "grads",
-            grad_kind,
-            axes,
-            n,
-            sum(layer) * MASTER_BYTES,
-            layer_grads,
-            True,
-        ),
-    ]
+        Comm("fsdp", "grads", grad_kind, axes, n, sum(layer) * MASTER_BYTES, layer_grads, True,
+             1, back),
+    ][0 if phased else 1 :]  # fmt: skip
     gathered_outer = 0.0
     tables = vocab_tables(step)
     if tables:
