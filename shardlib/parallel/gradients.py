@@ -207,9 +207,11 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
         )
     schedule = chimera_value_and_grad if spec.schedule == "chimera" else one_f_one_b_value_and_grad
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
+    # a user's model's batch: a tree of arrays with their names (1F1B; Chimera: token rows)
+    named = {} if layout.batch_names is None else {"batch_names": layout.batch_names}
 
     def value_and_grad(params, tokens_BL1):
-        if isinstance(tokens_BL1, dict):
+        if isinstance(tokens_BL1, dict) and layout.batch_names is None:
             raise ShardingError(
                 f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
                 "micro-batch's document positions would have to travel with it through the "
@@ -230,6 +232,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
             embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
             head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
             split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
+            **named,
         )
         with plan.ops():  # the attention kernel (and exchange) the plan picks, as in the loss
             value, g_rest, g_blocks = run(

@@ -16,10 +16,15 @@ whose loss and batch are the user's:
 * the loop is ``train.loop.run``: checkpoints with resume and the directory lock, metrics
   writers with MFU from the compiled step's FLOPs, preemption.
 
+A pipeline (a ``stage`` mesh axis) cuts the model's stack of blocks into stages: a model
+whose ``blocks`` are one stack (``nnx.vmap``, every parameter leading with ``layers``) and
+whose forward applies them with ``shardlib.run_stack`` runs GPipe, circular and 1F1B
+(``train.user_pipeline``); any other model is refused on a stage axis, naming the fix.
+
 What needs the decoder protocol (embed, stacked blocks, head, token rows) is refused before
-anything is compiled, with the reason: a pipeline (it cuts the stacked blocks into stages),
-parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales follow the
-blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
+anything is compiled, with the reason: parameter offload (it fetches the stacked blocks
+one at a time), FP8 (its scales follow the blocks' projections), LoRA, the token dataset
+settings and held-out token evaluation.
 
 State besides parameters (BatchNorm statistics, a Dropout's RNG stream, counters) is carried
 in the train state as ``model_state`` and written back by each step's forward pass, outside
@@ -48,12 +53,14 @@ from shardlib.core.layout import constrain, mesh_axes, resolve_specs
 from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import suggest_presets
+from shardlib.parallel.remat import RematSpec
 from shardlib.train import user_state
 from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, resolve_optimizer
 from shardlib.train.setup import TrainSetup
 from shardlib.train.user_data import Batches, _is_names
 from shardlib.train.user_loss import UserLoss, remat_layers
+from shardlib.train.user_pipeline import StackLoss, check_loss, check_stack
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,13 @@ class ModelSetup(TrainSetup):
 
     @cached_property
     def user_loss(self) -> UserLoss:
+        if self.plan.pipeline_spec() is not None:  # the stack run by the plan's layer loop
+            loss = StackLoss(
+                self.graphdef, self.loss, self.compute_dtype, RematSpec(),
+                layers=self.plan.layer_loop(self.workload, self.compute_dtype),
+            )  # fmt: skip
+            check_loss(loss, self.param_shapes, self.abstract_batch())
+            return loss
         spec = self.plan.remat.spec()
         held = (self.model_state.shapes,) if self.model_state else ()
         if spec.active and not remat_layers(
@@ -231,6 +245,7 @@ def make_model_setup(
         if "Non-exhaustive filters" not in str(err):
             raise
         inv, held = user_state.user_inventory(factory)  # carried in the train state
+    check_stack(factory.name, inv, plan, held)  # a stage axis: the stack a pipeline cuts
     batch = data.examples
     if batch % plan.data.microbatches:
         raise ShardingError(
@@ -273,12 +288,6 @@ def check_config(cfg: TrainConfig, plan) -> None:
     """Refuse, with the reason, what only the decoder protocol or token data can do."""
     data = cfg.dataset
     refusals = []
-    if plan.pipeline_spec() is not None:
-        refusals.append(
-            "a stage axis (pipeline): a pipeline cuts the model's stacked blocks into stages, "
-            "which only the decoder protocol (embed, stacked blocks, head) exposes. Fix: a mesh "
-            "without a stage axis"
-        )
     if plan.offload.params:
         refusals.append(
             "offload.params: it fetches the stacked blocks from host memory one layer at a "
