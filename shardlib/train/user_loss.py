@@ -33,6 +33,9 @@ class UserLoss:
     """With model state (``train.user_state``): the paths of its RNG keys; None: none."""
     model_state: Any = None
     """This step's model state (``given``), closed over: never differentiated."""
+    training: bool = True
+    """False: the model in eval mode (``nnx.Module.eval``: no dropout, BatchNorm on its
+    running statistics) and its state not read back (held-out evaluation)."""
 
     def given(self, model_state) -> UserLoss:
         """The loss on the train state's model state (BatchNorm statistics, RNG counts)."""
@@ -52,7 +55,9 @@ class UserLoss:
         else:  # the forward runs in train mode as built, writing its statistics and counts
             held = user_state.as_model_state(self.model_state, self.state_keys)
             model = nnx.merge(self.graphdef, params, held)
-        if self.remat.active:
+        if not self.training:
+            model.eval()
+        elif self.remat.active:
             remat_layers(model, self.remat)
         out = self.loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -75,7 +80,7 @@ class UserLoss:
         metrics = {  # "loss" is the trainer's own record of the returned loss
             k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"
         }
-        if self.state_keys is not None:  # the step takes it out (``build_step``)
+        if self.state_keys is not None and self.training:  # the step takes it out
             metrics[user_state.MODEL_STATE] = user_state.carried(model, self.state_keys)
         return jnp.asarray(loss, jnp.float32), metrics
 

@@ -23,8 +23,9 @@ whose forward applies them with ``shardlib.run_stack`` runs GPipe, circular and 
 
 What needs the decoder protocol (embed, stacked blocks, head, token rows) is refused before
 anything is compiled, with the reason: parameter offload (it fetches the stacked blocks
-one at a time), FP8 (its scales follow the blocks' projections), LoRA, the token dataset
-settings and held-out token evaluation.
+one at a time), FP8 (its scales follow the blocks' projections), LoRA and the token dataset
+settings. Held-out evaluation (``eval_every``) reads ``Batches.held_out`` and reports the
+user's loss and metrics with the model in eval mode (``ModelSetup.eval_step``).
 
 State besides parameters (BatchNorm statistics, a Dropout's RNG stream, counters) is carried
 in the train state as ``model_state`` and written back by each step's forward pass, outside
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import constrain, mesh_axes, resolve_specs
+from shardlib.core.layout import constrain, mesh_axes, resolve_specs, use_layout
 from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import suggest_presets
@@ -181,6 +182,28 @@ class ModelSetup(TrainSetup):
         keys = self.model_state.keys if self.model_state else None
         return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec, keys)
 
+    eval_perplexity = False  # the user's loss is whatever it is: no perplexity
+
+    @cached_property
+    def eval_step(self):
+        """``eval(state, batch) -> (loss, examples, metrics)``: the user's loss and metrics on
+        a held-out batch, the model in eval mode (no dropout, BatchNorm's running statistics)."""
+        loss = dataclasses.replace(self.user_loss, training=False)
+        names, held = self.data.names, bool(self.model_state)
+
+        def eval_step(state, batch):
+            with use_layout(self.mesh, self.rules):
+                batch = jax.tree.map(lambda n, x: constrain(x, n), names, batch, is_leaf=_is_names)
+                fn = loss.given(state[user_state.MODEL_STATE]) if held else loss
+                value, metrics = fn(state["params"], batch)
+            return value, jnp.float32(jax.tree.leaves(batch)[0].shape[0]), metrics
+
+        shardings = {"params": self.param_shardings}
+        if held:
+            shardings[user_state.MODEL_STATE] = self.state_shardings[user_state.MODEL_STATE]
+        step = jax.jit(eval_step, in_shardings=(shardings, self.batch_sharding))
+        return lambda state, batch: step({k: state[k] for k in shardings}, batch)
+
     @cached_property
     def train_step(self):
         from shardlib.train.step import build_step
@@ -301,10 +324,10 @@ def check_config(cfg: TrainConfig, plan) -> None:
         refusals.append(
             "lora.rank: adapters are built on the decoder's projections. Fix: lora.rank=0"
         )
-    if data.path or data.mix or data.eval_every:
+    if data.path or data.mix:
         refusals.append(
-            "dataset.path / mix / eval_every: token data for decoders; a model of your own reads "
-            "its batches from data=. Fix: leave them unset"
+            "dataset.path / mix: token data for decoders; a model of your own reads its batches "
+            "from data= (held-out ones from Batches(..., held_out=...)). Fix: leave them unset"
         )
     if plan.loss.chunk:
         refusals.append("loss.chunk: it slices the decoder head's vocabulary loss. Fix: chunk=0")

@@ -1,0 +1,69 @@
+"""Held-out evaluation of a user's model (``eval_every``, ``Batches.held_out``).
+
+``own_bn_model`` has BatchNorm and Dropout, so eval mode matters: the evaluation must be the
+user's loss (and metrics) on the held-out batches with the model in eval mode (no dropout,
+BatchNorm's running statistics), which a one-device ``model.eval()`` of the trained state
+reproduces within 1e-5. Without held-out batches ``eval_every`` is refused before compiling.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import shardlib
+from shardlib.core.errors import ShardingError
+from shardlib.core.mesh import mesh_spec
+from shardlib.parallel.plan import ParallelPlan
+from shardlib.train.loop import run
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def own():
+    import own_bn_model
+
+    return own_bn_model
+
+
+def _setup(own, held_out, **settings):
+    spec = mesh_spec(data=2)
+    cfg = shardlib.user_config(ParallelPlan(mesh=spec), precision="fp32", **settings)
+    data = shardlib.Batches(own.batches().source, own.NAMES, "own_bn", held_out=held_out)
+    mesh = spec.build(jax.devices()[:2])
+    return shardlib.make_model_setup(cfg, own.make_model, _with_metrics(own), data, mesh)
+
+
+def _with_metrics(own):
+    def loss_fn(model, batch):
+        loss = own.loss_fn(model, batch)
+        return loss, {"twice": 2 * loss}
+
+    return loss_fn
+
+
+def test_eval_every_without_held_out_batches_is_refused(own):
+    setup = _setup(own, None, steps=1, eval_every=1)
+    with pytest.raises(ShardingError, match="held_out=eval_source"):
+        run(setup, show=False)
+
+
+@pytest.mark.slow
+def test_held_out_loss_is_the_users_loss_in_eval_mode(own):
+    held = [own._examples(10 + i) for i in range(3)]  # 3 given, eval_batches=2 read
+    setup = _setup(own, held, steps=2, eval_every=2, eval_batches=2)
+    result = run(setup, show=False)
+    assert [("eval_loss" in r) for r in result.records] == [False, True]
+    last = result.records[-1]
+    assert "eval_perplexity" not in last and last["eval_twice"] == pytest.approx(
+        2 * last["eval_loss"], rel=TOL
+    )
+    one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), result.state)
+    model = setup.trained_model(one)
+    model.eval()  # no dropout, BatchNorm on its running statistics
+    with nnx.use_eager_sharding(False):
+        want = np.mean([float(own.loss_fn(model, b)) for b in held[:2]])
+    assert abs(last["eval_loss"] - want) <= TOL * want
+    model.train()  # in train mode the same batches give another loss (dropout, batch stats)
+    assert abs(float(own.loss_fn(model, held[0])) - want) > 1e-3
