@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
+from shardlib.parallel.gradients import micro_batch_index
 from shardlib.parallel.remat import RematSpec
 from shardlib.train import user_state
 
@@ -54,6 +55,9 @@ class UserLoss:
             model = nnx.merge(self.graphdef, params)
         else:  # the forward runs in train mode as built, writing its statistics and counts
             held = user_state.as_model_state(self.model_state, self.state_keys)
+            index = micro_batch_index()
+            if index is not None:  # each micro-batch its own dropout masks
+                held = user_state.fold_keys(held, self.state_keys, index)
             model = nnx.merge(self.graphdef, params, held)
         if not self.training:
             model.eval()

@@ -67,3 +67,43 @@ def test_held_out_loss_is_the_users_loss_in_eval_mode(own):
     assert abs(last["eval_loss"] - want) <= TOL * want
     model.train()  # in train mode the same batches give another loss (dropout, batch stats)
     assert abs(float(own.loss_fn(model, held[0])) - want) > 1e-3
+
+
+class Dropped(nnx.Module):
+    """``w · dropout(ones)``: the gradient of ``w`` is the dropout mask (times 2)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.ones, ("embed",))
+        self.w = nnx.Param(init(rngs.params(), (64,)))  # [embed]
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x_BD):
+        return (self.drop(x_BD) * self.w[...]).sum(-1)
+
+
+def test_each_micro_batch_draws_its_own_dropout_mask():
+    """Two micro-batches of the same row: with one key they would draw one mask and the
+    averaged gradient would be 0 or 2 everywhere; with their own keys it is 1 somewhere."""
+    from shardlib.core.layout import use_layout
+    from shardlib.train.step import grad_function
+    from shardlib.train.user_state import MODEL_STATE
+
+    def loss_fn(model, batch):
+        return model(batch["x"]).mean()
+
+    spec = mesh_spec(data=1)
+    cfg = shardlib.user_config(ParallelPlan(mesh=spec), parallel__data__microbatches=2)
+    rows = [{"x": np.ones((2, 64), np.float32)}]
+    data = shardlib.Batches(rows, {"x": ("batch", "embed")}, "rows")
+    setup = shardlib.make_model_setup(cfg, Dropped, loss_fn, data, spec.build(jax.devices()[:1]))
+    state = setup.init_state()
+    loss = setup.user_loss.given(state[MODEL_STATE])
+
+    @jax.jit
+    def grads(params, batch):
+        with use_layout(setup.mesh, setup.rules):
+            return grad_function(setup, loss, has_aux=True)(params, batch)[1]
+
+    g = np.asarray(grads(state["params"], {"x": np.ones((2, 64), np.float32)})["w"])
+    assert set(np.unique(g)) <= {0.0, 1.0, 2.0}
+    assert 1.0 in g  # the two masks differ
