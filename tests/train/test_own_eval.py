@@ -15,7 +15,7 @@ import shardlib
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import mesh_spec
 from shardlib.parallel.plan import ParallelPlan
-from shardlib.train.loop import run
+from shardlib.train.loop import Evaluation, run
 
 TOL = 1e-5
 
@@ -51,22 +51,22 @@ def test_eval_every_without_held_out_batches_is_refused(own):
 
 @pytest.mark.slow
 def test_held_out_loss_is_the_users_loss_in_eval_mode(own):
+    """The run's ``Evaluation`` (what ``eval_every`` calls) on the initial state: one
+    compiled eval step, no train step."""
     held = [own._examples(10 + i) for i in range(3)]  # 3 given, eval_batches=2 read
-    setup = _setup(own, held, steps=2, eval_every=2, eval_batches=2)
-    result = run(setup, show=False)
-    assert [("eval_loss" in r) for r in result.records] == [False, True]
-    last = result.records[-1]
-    assert "eval_perplexity" not in last and last["eval_twice"] == pytest.approx(
-        2 * last["eval_loss"], rel=TOL
-    )
-    one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), result.state)
+    setup = _setup(own, held, steps=1, eval_every=1, eval_batches=2)
+    state = setup.init_state()
+    got = Evaluation(setup, setup.open_data())(state)
+    assert set(got) == {"eval_loss", "eval_twice"}  # no perplexity: the user's own loss
+    assert got["eval_twice"] == pytest.approx(2 * got["eval_loss"], rel=TOL)
+    one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), state)
     model = setup.trained_model(one)
     model.eval()  # no dropout, BatchNorm on its running statistics
     with nnx.use_eager_sharding(False):
         want = np.mean([float(own.loss_fn(model, b)) for b in held[:2]])
-    assert abs(last["eval_loss"] - want) <= TOL * want
-    model.train()  # in train mode the same batches give another loss (dropout, batch stats)
-    assert abs(float(own.loss_fn(model, held[0])) - want) > 1e-3
+        assert abs(got["eval_loss"] - want) <= TOL * want
+        model.train()  # in train mode the same batches give another loss
+        assert abs(float(own.loss_fn(model, held[0])) - want) > 1e-3
 
 
 class Dropped(nnx.Module):
