@@ -70,9 +70,11 @@ from shardlib.parallel.pipeline.stage_work import (
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.parallel.pipeline.views import (
+    batch_tree_names,
     constrain_param,
     from_stages,
-    split_microbatches,
+    is_names,
+    microbatched,
     stage_axes,
     stage_mask,
     staged_names,
@@ -125,30 +127,6 @@ def masked_add(acc_P, new_P, on_P):
         ),
         acc_P,
         new_P,
-    )
-
-
-TOKEN_NAMES = ("batch", None)  # a batch of token rows [b, seq + 1]
-
-
-def is_names(x) -> bool:
-    """A leaf of a tree of logical-name tuples (the batch's ``names``)."""
-    return isinstance(x, tuple)
-
-
-def batch_tree_names(batch, names):
-    """The logical names of every array of ``batch``: ``names`` (a tree like the batch's,
-    a user's model's ``Batches.names``), or ``TOKEN_NAMES`` for each (token rows)."""
-    return jax.tree.map(lambda _: TOKEN_NAMES, batch) if names is None else names
-
-
-def microbatched(batch, names, m: int):
-    """Every array of ``batch`` as [m, b/m, ...] (``split_microbatches``) on its layout."""
-    return jax.tree.map(
-        lambda n, x: constrain(split_microbatches(x, m), (None, *n)),
-        batch_tree_names(batch, names),
-        batch,
-        is_leaf=is_names,
     )
 
 
