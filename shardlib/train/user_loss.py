@@ -34,9 +34,15 @@ class UserLoss:
     """With model state (``train.user_state``): the paths of its RNG keys; None: none."""
     model_state: Any = None
     """This step's model state (``given``), closed over: never differentiated."""
+    masters: frozenset = frozenset()
+    """Top-level parameter entries left in fp32 (a pipeline's stacked blocks: each stage
+    casts its own per trip, so their gradients accumulate in fp32, as a decoder's do)."""
     training: bool = True
     """False: the model in eval mode (``nnx.Module.eval``: no dropout, BatchNorm on its
     running statistics) and its state not read back (held-out evaluation)."""
+
+    def _cast(self, p):
+        return p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
 
     def given(self, model_state) -> UserLoss:
         """The loss on the train state's model state (BatchNorm statistics, RNG counts)."""
@@ -47,10 +53,9 @@ class UserLoss:
         return user_state.settle(old, forward, self.state_keys)
 
     def __call__(self, params, batch):
-        params = jax.tree.map(
-            lambda p: p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-            params,
-        )
+        params = {
+            k: v if k in self.masters else jax.tree.map(self._cast, v) for k, v in params.items()
+        }
         if self.state_keys is None:
             model = nnx.merge(self.graphdef, params)
         else:  # the forward runs in train mode as built, writing its statistics and counts

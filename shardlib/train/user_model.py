@@ -61,7 +61,7 @@ from shardlib.train.optim import build_optimizer, resolve_optimizer
 from shardlib.train.setup import TrainSetup
 from shardlib.train.user_data import Batches, _is_names
 from shardlib.train.user_loss import UserLoss, remat_layers
-from shardlib.train.user_pipeline import StackLoss, check_loss, check_stack
+from shardlib.train.user_pipeline import STACK, StackLoss, check_loss, check_stack
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,7 @@ class ModelSetup(TrainSetup):
         if self.plan.pipeline_spec() is not None:  # the stack run by the plan's layer loop
             loss = StackLoss(
                 self.graphdef, self.loss, self.compute_dtype, RematSpec(),
+                masters=frozenset({STACK}),  # cast per stage (``layer_loop.master_blocks``)
                 layers=self.plan.layer_loop(self.workload, self.compute_dtype),
             )  # fmt: skip
             check_loss(loss, self.param_shapes, self.abstract_batch())
