@@ -29,6 +29,7 @@ _FROM = {
         "Axis", "MeshSpec", "load_mesh", "mesh_spec", "reference_mesh", "simulate_cpu_devices",
     ),
     "shardlib.core.rules": ("LOGICAL_NAMES", "Rules", "base_rules", "compose", "resolve_spec"),
+    "shardlib.core.stack": ("run_stack",),
     "shardlib.dataset.tokens": ("embedded_corpus", "global_batch"),
     "shardlib.parallel": (  # every strategy's rule function (``parallel.__all__``)
         "context_parallel", "data_parallel", "expert_parallel", "fsdp", "sequence_parallel",

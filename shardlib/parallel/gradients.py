@@ -26,6 +26,7 @@ fp16: the loss is multiplied by ``loss_scale`` and the loss and gradients come b
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -139,6 +140,16 @@ def _with_aux(loss_fn, has_aux: bool, loss_scale) -> Callable:
     return fn
 
 
+_MICRO_BATCH: contextvars.ContextVar = contextvars.ContextVar("shardlib_micro_batch", default=None)
+
+
+def micro_batch_index():
+    """The index of the micro-batch being traced inside ``accumulate`` (a traced int32), or
+    None outside it: a loss that draws random numbers (a user's model's dropout) folds it
+    into its keys so that each micro-batch draws its own."""
+    return _MICRO_BATCH.get()
+
+
 def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=None):
     """``grad_fn`` averaged over ``microbatches`` sequential slices of the batch.
 
@@ -152,6 +163,8 @@ def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=N
     whole batch first, ``train.step.normalise_weights``, so the masked mean stays global).
     ``loss_fn`` gives the shapes of the summed ``(loss, metrics)``; the sum of gradients is
     pinned to ``grad_shardings`` (ZeRO-2/3: reduce-scattered per micro-batch) where given.
+    Each micro-batch is traced with its index set (``micro_batch_index``); a loss that does
+    not read it (the decoder's) compiles as before.
     """
     if microbatches == 1:
         return grad_fn
@@ -170,10 +183,15 @@ def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=N
     def accumulated(params, batch):
         micro = jax.tree.map(cut, batch)  # a packed batch's every array alike
 
-        def body(carry, batch_mb):
+        def body(carry, indexed):
             loss_sum, grad_sum = carry
+            index, batch_mb = indexed
             batch_mb = pin(batch_mb)
-            loss, grads = grad_fn(params, batch_mb)
+            token = _MICRO_BATCH.set(index)
+            try:
+                loss, grads = grad_fn(params, batch_mb)
+            finally:
+                _MICRO_BATCH.reset(token)
             loss_sum = jax.tree.map(jnp.add, loss_sum, loss)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             if grad_shardings is not None:
@@ -183,7 +201,8 @@ def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=N
         zeros = jax.tree.map(jnp.zeros_like, params)
         first = jax.tree.map(lambda x: x[0], micro)
         loss_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_fn, params, first))
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), micro)
+        indexed = (jnp.arange(microbatches, dtype=jnp.int32), micro)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (loss_zeros, zeros), indexed)
         return jax.tree.map(lambda g: g / microbatches, (loss_sum, grad_sum))
 
     return accumulated
@@ -207,9 +226,11 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
         )
     schedule = chimera_value_and_grad if spec.schedule == "chimera" else one_f_one_b_value_and_grad
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
+    # a user's model's batch: a tree of arrays with their names (1F1B; Chimera: token rows)
+    named = {} if layout.batch_names is None else {"batch_names": layout.batch_names}
 
     def value_and_grad(params, tokens_BL1):
-        if isinstance(tokens_BL1, dict):
+        if isinstance(tokens_BL1, dict) and layout.batch_names is None:
             raise ShardingError(
                 f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
                 "micro-batch's document positions would have to travel with it through the "
@@ -230,6 +251,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
             embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
             head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
             split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
+            **named,
         )
         with plan.ops():  # the attention kernel (and exchange) the plan picks, as in the loss
             value, g_rest, g_blocks = run(

@@ -24,7 +24,6 @@ from shardlib.checkpoint.store import jsonable
 from shardlib.core.errors import ShardingError
 from shardlib.dataset.tokens import FlatData, check_vocab, load_tokens
 from shardlib.distributed.preempt import Preemption
-from shardlib.train.fp8 import eval_params
 from shardlib.train.goodput import Goodput
 from shardlib.train.metrics import (
     Writers,
@@ -109,22 +108,24 @@ class Evaluation:
             self._batches = source.eval_batches(
                 setup.cfg.dataset.eval_batches, setup.batch_sharding
             )
-        self._step = None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.setup.cfg.run.steps)
 
-    def __call__(self, params) -> dict:
-        if self._step is None:
-            from shardlib.train.step import build_eval_step
-
-            self._step = build_eval_step(self.setup)
-        total, weight = 0.0, 0.0
+    def __call__(self, state) -> dict:
+        """``eval_loss`` (and ``eval_perplexity`` for a decoder, ``eval_NAME`` for each of a
+        user's loss's metrics): means over the held-out batches, weighted by their size."""
+        totals: dict[str, float] = {}
+        weight = 0.0
         for batch in self._batches:
-            loss, w = jax.device_get(self._step(params, batch))
-            total, weight = total + float(loss) * float(w), weight + float(w)
-        loss = total / max(weight, 1.0)
-        return {"eval_loss": loss, "eval_perplexity": float(np.exp(min(loss, 80.0)))}
+            loss, w, metrics = jax.device_get(self.setup.eval_step(state, batch))
+            for name, value in {"loss": loss, **metrics}.items():
+                totals[name] = totals.get(name, 0.0) + float(value) * float(w)
+            weight += float(w)
+        out = {f"eval_{name}": total / max(weight, 1.0) for name, total in totals.items()}
+        if self.setup.eval_perplexity:
+            out["eval_perplexity"] = float(np.exp(min(out["eval_loss"], 80.0)))
+        return out
 
 
 def _progress(console: Console, unit: str) -> Progress:
@@ -285,11 +286,9 @@ def run(
                 goodput.checkpoint_s += time.perf_counter() - t_save
             record.update(goodput.record())
             if evaluation.due(done):
-                record.update(evaluation(eval_params(state)))
-                say(
-                    f"step {done}: eval loss {record['eval_loss']:.4f}, perplexity "
-                    f"{record['eval_perplexity']:.2f}"
-                )
+                record.update(evaluation(state))
+                said = [f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval_")]
+                say(f"step {done}: eval {', '.join(said)}")
             result.records.append(record)
             writers.write(record)
             if progress is not None:

@@ -329,6 +329,18 @@ class TrainSetup:
         )
         return dataclasses.replace(self, tx=freeze_base(tx, cfg.lora.rank))
 
+    eval_perplexity = True
+    """Whether the held-out loss is a per-token cross-entropy (perplexity is its exp)."""
+
+    @cached_property
+    def eval_step(self):
+        """``eval(state, batch) -> (loss, weight, metrics)`` on one held-out batch, combined
+        over batches as a mean weighted by ``weight`` (``train.loop.Evaluation``)."""
+        from shardlib.train.step import build_eval_step
+
+        step = build_eval_step(self)
+        return lambda state, batch: (*step(fp8.eval_params(state), batch), {})
+
 
 def make_setup(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainSetup:
     """Validate the config against the mesh and derive every layout (nothing is compiled).

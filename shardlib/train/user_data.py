@@ -47,6 +47,10 @@ class Batches:
     ``{"image": ("batch", None, None, None), "label": ("batch",)}``."""
     name: str = "batches"
     """What the run records as its data (``data=pkg.mod:NAME``'s NAME)."""
+    held_out: Any = None
+    """Held-out batches with the same names (a sequence or iterable, or a function returning
+    one): ``eval_every=N`` evaluates the model on the first ``eval_batches`` of them every N
+    steps; None: no held-out data."""
     _iterator: Iterator | None = field(default=None, repr=False)
     _next: int = field(default=0, repr=False)
     _first: Any = field(default=None, repr=False)
@@ -156,11 +160,7 @@ class Batches:
     # --- the loop's data interface (``train.loop``) ----------------------------------------
     def batch_for(self, step: int, shardings) -> Any:
         batch = self.first if step == 0 else self.checked(self.host_batch(step))
-        return jax.tree.map(
-            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
-            batch,
-            shardings,
-        )
+        return self._placed(batch, shardings)
 
     def identity(self) -> dict:
         """What the run trains on, compared on resume: step 0's bytes and their hash."""
@@ -174,10 +174,32 @@ class Batches:
     def state(self) -> None:
         return None  # the position is the step: nothing else to save
 
-    def eval_batches(self, count: int, sharding) -> list:
-        raise ShardingError(
-            "dataset.eval_every reads the token dataset's held-out split, which a model of "
-            "your own does not have. Fix: eval_every=0, and evaluate in your own code."
+    def eval_batches(self, count: int, shardings) -> list:
+        """The first ``count`` held-out batches, on the batch's layout (the same ones at
+        every evaluation; fewer where the held-out data has fewer)."""
+        if self.held_out is None:
+            raise ShardingError(
+                f"data {self.name}: dataset.eval_every evaluates on held-out batches, and "
+                "these batches have none. Fix: shardlib.Batches(source, names, held_out="
+                "eval_source), or eval_every=0."
+            )
+        held = Batches(self.held_out, self.names, f"{self.name} (held out)")
+        source = held._open() if not held._random_access() else held.source
+        out = []
+        for batch in source:
+            out.append(self._placed(held.checked(batch), shardings))
+            if len(out) == count:
+                break
+        if not out:
+            raise ShardingError(f"data {self.name}: the held-out batches are empty.")
+        return out
+
+    @staticmethod
+    def _placed(batch, shardings):
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
+            batch,
+            shardings,
         )
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
+from shardlib.parallel.gradients import micro_batch_index
 from shardlib.parallel.remat import RematSpec
 from shardlib.train import user_state
 
@@ -33,6 +34,15 @@ class UserLoss:
     """With model state (``train.user_state``): the paths of its RNG keys; None: none."""
     model_state: Any = None
     """This step's model state (``given``), closed over: never differentiated."""
+    masters: frozenset = frozenset()
+    """Top-level parameter entries left in fp32 (a pipeline's stacked blocks: each stage
+    casts its own per trip, so their gradients accumulate in fp32, as a decoder's do)."""
+    training: bool = True
+    """False: the model in eval mode (``nnx.Module.eval``: no dropout, BatchNorm on its
+    running statistics) and its state not read back (held-out evaluation)."""
+
+    def _cast(self, p):
+        return p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
 
     def given(self, model_state) -> UserLoss:
         """The loss on the train state's model state (BatchNorm statistics, RNG counts)."""
@@ -43,16 +53,20 @@ class UserLoss:
         return user_state.settle(old, forward, self.state_keys)
 
     def __call__(self, params, batch):
-        params = jax.tree.map(
-            lambda p: p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-            params,
-        )
+        params = {
+            k: v if k in self.masters else jax.tree.map(self._cast, v) for k, v in params.items()
+        }
         if self.state_keys is None:
             model = nnx.merge(self.graphdef, params)
         else:  # the forward runs in train mode as built, writing its statistics and counts
             held = user_state.as_model_state(self.model_state, self.state_keys)
+            index = micro_batch_index()
+            if index is not None:  # each micro-batch its own dropout masks
+                held = user_state.fold_keys(held, self.state_keys, index)
             model = nnx.merge(self.graphdef, params, held)
-        if self.remat.active:
+        if not self.training:
+            model.eval()
+        elif self.remat.active:
             remat_layers(model, self.remat)
         out = self.loss_fn(model, batch)
         loss, metrics = out if isinstance(out, tuple) else (out, {})
@@ -75,7 +89,7 @@ class UserLoss:
         metrics = {  # "loss" is the trainer's own record of the returned loss
             k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"
         }
-        if self.state_keys is not None:  # the step takes it out (``build_step``)
+        if self.state_keys is not None and self.training:  # the step takes it out
             metrics[user_state.MODEL_STATE] = user_state.carried(model, self.state_keys)
         return jnp.asarray(loss, jnp.float32), metrics
 

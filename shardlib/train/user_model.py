@@ -16,10 +16,16 @@ whose loss and batch are the user's:
 * the loop is ``train.loop.run``: checkpoints with resume and the directory lock, metrics
   writers with MFU from the compiled step's FLOPs, preemption.
 
+A pipeline (a ``stage`` mesh axis) cuts the model's stack of blocks into stages: a model
+whose ``blocks`` are one stack (``nnx.vmap``, every parameter leading with ``layers``) and
+whose forward applies them with ``shardlib.run_stack`` runs GPipe, circular and 1F1B
+(``train.user_pipeline``); any other model is refused on a stage axis, naming the fix.
+
 What needs the decoder protocol (embed, stacked blocks, head, token rows) is refused before
-anything is compiled, with the reason: a pipeline (it cuts the stacked blocks into stages),
-parameter offload (it fetches the stacked blocks one at a time), FP8 (its scales follow the
-blocks' projections), LoRA, the token dataset settings and held-out token evaluation.
+anything is compiled, with the reason: parameter offload (it fetches the stacked blocks
+one at a time), FP8 (its scales follow the blocks' projections), LoRA and the token dataset
+settings. Held-out evaluation (``eval_every``) reads ``Batches.held_out`` and reports the
+user's loss and metrics with the model in eval mode (``ModelSetup.eval_step``).
 
 State besides parameters (BatchNorm statistics, a Dropout's RNG stream, counters) is carried
 in the train state as ``model_state`` and written back by each step's forward pass, outside
@@ -44,16 +50,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import constrain, mesh_axes, resolve_specs
+from shardlib.core.layout import constrain, mesh_axes, resolve_specs, use_layout
 from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import suggest_presets
+from shardlib.parallel.remat import RematSpec
 from shardlib.train import user_state
 from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, resolve_optimizer
 from shardlib.train.setup import TrainSetup
 from shardlib.train.user_data import Batches, _is_names
 from shardlib.train.user_loss import UserLoss, remat_layers
+from shardlib.train.user_pipeline import STACK, StackLoss, check_loss, check_stack
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,14 @@ class ModelSetup(TrainSetup):
 
     @cached_property
     def user_loss(self) -> UserLoss:
+        if self.plan.pipeline_spec() is not None:  # the stack run by the plan's layer loop
+            loss = StackLoss(
+                self.graphdef, self.loss, self.compute_dtype, RematSpec(),
+                masters=frozenset({STACK}),  # cast per stage (``layer_loop.master_blocks``)
+                layers=self.plan.layer_loop(self.workload, self.compute_dtype),
+            )  # fmt: skip
+            check_loss(loss, self.param_shapes, self.abstract_batch())
+            return loss
         spec = self.plan.remat.spec()
         held = (self.model_state.shapes,) if self.model_state else ()
         if spec.active and not remat_layers(
@@ -166,6 +182,28 @@ class ModelSetup(TrainSetup):
             )
         keys = self.model_state.keys if self.model_state else None
         return UserLoss(self.graphdef, self.loss, self.compute_dtype, spec, keys)
+
+    eval_perplexity = False  # the user's loss is whatever it is: no perplexity
+
+    @cached_property
+    def eval_step(self):
+        """``eval(state, batch) -> (loss, examples, metrics)``: the user's loss and metrics on
+        a held-out batch, the model in eval mode (no dropout, BatchNorm's running statistics)."""
+        loss = dataclasses.replace(self.user_loss, training=False)
+        names, held = self.data.names, bool(self.model_state)
+
+        def eval_step(state, batch):
+            with use_layout(self.mesh, self.rules):
+                batch = jax.tree.map(lambda n, x: constrain(x, n), names, batch, is_leaf=_is_names)
+                fn = loss.given(state[user_state.MODEL_STATE]) if held else loss
+                value, metrics = fn(state["params"], batch)
+            return value, jnp.float32(jax.tree.leaves(batch)[0].shape[0]), metrics
+
+        shardings = {"params": self.param_shardings}
+        if held:
+            shardings[user_state.MODEL_STATE] = self.state_shardings[user_state.MODEL_STATE]
+        step = jax.jit(eval_step, in_shardings=(shardings, self.batch_sharding))
+        return lambda state, batch: step({k: state[k] for k in shardings}, batch)
 
     @cached_property
     def train_step(self):
@@ -231,6 +269,7 @@ def make_model_setup(
         if "Non-exhaustive filters" not in str(err):
             raise
         inv, held = user_state.user_inventory(factory)  # carried in the train state
+    check_stack(factory.name, inv, plan, held)  # a stage axis: the stack a pipeline cuts
     batch = data.examples
     if batch % plan.data.microbatches:
         raise ShardingError(
@@ -273,12 +312,6 @@ def check_config(cfg: TrainConfig, plan) -> None:
     """Refuse, with the reason, what only the decoder protocol or token data can do."""
     data = cfg.dataset
     refusals = []
-    if plan.pipeline_spec() is not None:
-        refusals.append(
-            "a stage axis (pipeline): a pipeline cuts the model's stacked blocks into stages, "
-            "which only the decoder protocol (embed, stacked blocks, head) exposes. Fix: a mesh "
-            "without a stage axis"
-        )
     if plan.offload.params:
         refusals.append(
             "offload.params: it fetches the stacked blocks from host memory one layer at a "
@@ -292,10 +325,10 @@ def check_config(cfg: TrainConfig, plan) -> None:
         refusals.append(
             "lora.rank: adapters are built on the decoder's projections. Fix: lora.rank=0"
         )
-    if data.path or data.mix or data.eval_every:
+    if data.path or data.mix:
         refusals.append(
-            "dataset.path / mix / eval_every: token data for decoders; a model of your own reads "
-            "its batches from data=. Fix: leave them unset"
+            "dataset.path / mix: token data for decoders; a model of your own reads its batches "
+            "from data= (held-out ones from Batches(..., held_out=...)). Fix: leave them unset"
         )
     if plan.loss.chunk:
         refusals.append("loss.chunk: it slices the decoder head's vocabulary loss. Fix: chunk=0")

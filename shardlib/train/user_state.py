@@ -30,7 +30,9 @@ and restored from checkpoints with the rest of the state, so a resume continues 
 * Micro-batches (``microbatches=m``): each micro-batch's forward starts from the step's state,
   and the state read back is the mean over micro-batches (integers rounded back). Running
   means are then exact; a running variance averages per-micro-batch variances (it misses
-  the spread between micro-batch means), and every micro-batch draws the same dropout key.
+  the spread between micro-batch means). Micro-batch i draws from its own streams: i is
+  folded into every RNG key (``fold_keys``; ``parallel.gradients.micro_batch_index``), so
+  its dropout key is ``fold_in(fold_in(key, i), count)``; with m = 1 nothing is folded.
 """
 
 from __future__ import annotations
@@ -114,6 +116,15 @@ def as_model_state(tree: dict, keys: frozenset) -> dict:
     out: dict = {}
     for path, leaf in flat:
         _put(out, path, leaf)
+    return out
+
+
+def fold_keys(tree: dict, keys: frozenset, index) -> dict:
+    """``as_model_state``'s tree with ``index`` folded into every RNG key: micro-batch
+    ``index``'s own streams (its dropout masks differ from the other micro-batches')."""
+    out: dict = {}
+    for path, leaf in _flat(tree):
+        _put(out, path, jax.random.fold_in(leaf, index) if path in keys else leaf)
     return out
 
 

@@ -70,9 +70,11 @@ from shardlib.parallel.pipeline.stage_work import (
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.parallel.pipeline.views import (
+    batch_tree_names,
     constrain_param,
     from_stages,
-    split_microbatches,
+    is_names,
+    microbatched,
     stage_axes,
     stage_mask,
     staged_names,
@@ -128,11 +130,12 @@ def masked_add(acc_P, new_P, on_P):
     )
 
 
-def per_replica(spec: PipelineSpec, run):
+def per_replica(spec: PipelineSpec, run, batch_names=None):
     """``value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None)``
     from a fused schedule's ``run(rest, blocks_state, tokens, rest_shardings, scale,
     sum_stages=True) -> (loss, g_rest, g_blocks)``: run per data replica (one gradient
-    reduction per step, after the loop), then the mean. Shared by 1F1B and Chimera."""
+    reduction per step, after the loop), then the mean. Shared by 1F1B and Chimera.
+    ``batch_names``: a tree of logical names like the batch's (None: token rows)."""
 
     def value_and_grad(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None):
         """Per data replica (one gradient reduction per step, after the loop), then the mean."""
@@ -144,7 +147,12 @@ def per_replica(spec: PipelineSpec, run):
             rest_shardings = jax.tree.map(lambda _: NamedSharding(reps.mesh, P()), rest)
         rest_R = jax.tree.map(lambda w, s: reps.broadcast(w, s.spec), rest, rest_shardings)
         inner = jax.tree.map(reps.inner_sharding, rest_shardings)
-        tokens_R = reps.split_batch(tokens_BL1, reps.outer.spec(("batch", None)))
+        tokens_R = jax.tree.map(
+            lambda n, x: reps.split_batch(x, reps.outer.spec(n)),
+            batch_tree_names(tokens_BL1, batch_names),
+            tokens_BL1,
+            is_leaf=is_names,
+        )
         loss_R, g_rest_RP, g_blocks_R = reps.vmap(
             lambda r, b, t: run(r, b, t, inner, scale, sum_stages=False)
         )(rest_R, to_replicas(reps, blocks_state), tokens_R)
@@ -164,7 +172,7 @@ def per_replica(spec: PipelineSpec, run):
 
 
 def one_f_one_b_value_and_grad(
-    spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None
+    spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None, batch_names=None
 ):
     """``vg(rest, blocks_state, tokens_BL1, rest_shardings=None, loss_scale=None) -> (loss,
     grads_rest, grads_blocks_state)``, loss and gradients times ``loss_scale`` if given.
@@ -175,7 +183,8 @@ def one_f_one_b_value_and_grad(
     them; ``block_fn(layer_state, x) -> x`` is one plain block (no ``jax.checkpoint``: the
     schedule decides what is saved, ``stage_work``). ``rest`` are all parameters but the
     stacked blocks. The trainer passes its loss's own parts (``parallel.gradients``), traced
-    under ``plan.ops()``.
+    under ``plan.ops()``. ``batch_names``: the logical names of a batch that is a tree of
+    arrays (a user's model's: ``split_tokens`` then returns two such trees); None: token rows.
     """
     split_tokens = split_tokens or (lambda t_BL1: (t_BL1[:, :-1], t_BL1[:, 1:]))
     sched = Schedule(spec.stages, spec.microbatches, spec.virtual_stages)
@@ -232,10 +241,9 @@ def one_f_one_b_value_and_grad(
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
 
         inputs_MBL, targets_MBL = (
-            constrain(split_microbatches(t_BL, m), (None, "batch", None))
-            for t_BL in split_tokens(tokens_BL1)
+            microbatched(t_BL, batch_names, m) for t_BL in split_tokens(tokens_BL1)
         )
-        x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
+        x_aval = jax.eval_shape(embed, rest, jax.tree.map(lambda t: t[0], inputs_MBL))
         k = w_pvk[0].shape[2]
         zeros_PBLD = handover(jnp.zeros((p, *x_aval.shape), x_aval.dtype), "stage hand-over")
 
@@ -246,8 +254,9 @@ def one_f_one_b_value_and_grad(
         first, last = stage_mask(p, 4) == 0, stage_mask(p, 4) == p - 1
         is_last = jnp.arange(p) == p - 1
 
-        def micro(tokens_M, i):
-            return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)
+        def micro(tokens_M, i):  # micro-batch i of every array
+            i = jnp.clip(i, 0, m - 1)
+            return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, False), tokens_M)
 
         def body(carry, t, *, fwd_on, bwd_on, head_on, embed_on, embed_grad_on):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
@@ -373,4 +382,4 @@ def one_f_one_b_value_and_grad(
                 g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
         return jnp.sum(loss_sum) / m * scale, g_rest, treedef.unflatten(g_blocks)
 
-    return per_replica(spec, run)
+    return per_replica(spec, run, batch_names)

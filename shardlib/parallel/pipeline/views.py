@@ -4,7 +4,8 @@ Both schedules (``pipeline.py``: GPipe and circular; ``pipeline/one_f_one_b.py``
 1F1B) view the same stack as ``[p, v, k, ...]`` (virtual stage r·p + s on device s),
 copy it per data replica, and cut the batch into micro-batches the same way; keeping these
 views in one place keeps the two schedules' layouts identical, which their parity tests and
-the planner's memory terms assume.
+the planner's memory terms assume. A batch is token rows or, for a model of one's own, a
+tree of arrays with their logical names (``microbatched`` cuts every array alike).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import active_layout, logical_names, mesh_axes
+from shardlib.core.layout import active_layout, constrain, logical_names, mesh_axes
 from shardlib.core.rules import resolve_spec
 from shardlib.parallel.pipeline.storage import LayerOrder
 
@@ -109,3 +110,27 @@ def merge_microbatches(x_M: jax.Array) -> jax.Array:
 def stage_mask(p: int, ndim: int) -> jax.Array:
     """Stage ids [p, 1, ..., 1] that broadcast against a [p, ...] buffer of rank ``ndim``."""
     return jnp.arange(p).reshape(p, *([1] * (ndim - 1)))
+
+
+TOKEN_NAMES = ("batch", None)  # a batch of token rows [b, seq + 1]
+
+
+def is_names(x) -> bool:
+    """A leaf of a tree of logical-name tuples (the batch's ``names``)."""
+    return isinstance(x, tuple)
+
+
+def batch_tree_names(batch, names):
+    """The logical names of every array of ``batch``: ``names`` (a tree like the batch's,
+    a user's model's ``Batches.names``), or ``TOKEN_NAMES`` for each (token rows)."""
+    return jax.tree.map(lambda _: TOKEN_NAMES, batch) if names is None else names
+
+
+def microbatched(batch, names, m: int):
+    """Every array of ``batch`` as [m, b/m, ...] (``split_microbatches``) on its layout."""
+    return jax.tree.map(
+        lambda n, x: constrain(split_microbatches(x, m), (None, *n)),
+        batch_tree_names(batch, names),
+        batch,
+        is_leaf=is_names,
+    )
