@@ -197,7 +197,10 @@ class RunCheckpoints:
             if self.loader_state is not None:  # every process's, gathered: all call this
                 data = {**(data or {}), "loader": self.loader_state()}
             path = saver.directory / str(step)
-            if saver.save(self.setup, state, step, data) is None and path in self.damaged:
+            saved = saver.save(self.setup, self.setup.saved_form(state), step, data)
+            if self.setup.plan.offload.nvme_path:  # the next step rewrites the files it reads
+                saver.check(wait=True)
+            if saved is None and path in self.damaged:
                 self.say(
                     f"checkpoint: step {step} not saved: {path} is the damaged step skipped "
                     "on resume (left as it is; move it away to save there)"

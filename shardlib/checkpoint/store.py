@@ -97,26 +97,45 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(weighted, dtype=jnp.uint32)])
 
 
-def host_fingerprint(x: np.ndarray) -> str:
-    """``_fingerprint`` of a host array, in numpy (uint64 arithmetic wraps mod 2**64)."""
-    x = np.ascontiguousarray(x)
-    bits = x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"uint{8 * x.itemsize}")
-    bits = bits.reshape(-1).astype(np.uint64)
-    index = np.arange(bits.size, dtype=np.uint64)
-    total = int(bits.sum()) % 2**32
-    weighted = int((bits * (2 * index + 1)).sum()) % 2**32
-    return f"{total:08x}{weighted:08x}"
+def host_fingerprint(x: np.ndarray, chunk: int = 1 << 22) -> str:
+    """``_fingerprint`` of a host array, in numpy (uint64 arithmetic wraps mod 2**64), read
+    ``chunk`` elements at a time: a file-backed array (the NVMe tier's) is never whole in
+    memory."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    total = weighted = 0
+    for start in range(0, flat.size, chunk):
+        part = flat[start : start + chunk]
+        bits = part.astype(np.uint32) if x.dtype == np.bool_ else part.view(f"uint{8 * x.itemsize}")
+        bits = bits.astype(np.uint64)
+        index = np.arange(start, start + bits.size, dtype=np.uint64)
+        total += int(bits.sum())
+        weighted += int((bits * (2 * index + 1)).sum())
+    return f"{total % 2**32:08x}{weighted % 2**32:08x}"
+
+
+def _on_device(x: jax.Array) -> jax.Array:
+    """``x`` in device memory: host-memory arrays (offloaded optimizer state) cannot meet
+    device values in one operation, so they are fingerprinted on the device."""
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 @jax.jit
 def _fingerprints(tree) -> jax.Array:
-    return jnp.stack([_fingerprint(x) for x in jax.tree.leaves(tree)])  # [leaves, 2]
+    return jnp.stack([_fingerprint(_on_device(x)) for x in jax.tree.leaves(tree)])  # [leaves, 2]
 
 
 def fingerprints(tree) -> list[str]:
-    """One 16-hex-digit fingerprint per leaf (computed where the shards are)."""
-    values = np.asarray(jax.device_get(_fingerprints(tree)))
-    return [f"{int(a):08x}{int(b):08x}" for a, b in values]
+    """One 16-hex-digit fingerprint per leaf, computed where the shards are (a numpy leaf,
+    such as the NVMe tier's files, on the host)."""
+    leaves = jax.tree.leaves(tree)
+    arrays = [x for x in leaves if not isinstance(x, np.ndarray)]
+    values = iter(np.asarray(jax.device_get(_fingerprints(arrays))) if arrays else ())
+    return [
+        host_fingerprint(x) if isinstance(x, np.ndarray) else "{:08x}{:08x}".format(*next(values))
+        for x in leaves
+    ]
 
 
 # --- metadata -----------------------------------------------------------------------------

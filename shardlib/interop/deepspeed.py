@@ -236,7 +236,7 @@ def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
         r.used.add(f"zero_optimization.{part}")  # buffer_count, pipeline_*: its own streaming
         r.notes.append(
             f"zero_optimization.{part}: nvme, the state in files under {path} "
-            "(parallel.offload.nvme_path; trained by shardlib.train.nvme)"
+            "(parallel.offload.nvme_path: shardlib train streams it one layer at a time)"
         )
         return {f"parallel.offload.{setting}": True, "parallel.offload.nvme_path": str(path)}
     if device == "nvme":

@@ -40,7 +40,7 @@ class Offload:
     nvme_path: str = ""
     """With ``optimizer``: keep the optimizer state in files under this directory
     (ZeRO-Infinity's NVMe tier, ``offload_nvme``), streamed one layer at a time through
-    pinned host buffers; trained by ``shardlib.train.nvme``. Empty: host memory."""
+    pinned host buffers; stepped by ``shardlib.train.nvme``. Empty: host memory."""
     per_layer: bool = True
     """With ``optimizer``: update the offloaded state one stacked layer at a time, so the
     device holds one layer's state during the update (``offload_stream``; Adam, AdamW,

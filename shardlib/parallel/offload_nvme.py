@@ -164,6 +164,33 @@ class NvmeOptimizerState:
             f.flush()
         return {**new_params, BLOCKS: blocks}, norm
 
+    def tree(self):
+        """The state as optax's pytree, its parameter-shaped leaves the files themselves
+        (``numpy.memmap`` views: nothing read until used), its scalars in memory.
+
+        This is what a checkpoint saves: the same tensors, names and shapes as the in-memory
+        run's ``opt_state``, so either run resumes the other's checkpoints. The views change
+        with the next ``update``: whoever reads them (orbax's writer) finishes first.
+        """
+        leaves = [np.asarray(self.files[j]) if k != OTHER else self.scalars[j]
+                  for j, k in enumerate(self.kinds)]  # fmt: skip
+        return self.treedef.unflatten(leaves)
+
+    @classmethod
+    def from_tree(cls, tx, params: dict, path, mesh, tree, **kw) -> NvmeOptimizerState:
+        """New files under ``path`` holding ``tree`` (optax's state, restored from a
+        checkpoint into host memory), written one tensor at a time."""
+        self = cls(tx, params, path, mesh, **kw)
+        self._open("w+")
+        replicated = NamedSharding(mesh, P())
+        for j, (leaf, k) in enumerate(zip(jax.tree.leaves(tree), self.kinds, strict=True)):
+            if k == OTHER:
+                self.scalars[j] = jax.device_put(leaf, replicated)
+            else:
+                self.files[j][...] = np.asarray(leaf)
+                self.files[j].flush()
+        return self
+
     def save(self, directory) -> None:
         """The files and the scalars, copied to ``directory`` (a checkpoint's)."""
         directory = Path(directory)

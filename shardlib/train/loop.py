@@ -199,6 +199,7 @@ def run(
                 ckpt.loader_state = source.state  # where the loader is, saved with each step
         if state is None and ckpt is not None:
             state = ckpt.resume()
+            state = None if state is None else setup.live_form(state)  # the NVMe tier's files
         state = setup.init_state() if state is None else state
         start = int(jax.device_get(state["step"]))
         if start and ckpt is not None and ckpt.loader_state is not None:

@@ -4,8 +4,14 @@ then the update streamed layer by layer from the files (``parallel.offload_nvme`
 The gradient is the trainer's (``step.make_loss_fn`` through the plan's ``grad_function``:
 the same loss, layer loop and micro-batches as ``build_train_step``); only the update
 leaves the compiled program, since its state is read from and written to files between
-the layers' device calls. The trainer's own loop (``train.loop.run``) does not drive this
-step yet: ``build_train_step`` refuses ``nvme_path`` and names this module.
+the layers' device calls. ``NvmeTrainStep`` puts the two behind JAX's ahead-of-time
+interface (``lower(state, batch).compile()``, then calls), so ``train.loop.run`` drives it
+like any other step: ``TrainSetup.train_step`` is one when ``nvme_path`` is set.
+
+In the loop the state's ``opt_state`` is the ``NvmeOptimizerState`` (the files); a
+checkpoint saves ``saved_form`` of it, optax's own pytree read from the files, so the saved
+step has the same tensors as an in-memory run's and either kind of run resumes the other's
+(``live_form`` writes a restored state back into files).
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ def check(setup: TrainSetup) -> None:
             "step carries no fp16 loss scale and no FP8 scales. Fix: precision=bf16 or fp32, "
             "or drop nvme_path (offload_optimizer streams the state from host memory)."
         )
+    if setup.stacked_layers == 0:
+        raise ShardingError(
+            "offload.nvme_path streams the optimizer state one stacked layer at a time, but "
+            "this model has no stacked blocks (params['blocks']). Fix: drop nvme_path "
+            "(offload_optimizer keeps the state in host memory and updates it whole)."
+        )
+    if jax.process_count() > 1:
+        raise ShardingError(
+            f"offload.nvme_path with {jax.process_count()} processes: each would keep the whole "
+            "state in its own files and the checkpoint would save one copy; only one process "
+            "is supported. Fix: one process (one host), or offload_optimizer without nvme_path."
+        )
     if setup.plan.data.zero or setup.plan.offload.params or setup.plan.pipeline_spec():
         raise ShardingError(
             "offload.nvme_path keeps every optimizer-state tensor whole in one file, but this "
@@ -54,23 +72,97 @@ def nvme_state(setup: TrainSetup, params: dict, directory=None) -> NvmeOptimizer
     return NvmeOptimizerState.restore(setup.tx, params, path, setup.mesh, directory, **kw)
 
 
-def build_nvme_step(setup: TrainSetup, state: NvmeOptimizerState):
-    """``step(params, batch) -> (params, metrics)``: gradients on the device, then the
-    update through ``state``'s files."""
+def _loss_and_grads(setup: TrainSetup):
+    """``(params, batch) -> (loss, metrics, grads)``, jitted: the trainer's gradient path."""
     loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
 
     def loss_and_grads(params, tokens_BL1):
         with use_layout(setup.mesh, setup.rules):
             tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
             grad_fn = grad_function(setup, loss_fn, has_aux=True, stored=True)
-            (loss, _), grads = grad_fn(params, normalise_weights(tokens_BL1))
-        return loss, grads
+            (loss, metrics), grads = grad_fn(params, normalise_weights(tokens_BL1))
+        return loss, dict(metrics), grads
 
-    grads_of = jax.jit(loss_and_grads, in_shardings=(setup.param_shardings, setup.batch_sharding))
+    return jax.jit(loss_and_grads, in_shardings=(setup.param_shardings, setup.batch_sharding))
+
+
+def build_nvme_step(setup: TrainSetup, state: NvmeOptimizerState):
+    """``step(params, batch) -> (params, metrics)``: gradients on the device, then the
+    update through ``state``'s files."""
+    grads_of = _loss_and_grads(setup)
 
     def step(params, batch):
-        loss, grads = grads_of(params, batch)
+        loss, _, grads = grads_of(params, batch)
         params, norm = state.update(grads, params)
         return params, {"loss": loss, "grad_norm": norm}
 
     return step
+
+
+class NvmeTrainStep:
+    """The NVMe run's train step, ``step(state, batch) -> (state, metrics)`` as
+    ``build_train_step``'s, with ``state["opt_state"]`` the files (``nvme_state``).
+
+    ``lower(state, batch).compile()`` compiles the gradient program ahead of time, as the
+    loop does for a jitted step; the compiled step's analyses are that program's (the
+    update's per-layer calls are small and hold one layer's state: ``offload_nvme``)."""
+
+    def __init__(self, setup: TrainSetup, grads=None) -> None:
+        check(setup)
+        self.setup = setup
+        self._grads = _loss_and_grads(setup) if grads is None else grads
+
+    def lower(self, state: dict, batch) -> _Lowered:
+        return _Lowered(self.setup, self._grads.lower(state["params"], batch))
+
+    def __call__(self, state: dict, batch) -> tuple[dict, dict]:
+        loss, metrics, grads = self._grads(state["params"], batch)
+        files: NvmeOptimizerState = state["opt_state"]
+        params, norm = files.update(grads, state["params"])
+        metrics = {
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": self.setup.schedule(state["step"]),
+            **metrics,
+        }
+        return {"params": params, "opt_state": files, "step": state["step"] + 1}, metrics
+
+    def __getattr__(self, name: str):
+        """A compiled step's ``as_text``, ``cost_analysis``, ``memory_analysis``...: its
+        gradient program's (what the loop's MFU and memory records read)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._grads, name)
+
+
+class _Lowered:
+    def __init__(self, setup: TrainSetup, lowered) -> None:
+        self.setup, self.lowered = setup, lowered
+
+    def compile(self) -> NvmeTrainStep:
+        return NvmeTrainStep(self.setup, grads=self.lowered.compile())
+
+
+def saved_form(state: dict) -> dict:
+    """What a checkpoint saves of an NVMe run's state: optax's pytree, read from the files."""
+    files = state["opt_state"]
+    if not isinstance(files, NvmeOptimizerState):
+        return state
+    return {**state, "opt_state": files.tree()}
+
+
+def live_form(setup: TrainSetup, state: dict) -> dict:
+    """A restored state (optax's pytree in host memory) with its optimizer state written
+    into fresh files under ``offload.nvme_path``."""
+    if isinstance(state["opt_state"], NvmeOptimizerState):
+        return state
+    check(setup)
+    files = NvmeOptimizerState.from_tree(
+        setup.tx,
+        state["params"],
+        setup.plan.offload.nvme_path,
+        setup.mesh,
+        state["opt_state"],
+        clip_norm=setup.cfg.optimizer.clip_norm,
+    )
+    return {**state, "opt_state": files}

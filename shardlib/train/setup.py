@@ -253,15 +253,17 @@ class TrainSetup:
         make, tx, prec = self.model.make, self.tx, self.cfg.precision
         init_fp8 = self.init_fp8 if fp8.enabled(prec) else None
 
+        # the NVMe tier writes its state into files layer by layer (``train.nvme``): the
+        # compiled initialisation leaves it out, so it is never whole in memory
+        in_files = bool(self.plan.offload.nvme_path)
+
         def init(key):
             with nnx.use_eager_sharding(False):
                 model = make(nnx.Rngs(params=key))
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            state = {
-                "params": params,
-                "opt_state": tx.init(params),
-                "step": jnp.zeros((), jnp.int32),
-            }
+            state = {"params": params, "step": jnp.zeros((), jnp.int32)}
+            if not in_files:
+                state["opt_state"] = tx.init(params)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
@@ -269,7 +271,10 @@ class TrainSetup:
             return map_blocks(order.store_rows, state, rows)  # the trainer's layer order
 
         order, rows = self.layer_order, self.workload.blocks
-        return jax.jit(init, out_shardings=self.state_shardings)
+        shardings = dict(self.state_shardings)
+        if in_files:
+            del shardings["opt_state"]
+        return jax.jit(init, out_shardings=shardings)
 
     def init_state(self) -> dict:
         """Parameters initialised straight into their shards (jit with out_shardings), or
@@ -284,7 +289,23 @@ class TrainSetup:
             abstract = self.abstract_state()["params"]
             loaded = self.stored(load_initial_params(source, abstract, self.model_cfg))
             state["params"] = overlay(state["params"], loaded)
+        if self.plan.offload.nvme_path:  # fresh files, tx.init written one layer at a time
+            from shardlib.train.nvme import nvme_state
+
+            state["opt_state"] = nvme_state(self, state["params"])
         return state
+
+    def saved_form(self, state: dict) -> dict:
+        """What a checkpoint saves of ``state`` (the NVMe tier's: read from its files)."""
+        from shardlib.train.nvme import saved_form
+
+        return saved_form(state) if self.plan.offload.nvme_path else state
+
+    def live_form(self, state: dict) -> dict:
+        """A restored state as the step takes it (the NVMe tier's: written into files)."""
+        from shardlib.train.nvme import live_form
+
+        return live_form(self, state) if self.plan.offload.nvme_path else state
 
     @cached_property
     def layer_order(self) -> LayerOrder:
@@ -311,6 +332,10 @@ class TrainSetup:
 
     @cached_property
     def train_step(self):
+        if self.plan.offload.nvme_path:  # the update runs between device calls
+            from shardlib.train.nvme import NvmeTrainStep
+
+            return NvmeTrainStep(self)
         from shardlib.train.step import build_train_step
 
         return build_train_step(self)

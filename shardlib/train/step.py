@@ -295,8 +295,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
     if setup.plan.offload.nvme_path:
         raise ShardingError(
             f"offload.nvme_path={setup.plan.offload.nvme_path!r}: the update reads its state "
-            "from files between device calls, outside one compiled step. Fix: train with "
-            "shardlib.train.nvme.build_nvme_step, or drop nvme_path (host memory)."
+            "from files between device calls, outside one compiled step. Fix: take "
+            "TrainSetup.train_step (shardlib.train.nvme.NvmeTrainStep), or drop nvme_path."
         )
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
     scaled = precision.uses_loss_scale(cfg.precision)

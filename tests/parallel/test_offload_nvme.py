@@ -1,14 +1,18 @@
 """The NVMe tier (``offload.nvme_path``): the optimizer state in files trains like the
 in-memory step, moves exactly its own size each way per step, and resumes exactly."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
 
 from shardlib import ShardingError
+from shardlib.checkpoint.store import restore
 from shardlib.core.mesh import single_device_mesh
 from shardlib.tools import parity
 from shardlib.train.config import override, train_config
+from shardlib.train.loop import run
 from shardlib.train.nvme import build_nvme_step, nvme_state
 from shardlib.train.setup import make_setup
 
@@ -52,16 +56,45 @@ def test_nvme_state_trains_like_memory_moves_its_size_and_resumes_exactly(tmp_pa
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # bit for bit
 
 
-def test_nvme_tier_refuses_what_it_cannot_hold():
+def test_nvme_tier_refuses_what_it_cannot_hold(monkeypatch):
     with pytest.raises(ShardingError, match="offload_optimizer=true"):
         make_setup(override(CFG, {"offload_nvme_path": "/tmp/x"}), single_device_mesh())
     setup = make_setup(
         override(CFG, {"offload_optimizer": True, "offload_nvme_path": "/tmp/x"}),
         single_device_mesh(),
     )
-    with pytest.raises(ShardingError, match="build_nvme_step"):
+    with monkeypatch.context() as patch, pytest.raises(ShardingError, match="one process"):
+        patch.setattr(jax, "process_count", lambda: 2)  # what a run on two hosts sees
         setup.train_step  # noqa: B018
     with pytest.raises(ShardingError, match="zero=0"):
         nvme_state(make_setup(override(setup.cfg, {"zero": 1}), single_device_mesh()), {})
     with pytest.raises(ShardingError, match="loss scale"):
         nvme_state(make_setup(override(setup.cfg, {"precision": "fp16"}), single_device_mesh()), {})
+
+
+@pytest.mark.slow
+def test_shardlib_train_runs_the_tier_and_resumes_from_its_checkpoint_exactly(tmp_path):
+    """``loop.run`` (what ``shardlib train`` calls) drives the NVMe step; a checkpoint holds
+    optax's state read from the files, so a run whose files are gone resumes from it bit for
+    bit, and the in-memory offload setup reads the same checkpoint."""
+    tier = {"offload_optimizer": True, "offload_nvme_path": str(tmp_path / "files")}
+    whole = run(make_setup(override(CFG, tier), single_device_mesh()), show=False)
+    assert not (tmp_path / "ckpt").exists()
+    tier = {**tier, "checkpoint_dir": str(tmp_path / "ckpt")}
+    setup = make_setup(override(CFG, tier), single_device_mesh())
+    first = run(setup, show=False, stop_after=2)
+    assert first.stopped_by and len(first.losses) == 2
+    shutil.rmtree(tmp_path / "files")  # only the checkpoint is left to resume from
+    second = run(make_setup(override(CFG, tier), single_device_mesh()), show=False)
+    assert first.losses + second.losses == whole.losses
+    for got, want in zip(
+        jax.tree.leaves(second.state["params"]),
+        jax.tree.leaves(whole.state["params"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    memory = make_setup(override(CFG, {"offload_optimizer": True}), single_device_mesh())
+    saved = restore(tmp_path / "ckpt", memory, step=3).state["opt_state"]
+    files = second.state["opt_state"].tree()
+    for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(files), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
