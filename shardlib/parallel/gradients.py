@@ -42,6 +42,7 @@ from shardlib.core.mesh import Axis
 from shardlib.parallel import zeropp
 from shardlib.parallel.layer_loop import cast_params
 from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ def check(plan: ParallelPlan) -> None:
     """The gradient path's refusals that span sections: 1-bit momentum runs on a plain
     data-parallel mesh with replicated state (DeepSpeed: 1-bit Adam does not combine with
     ZeRO), since its step maps the ``data`` axis alone and keeps one error buffer per device."""
+    two_bw.check(plan)  # 2bw's stale weights live beside the parameters, in the trainer's step
     if not plan.data.onebit_momentum:
         return
     others = {a: s for a, s in plan.mesh_axes.items() if a != Axis.DATA and s > 1}

@@ -40,6 +40,7 @@ from shardlib.parallel.context import choice
 from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.storage import LayerOrder, map_blocks, reorder
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
 from shardlib.train import fp8, precision
@@ -195,6 +196,12 @@ class TrainSetup:
         replicated = NamedSharding(self.mesh, P())
         return jax.tree.map(lambda _: replicated, jax.eval_shape(self.init_fp8))
 
+    @property
+    def stale_weights(self) -> bool:
+        """Whether the state keeps the previous step's weights (``pipeline_schedule=2bw``
+        on a stage axis: ``parallel/pipeline/two_bw.py``)."""
+        return two_bw.stale(self.plan.pipeline_spec())
+
     @cached_property
     def state_shardings(self) -> dict:
         replicated = NamedSharding(self.mesh, P())
@@ -203,6 +210,8 @@ class TrainSetup:
             "opt_state": self.opt_state_shardings,
             "step": replicated,
         }
+        if self.stale_weights:  # 2bw's W(t-1), laid out like the parameters
+            out[two_bw.PREV_PARAMS] = self.param_shardings
         if precision.uses_loss_scale(self.cfg.precision):
             out["loss_scale"] = jax.tree.map(
                 lambda _: replicated, precision.abstract_loss_scale(self.cfg.precision)
@@ -226,6 +235,8 @@ class TrainSetup:
             "opt_state": self._abstract_opt_state,
             "step": jax.ShapeDtypeStruct((), jnp.int32),
         }
+        if self.stale_weights:
+            shapes[two_bw.PREV_PARAMS] = self.param_shapes
         if precision.uses_loss_scale(self.cfg.precision):
             shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
         if fp8.enabled(self.cfg.precision):
@@ -250,7 +261,7 @@ class TrainSetup:
 
     @cached_property
     def _init(self):
-        make, tx, prec = self.model.make, self.tx, self.cfg.precision
+        make, tx, prec, stale = self.model.make, self.tx, self.cfg.precision, self.stale_weights
         init_fp8 = self.init_fp8 if fp8.enabled(prec) else None
 
         def init(key):
@@ -262,6 +273,8 @@ class TrainSetup:
                 "opt_state": tx.init(params),
                 "step": jnp.zeros((), jnp.int32),
             }
+            if stale:  # W(-1) = W(0): 2bw's first step is 1F1B's
+                state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, params)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
@@ -284,6 +297,8 @@ class TrainSetup:
             abstract = self.abstract_state()["params"]
             loaded = self.stored(load_initial_params(source, abstract, self.model_cfg))
             state["params"] = overlay(state["params"], loaded)
+            if self.stale_weights:  # W(-1) = W(0) again, in buffers of its own (donated apart)
+                state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, state["params"])
         return state
 
     @cached_property

@@ -30,6 +30,7 @@ from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.offload_stream import grad_norm as streamed_grad_norm
 from shardlib.parallel.offload_stream import streamed_update, streams
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
@@ -314,7 +315,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             model_state = state.get(MODEL_STATE)
             fn = loss_fn if model_state is None else loss_fn.given(model_state)
             grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale, stored=True)
-            (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), batch)
+            grad_at = two_bw.gradient_params(state)  # 2bw: W(t-1), applied to W(t) below
+            (loss, extra), grads = grad_fn(fp8.with_meta(grad_at, meta), batch)
             extra = dict(extra)
             forward_state = extra.pop(MODEL_STATE, None)  # what the forward pass wrote
             # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
@@ -355,6 +357,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
         if scaled and not stream:  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
+        keep = (lambda new, old: precision.keep_if(finite, new, old)) if scaled else None
+        new_state = two_bw.advance(new_state, state, params, keep)  # 2bw: W(t) is next's stale
         if scaled:
             new_state["loss_scale"] = precision.update_loss_scale(
                 cfg.precision, state["loss_scale"], finite

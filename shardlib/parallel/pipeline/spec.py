@@ -12,9 +12,14 @@ from dataclasses import dataclass
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import balanced_stages
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "chimera", "terapipe")
-FUSED_SCHEDULES = ("1f1b", "chimera")  # forward and backward in one loop: a value_and_grad
-SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
+SCHEDULES = ("gpipe", "circular", "1f1b", "chimera", "terapipe", "2bw")
+FUSED_SCHEDULES = ("1f1b", "chimera", "2bw")  # forward and backward in one loop: a value_and_grad
+ONE_F_ONE_B_LOOPS = ("1f1b", "2bw")  # run 1F1B's loop (``one_f_one_b``): its trips and bubble
+SCHEDULE_ALIASES = {
+    "bounded": "1f1b",  # older name of 1f1b, still accepted
+    "pipedream-flush": "1f1b",  # Narayanan et al. 2021's name for 1F1B with a flush per step
+    "pipedream-2bw": "2bw",
+}
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,9 @@ class PipelineSpec:
     virtual_stages: int = 1
     """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b | chimera | terapipe (see the module docstrings); under
-    terapipe ``microbatches`` counts the sequence's token slices."""
+    """gpipe | circular | 1f1b | chimera | terapipe | 2bw (see the module docstrings); under
+    terapipe ``microbatches`` counts the sequence's token slices; 2bw runs 1F1B's loop on
+    the previous step's weights (``pipeline/two_bw.py``)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline/replicas.py``)."""
@@ -50,7 +56,9 @@ class PipelineSpec:
         p, m, v = self.stages, self.microbatches, self.virtual_stages
         if self.schedule == "chimera":
             return m + 2 * p - 3
-        return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
+        if self.schedule in ONE_F_ONE_B_LOOPS:
+            return v * m + v * p + p - 2
+        return v * m + p - 1
 
     def executed(self) -> int:
         """Chunk forwards (each with its backward) a stage executes: the loop trips, but
@@ -58,7 +66,7 @@ class PipelineSpec:
         Chimera's m+p-2."""
         if self.schedule == "chimera":
             return self.microbatches + self.stages - 2
-        if self.schedule == "1f1b":
+        if self.schedule in ONE_F_ONE_B_LOOPS:
             return self.virtual_stages * self.microbatches + self.stages - 1
         return self.iterations()
 
@@ -82,6 +90,13 @@ class PipelineSpec:
             )
         if self.schedule == "chimera":
             self._check_chimera()
+        if self.schedule == "2bw" and v != 1:
+            raise ShardingError(
+                f"pipeline_schedule=2bw with virtual_stages={v}: PipeDream-2BW's stale "
+                "weights are kept for one chunk per device, as in the paper; interleaving is "
+                "not implemented with them. Fix: virtual_stages=1, or pipeline_schedule=1f1b "
+                "for interleaved 1F1B."
+            )
         if self.stage_layers:
             counts = self.stage_layers
             if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:

@@ -1,0 +1,76 @@
+"""PipeDream-2BW's weight update (Narayanan et al. 2021, ICML, "Memory-Efficient
+Pipeline-Parallel DNN Training"): ``pipeline_schedule=2bw``.
+
+2BW keeps two versions of the weights (double buffering) and computes the gradient of
+step t on the previous step's version, while the optimizer applies it to the current one:
+
+    W(t+1) = W(t) - lr · ∇f(W(t-1))        (the paper's eq. (1), any optax optimizer)
+
+In the paper that one step of staleness is what lets step t+1's micro-batches enter the
+pipeline while step t's are still in flight, so no flush separates the steps. What is
+built here, and what is not:
+
+* built: the update rule with double-buffered weights. The train state gains
+  ``PREV_PARAMS`` (W(t-1), laid out like ``params``, the same pytree), so orbax saves and
+  restores it and a resumed run continues exactly; the step takes the gradient at
+  ``prev_params`` through 1F1B's fused loop (``one_f_one_b``), hands it to the optimizer
+  with ``params`` and keeps the old ``params`` as the next ``prev_params``. At step 0 both
+  are W(0), so the first step is 1F1B's. The reported loss is the one the gradient was
+  taken at: f(W(t-1)) on batch t;
+* not built: the loop that spans steps. Each step still runs 1F1B's warm-up and
+  cool-down (v·m+p-1 executed chunks for m useful ones: the flush bubble (p-1)/m), so
+  today 2bw costs one more copy of the weights (W) and gives no speed over 1f1b. Carrying
+  the 1F1B ring's in-flight stage inputs, hand-overs, the half-finished gradient sum and
+  the previous batch across the step boundary in the train state is the missing part
+  (the design: README, "PipeDream-2BW").
+
+PipeDream-Flush, the paper's synchronous reference, is 1F1B with a flush per step:
+``pipeline_schedule=pipedream-flush`` is a spelling of ``1f1b`` (``spec.SCHEDULE_ALIASES``).
+"""
+
+from __future__ import annotations
+
+from shardlib.core.errors import ShardingError
+
+PREV_PARAMS = "prev_params"  # the train state's entry: W(t-1), laid out like ``params``
+SCHEDULE = "2bw"
+
+
+def stale(spec) -> bool:
+    """Whether the pipeline ``spec`` (a ``PipelineSpec`` or None) takes gradients at the
+    previous step's weights."""
+    return spec is not None and spec.schedule == SCHEDULE
+
+
+def check(plan) -> None:
+    """What 2bw's one extra state entry does not reach: the streamed (offloaded) update
+    walks ``params`` and the optimizer state only, and 1-bit momentum's step is its own."""
+    if not stale(plan.pipeline_spec()):
+        return
+    problems = []
+    if plan.offload.optimizer or plan.offload.params:
+        problems.append(("offload", "offload.optimizer=false and offload.params=false"))
+    if plan.data.onebit_momentum:
+        problems.append(("1-bit momentum (onebit_adam / onebit_lamb)", "optimizer=adamw"))
+    if problems:
+        what = " and ".join(p for p, _ in problems)
+        fix = ", ".join(f for _, f in problems)
+        raise ShardingError(
+            f"pipeline_schedule=2bw with {what}: its stale weights ({PREV_PARAMS!r}, W(t-1)) "
+            "live in device memory beside the parameters and are read by the trainer's own "
+            f"step, which that path replaces. Fix: {fix}, or pipeline_schedule=1f1b."
+        )
+
+
+def gradient_params(state: dict) -> dict:
+    """The weights the gradient is taken at: W(t-1) under 2bw, else W(t)."""
+    return state.get(PREV_PARAMS, state["params"])
+
+
+def advance(new_state: dict, state: dict, params, keep=None) -> dict:
+    """``new_state`` with W(t) (``params``, as the step read them) as the next step's
+    stale weights; ``keep(new, old)`` leaves a skipped step's (fp16) as they were."""
+    if PREV_PARAMS not in state:
+        return new_state
+    prev = params if keep is None else keep(params, state[PREV_PARAMS])
+    return {**new_state, PREV_PARAMS: prev}
