@@ -41,8 +41,8 @@ from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
 from shardlib.parallel import zeropp
 from shardlib.parallel.layer_loop import cast_params
-from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline import two_bw
+from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 
 if TYPE_CHECKING:
