@@ -1,0 +1,139 @@
+"""PipeDream-2BW (``pipeline_schedule=2bw``): its update rule, state, checkpoint, refusals.
+
+The trainer's 2bw run on stage 2 x data 2 is compared with a hand-written one-device loop
+that applies the paper's rule W(t+1) = W(t) - lr·∇f(W(t-1)) with ``optax.sgd`` (and with a
+loop that applies the fresh rule, which it must not match). The same run saves a
+checkpoint halfway; restored, it continues to the same losses and weights, both versions.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from shardlib import ShardingError, mesh_spec
+from shardlib.checkpoint.store import restore
+from shardlib.core.layout import use_layout
+from shardlib.core.mesh import single_device_mesh
+from shardlib.dataset.tokens import global_batch, load_tokens
+from shardlib.parallel.pipeline.gpipe import PipelineParallel
+from shardlib.parallel.pipeline.spec import PipelineSpec
+from shardlib.parallel.pipeline.two_bw import PREV_PARAMS
+from shardlib.tools.parity import FP32_TOLERANCE, random_state
+from shardlib.train.config import override, train_config
+from shardlib.train.loop import run
+from shardlib.train.setup import make_setup
+from shardlib.train.step import grad_function, make_loss_fn
+
+LR, STEPS, HALF = 0.5, 4, 2
+CFG = train_config(
+    steps=STEPS,
+    batch=8,
+    seq=16,
+    pipeline_schedule="2bw",
+    pipeline_microbatches=2,
+    **{
+        "model.layers": 2,
+        "optimizer.name": "sgd",
+        "optimizer.momentum": 0.0,
+        "optimizer.weight_decay": 0.0,
+        "optimizer.clip_norm": 0.0,
+        "optimizer.schedule": "constant",
+        "optimizer.warmup": 0,
+        "optimizer.lr": LR,
+    },
+)
+
+
+def _rel(a, b) -> float:
+    errs = jax.tree.map(lambda x, y: np.linalg.norm(x - y) / np.linalg.norm(y), a, b)
+    return float(max(jax.tree.leaves(errs)))
+
+
+@functools.cache
+def _one_device():
+    """One device's jitted (loss, grads) of a batch and its batch layout (compiled once)."""
+    one = make_setup(CFG, single_device_mesh())
+    assert not one.stale_weights  # no stage axis: the plain gradient
+    grad_fn = grad_function(one, make_loss_fn(one))
+
+    def value_and_grad(params, tokens):
+        with use_layout(one.mesh, one.rules):
+            return grad_fn(params, tokens)
+
+    return jax.jit(value_and_grad), one.batch_sharding
+
+
+def _reference(state, *, stale: bool):
+    """One device, by hand: (losses, final W) of ``STEPS`` steps of optax.sgd with the
+    gradient at W(t-1) (``stale``) or at W(t)."""
+    value_and_grad, sharding = _one_device()
+    tx = optax.sgd(LR)
+    prev = cur = state["params"]
+    opt, losses = tx.init(cur), []
+    for t in range(STEPS):
+        tokens = global_batch(load_tokens(None), t, 8, 16, CFG.run.seed, sharding)
+        loss, grads = value_and_grad(prev if stale else cur, tokens)
+        updates, opt = tx.update(grads, opt, cur)
+        prev, cur = cur, optax.apply_updates(cur, updates)
+        losses.append(float(loss))
+    return losses, jax.device_get(cur)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2bw run on stage 2 x data 2 (a checkpoint at step ``HALF``) and its setup."""
+    ckpt = tmp_path_factory.mktemp("two_bw") / "run"
+    cfg = override(CFG, {"checkpoint_dir": str(ckpt), "checkpoint_every": HALF})
+    setup = make_setup(cfg, mesh_spec(stage=2, data=2).build(jax.devices()[:4]))
+    state = random_state(setup)
+    start = jax.device_put(setup.stored(state), setup.state_shardings)
+    whole = run(setup, state=start, show=False)
+    return setup, state, whole, ckpt
+
+
+def test_2bw_spellings_and_refusals():
+    """PipeDream-Flush is 1F1B; 2bw keeps one chunk per device and its state in the step."""
+    assert PipelineParallel(schedule="pipedream-flush").schedule == "1f1b"
+    assert PipelineParallel(schedule="pipedream-2bw").schedule == "2bw"
+    spec = PipelineSpec(2, 4, 1, "2bw")
+    spec.check(layers=4, batch=8)
+    assert spec.bubble_ratio() == PipelineSpec(2, 4, 1, "1f1b").bubble_ratio()  # a flush
+    with pytest.raises(ShardingError, match="virtual_stages=1"):
+        PipelineSpec(2, 4, 2, "2bw").check(layers=4, batch=8)
+    mesh = mesh_spec(stage=2).build(jax.devices()[:2])
+    with pytest.raises(ShardingError, match="offload.optimizer=false"):
+        make_setup(override(CFG, {"parallel.offload.optimizer": True}), mesh)
+
+
+@pytest.mark.slow
+def test_2bw_trains_like_the_stale_rule_on_one_device(runs):
+    """Losses f(W(t-1)) and the final W within 1e-5 (fp32) of the one-device stale loop;
+    the fresh rule's final W is far from it (the test sees the staleness)."""
+    setup, state, whole, _ = runs
+    assert setup.stale_weights and PREV_PARAMS in whole.state
+    losses, final = _reference(state, stale=True)
+    got = jax.device_get(setup.natural(whole.state["params"]))
+    np.testing.assert_allclose(whole.losses, losses, rtol=FP32_TOLERANCE)
+    assert _rel(got, final) <= FP32_TOLERANCE
+    fresh_losses, fresh = _reference(state, stale=False)
+    assert _rel(got, fresh) > 100 * FP32_TOLERANCE
+    assert whole.losses[0] == pytest.approx(fresh_losses[0], rel=FP32_TOLERANCE)  # W(-1) = W(0)
+
+
+@pytest.mark.slow
+def test_2bw_resumes_exactly_from_a_checkpoint(runs):
+    """Restored at step ``HALF`` (both weight versions from the checkpoint), the run goes on
+    to the uninterrupted run's losses and state, bit for bit."""
+    setup, _, whole, ckpt = runs
+    restored = restore(ckpt, setup, step=HALF)
+    assert set(restored.state) >= {"params", PREV_PARAMS}
+    continued = run(setup, state=restored.state, show=False)
+    assert continued.losses == whole.losses[HALF:]
+    for key in ("params", PREV_PARAMS):
+        for a, b in zip(
+            jax.tree.leaves(continued.state[key]), jax.tree.leaves(whole.state[key]), strict=True
+        ):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), key
