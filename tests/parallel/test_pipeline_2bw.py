@@ -21,7 +21,10 @@ from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.two_bw import PREV_PARAMS
+from shardlib.planner import Workload, candidate
+from shardlib.planner.cost.total import estimate
 from shardlib.tools.parity import FP32_TOLERANCE, random_state
+from shardlib.tools.plan_cli import parse_settings
 from shardlib.train.config import override, train_config
 from shardlib.train.loop import run
 from shardlib.train.setup import make_setup
@@ -137,3 +140,19 @@ def test_2bw_resumes_exactly_from_a_checkpoint(runs):
             jax.tree.leaves(continued.state[key]), jax.tree.leaves(whole.state[key]), strict=True
         ):
             assert np.array_equal(np.asarray(a), np.asarray(b)), key
+
+
+def test_planner_books_two_weight_sets_and_1f1b_bubble():
+    """Against 1F1B on the same plan: 2 x the held fp32 parameters more (W(t-1) and the
+    step's copy of W(t), ``terms/two_bw.py``), the same FLOPs and bubble (a flush per
+    step); the CLI takes ``schedule=2bw``."""
+    workload = Workload.from_preset("llama-tiny", 16, 128, "fp32", layers=8)
+    f1, bw = (
+        estimate(workload, candidate(stage=2, data=2, microbatches=4, schedule=s), backend="cpu")
+        for s in ("1f1b", "2bw")
+    )
+    stale = bw.memory["stale weights (2bw)"]
+    assert stale == pytest.approx(2 * bw.memory["params"])
+    assert bw.memory_bytes - f1.memory_bytes == pytest.approx(stale)
+    assert bw.flops == pytest.approx(f1.flops)
+    assert parse_settings(["stage=2,schedule=2bw"], "--set")["schedule"] == "2bw"

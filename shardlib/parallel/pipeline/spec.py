@@ -50,7 +50,7 @@ class PipelineSpec:
         return self.schedule in FUSED_SCHEDULES
 
     def iterations(self) -> int:
-        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
+        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B and 2bw
         v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``), Chimera
         m+2p-3 (``pipeline.chimera_timetable``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
@@ -62,8 +62,8 @@ class PipelineSpec:
 
     def executed(self) -> int:
         """Chunk forwards (each with its backward) a stage executes: the loop trips, but
-        1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1;
-        Chimera's m+p-2."""
+        1F1B's (and 2bw's, which runs its loop) warm-up runs only forwards and its
+        cool-down only backwards: v·m+p-1; Chimera's m+p-2."""
         if self.schedule == "chimera":
             return self.microbatches + self.stages - 2
         if self.schedule in ONE_F_ONE_B_LOOPS:

@@ -1,0 +1,116 @@
+"""PipeDream-2BW (``pipeline_schedule=2bw``) against PipeDream-Flush (1F1B): memory and loss.
+
+Run:  python benchmarks/two_bw.py memory        # planner next to the compiled step
+      python benchmarks/two_bw.py convergence   # 200 steps each, writes docs/two_bw.json
+      python3 benchmarks/two_bw.py plot         # docs/two_bw.png (needs only matplotlib)
+
+``memory``: for each tiny plan (8 simulated CPU devices, fp32, compiled from abstract
+shapes; nothing runs) under ``1f1b`` and ``2bw``: per-device memory, the planner's and the
+compiled step's (``planner.validate``). The compiled difference 2bw - 1f1b is printed in
+units of the parameters a device holds (fp32), which the term books twice (W(t-1) and
+the copy of W(t) the step makes: ``planner/cost/terms/two_bw.py``).
+
+``convergence``: llama-tiny on the embedded corpus, stage 2 x data 2 (4 simulated CPU
+devices), the trainer's default optimizer (AdamW, warm-up and cosine), the same seed and
+batches, ``1f1b`` and ``2bw`` for ``STEPS`` steps each; the per-step losses go to
+``docs/two_bw.json``, and ``plot`` draws them (a separate step, so the venv needs no
+matplotlib). 2bw's loss at step t is f(W(t-1)) on batch t.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script too
+
+PLANS = (  # model, batch, seq, layers, mesh axes and micro-batches
+    ("llama-tiny", 16, 128, 8, dict(stage=4, tensor=2, microbatches=4)),
+    ("llama-tiny", 16, 128, 8, dict(stage=2, data=2, tensor=2, microbatches=4)),
+    ("llama-tiny", 32, 128, 16, dict(stage=4, data=2, microbatches=8)),
+    ("llama-tiny", 16, 128, 12, dict(stage=2, fsdp=2, tensor=2, microbatches=2)),
+)
+STEPS, BATCH, SEQ, LAYERS = 200, 16, 64, 4
+RESULTS, FIGURE = ROOT / "docs" / "two_bw.json", ROOT / "docs" / "two_bw.png"
+
+
+def memory() -> None:
+    from shardlib.core.workload import Workload
+    from shardlib.planner import candidate
+    from shardlib.planner.candidate import PlanView
+    from shardlib.planner.cost.coefficients import COEFFICIENTS
+    from shardlib.planner.cost.terms import TERMS
+    from shardlib.planner.cost.terms.base import MASTER_BYTES, Step
+    from shardlib.planner.validate import validate
+
+    print("memory planner/compiled (MB), 8 CPU devices, fp32")
+    for model, batch, seq, layers, axes in PLANS:
+        w = Workload.from_preset(model, batch, seq, "fp32", layers=layers)
+        compiled = {}
+        for schedule in ("1f1b", "2bw"):
+            plan = candidate(**axes, schedule=schedule)
+            c = validate(w, plan)
+            compiled[schedule] = c.compiled_memory
+            print(f"{model} b{batch} s{seq} L{layers} {axes} {schedule}: memory "
+                  f"{c.predicted_memory / 1e6:.3f}/{c.compiled_memory / 1e6:.3f} = "
+                  f"{c.memory_ratio:.3f}", flush=True)  # fmt: skip
+        held = Step(w, plan, "cpu", PlanView(plan), TERMS, COEFFICIENTS).held_elements
+        extra = (compiled["2bw"] - compiled["1f1b"]) / (held * MASTER_BYTES)
+        print(f"    compiled 2bw - 1f1b = {extra:.3f} x the held parameters (booked: 2)")
+
+
+def convergence() -> None:
+    import jax
+
+    from shardlib import mesh_spec
+    from shardlib.train.config import train_config
+    from shardlib.train.loop import run
+    from shardlib.train.setup import make_setup
+
+    mesh = mesh_spec(stage=2, data=2).build(jax.devices()[:4])
+    out = {"steps": STEPS, "batch": BATCH, "seq": SEQ, "layers": LAYERS}
+    for schedule in ("1f1b", "2bw"):
+        cfg = train_config(
+            steps=STEPS, batch=BATCH, seq=SEQ, pipeline_schedule=schedule,
+            pipeline_microbatches=4, **{"model.layers": LAYERS},
+        )  # fmt: skip
+        out[schedule] = run(make_setup(cfg, mesh), show=False).losses
+        tail = out[schedule][-20:]
+        print(f"{schedule}: final loss {out[schedule][-1]:.4f}, mean of the last 20 "
+              f"{sum(tail) / len(tail):.4f}", flush=True)  # fmt: skip
+    a, b = (sum(out[s][-20:]) / 20 for s in ("1f1b", "2bw"))
+    print(f"2bw / 1f1b, mean loss of the last 20 steps: {b / a:.4f}")
+    RESULTS.write_text(json.dumps(out))
+
+
+def plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = json.loads(RESULTS.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for schedule, label in (("1f1b", "PipeDream-Flush (1f1b)"), ("2bw", "PipeDream-2BW (2bw)")):
+        ax.plot(range(1, len(out[schedule]) + 1), out[schedule], label=label, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(
+        f"llama-tiny, {out['layers']} layers, stage 2 x data 2, batch {out['batch']} x "
+        f"{out['seq']}, AdamW"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(FIGURE, dpi=120)
+    print(f"wrote {FIGURE}")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "memory"
+    if what != "plot":
+        from shardlib import simulate_cpu_devices
+
+        simulate_cpu_devices(8)
+    {"memory": memory, "convergence": convergence, "plot": plot}[what]()
