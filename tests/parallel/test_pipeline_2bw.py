@@ -1,4 +1,5 @@
-"""PipeDream-2BW (``pipeline_schedule=2bw``): its update rule, state, checkpoint, refusals.
+"""PipeDream-2BW (``pipeline_schedule=2bw``): its update rule, state, checkpoint, refusals,
+and the no-flush loop (``pipeline/two_bw_loop.py``) on 1F1B's toy decoder.
 
 The trainer's 2bw run on stage 2 x data 2 is compared with a hand-written one-device loop
 that applies the paper's rule W(t+1) = W(t) - lr·∇f(W(t-1)) with ``optax.sgd`` (and with a
@@ -9,9 +10,11 @@ checkpoint halfway; restored, it continues to the same losses and weights, both 
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_pipeline_1f1b as toy
 
 from shardlib import ShardingError, mesh_spec
 from shardlib.checkpoint.store import restore
@@ -19,8 +22,10 @@ from shardlib.core.layout import use_layout
 from shardlib.core.mesh import single_device_mesh
 from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.pipeline.gpipe import PipelineParallel
+from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.two_bw import PREV_PARAMS
+from shardlib.parallel.pipeline.two_bw_loop import two_bw_loop
 from shardlib.planner import Workload, candidate
 from shardlib.planner.cost.total import estimate
 from shardlib.tools.parity import FP32_TOLERANCE, random_state
@@ -156,3 +161,38 @@ def test_planner_books_two_weight_sets_and_1f1b_bubble():
     assert bw.memory_bytes - f1.memory_bytes == pytest.approx(stale)
     assert bw.flops == pytest.approx(f1.flops)
     assert parse_settings(["stage=2,schedule=2bw"], "--set")["schedule"] == "2bw"
+
+
+# --- the no-flush loop (``pipeline/two_bw_loop.py``) on the toy decoder of test_pipeline_1f1b --
+@pytest.mark.slow
+def test_no_flush_loop_gradients_and_bubble():
+    """p = 2, m = 4, three chained calls on three different weight sets: call k returns
+    batch k-1's loss and gradients at W(k-1), equal to 1F1B's on that batch at those
+    weights (fp32, 1e-5), and differing where the previous weights are not passed. The
+    compiled call executes m chunks per device where 1F1B executes m+p-1: its FLOPs over
+    1F1B's are m/(m+p-1) within 2% (the paper's 2BW has no flush bubble)."""
+    p, m = toy.P, 4
+    parts = dict(block_fn=toy._block, embed=toy._embed, head_loss=toy._head_loss)
+    rest, blocks, tokens = toy._abstract(m)
+    init, step = two_bw_loop(PipelineSpec(p, m, 1, "2bw"), **parts)
+    carry = jax.eval_shape(init, rest, blocks, tokens)
+    exe = jax.jit(step).lower(rest, blocks, rest, blocks, carry, tokens).compile()
+    vg = one_f_one_b_value_and_grad(PipelineSpec(p, m, 1, "1f1b"), **parts)
+    reference = jax.jit(vg).lower(rest, blocks, tokens).compile()
+    ratio, formula = toy._flops(exe) / toy._flops(reference), m / (m + p - 1)
+    print(f"p={p} m={m}: 2bw loop / 1F1B FLOPs {ratio:.4f}, m/(m+p-1) = {formula:.4f}")
+    assert abs(ratio / formula - 1) <= 0.02, (ratio, formula)
+
+    rng = np.random.default_rng(0)
+    draw = lambda a: jnp.asarray(rng.normal(0, 0.1, a.shape), a.dtype)  # noqa: E731
+    weights = [jax.tree.map(draw, (rest, blocks)) for _ in range(3)]
+    batches = [jnp.asarray(rng.integers(0, toy.VOCAB, tokens.shape), jnp.int32) for _ in range(3)]
+    carry = init(*weights[0], batches[0])
+    _, _, _, carry = exe(*weights[0], *weights[0], carry, batches[0])  # an empty pipeline's
+    for k in (1, 2):
+        got = exe(*weights[k], *weights[k - 1], carry, batches[k])
+        want = reference(*weights[k - 1], batches[k - 1])
+        assert _rel(got[:3], want) <= FP32_TOLERANCE
+        fresh = exe(*weights[k], *weights[k], carry, batches[k])  # no stale weights
+        assert _rel(fresh[1:3], want[1:]) > 100 * FP32_TOLERANCE
+        carry = got[3]
