@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script too
 
 PLANS = (  # model, batch, seq, layers, mesh axes and micro-batches
-    ("llama-tiny", 16, 128, 8, dict(stage=4, tensor=2, microbatches=4)),
+    ("llama-tiny", 16, 128, 8, dict(stage=4, tensor=2, microbatches=8)),
     ("llama-tiny", 16, 128, 8, dict(stage=2, data=2, tensor=2, microbatches=4)),
     ("llama-tiny", 32, 128, 16, dict(stage=4, data=2, microbatches=8)),
     ("llama-tiny", 16, 128, 12, dict(stage=2, fsdp=2, tensor=2, microbatches=2)),

@@ -44,6 +44,7 @@ from shardlib.parallel.layer_loop import cast_params
 from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
+from shardlib.parallel.pipeline.two_bw_loop import two_bw_loop
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -210,28 +211,8 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
 
     def value_and_grad(params, tokens_BL1):
-        if isinstance(tokens_BL1, dict):
-            raise ShardingError(
-                f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
-                "micro-batch's document positions would have to travel with it through the "
-                "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
-                "without a stage axis."
-            )
-        cast = cast_params(params, layout.dtype, keep_blocks=True)  # blocks: cast per stage
-        block_graph, blocks_state = nnx.split(nnx.merge(layout.graphdef, cast).blocks)
-        rest = {k: v for k, v in cast.items() if k != "blocks"}
-
-        def whole(r):
-            return {**r, "blocks": cast["blocks"]}
-
-        positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
-        run = schedule(
-            spec,
-            block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
-            embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
-            head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
-            split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
-        )
+        rest, blocks_state, parts = _staged_parts(spec, loss, layout, params, tokens_BL1)
+        run = schedule(spec, **parts)
         with plan.ops():  # the attention kernel (and exchange) the plan picks, as in the loss
             value, g_rest, g_blocks = run(
                 rest, blocks_state, tokens_BL1, rest_shardings, loss_scale
@@ -240,6 +221,65 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
         return (value, {}), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     return value_and_grad
+
+
+def _staged_parts(spec, loss: StagedLoss, layout: StepLayout, params, tokens_BL1):
+    """``(rest, blocks_state, parts)``: the parameters as a fused schedule runs them and the
+    loss's parts (``block_fn``, ``embed``, ``head_loss``, ``split_tokens``) on them. The
+    stacked blocks stay fp32 master weights (each stage casts its own per trip, so the
+    per-micro-batch gradients accumulate in fp32); every other parameter is cast once. The
+    blocks see the token positions of the loss's token order (``split_tokens``)."""
+    if isinstance(tokens_BL1, dict):
+        raise ShardingError(
+            f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
+            "micro-batch's document positions would have to travel with it through the "
+            "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
+            "without a stage axis."
+        )
+    cast = cast_params(params, layout.dtype, keep_blocks=True)  # blocks: cast per stage
+    block_graph, blocks_state = nnx.split(nnx.merge(layout.graphdef, cast).blocks)
+    rest = {k: v for k, v in cast.items() if k != "blocks"}
+
+    def whole(r):
+        return {**r, "blocks": cast["blocks"]}
+
+    positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
+    parts = dict(
+        block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
+        embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
+        head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
+        split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
+    )
+    return rest, blocks_state, parts
+
+
+def no_flush(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_scale=None):
+    """PipeDream-2BW's loop (``pipeline.two_bw_loop``) as ``(init_carry(params, tokens) ->
+    carry, step(params, prev_params, carry, tokens) -> (loss, grads, carry))``: the
+    previous batch's loss and gradients, taken at ``prev_params`` (the weights its work
+    started on), and the pipeline's in-flight work for the next step."""
+    spec = plan.pipeline_spec()
+
+    def loop(params, tokens_BL1):
+        rest, blocks_state, parts = _staged_parts(spec, loss, layout, params, tokens_BL1)
+        return rest, blocks_state, two_bw_loop(spec, **parts)
+
+    def init_carry(params, tokens_BL1):
+        rest, blocks_state, (init, _) = loop(params, tokens_BL1)
+        return init(rest, blocks_state, tokens_BL1)
+
+    def step(params, prev_params, carry, tokens_BL1):
+        rest, blocks_state, (_, run) = loop(params, tokens_BL1)
+        prev_rest, prev_blocks, _ = loop(prev_params, tokens_BL1)
+        scale = 1.0 if loss_scale is None else loss_scale
+        with plan.ops():
+            value, g_rest, g_blocks, carry = run(
+                rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale
+            )
+        grads = {**g_rest, "blocks": nnx.to_pure_dict(g_blocks)}
+        return value, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), carry
+
+    return init_carry, step
 
 
 def check(plan: ParallelPlan) -> None:

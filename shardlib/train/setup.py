@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
+from shardlib.core.mesh import Axis
 from shardlib.core.model import (
     Inventory,
     ModelFactory,
@@ -202,6 +203,31 @@ class TrainSetup:
         on a stage axis: ``parallel/pipeline/two_bw.py``)."""
         return two_bw.stale(self.plan.pipeline_spec())
 
+    @property
+    def _carry_init(self):
+        """2bw's ``init_carry(params, tokens)`` (``parallel.gradients.no_flush``)."""
+        from shardlib.parallel.gradients import no_flush
+        from shardlib.train.step import make_loss_fn
+
+        return no_flush(self.plan, make_loss_fn(self), self.step_layout)[0]
+
+    @cached_property
+    def carry_shapes(self) -> dict:
+        """2bw's in-flight pipeline work between steps, abstractly (``two_bw_loop``)."""
+        b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
+        tokens = jax.ShapeDtypeStruct((b, s + 1), jnp.int32)
+        return jax.eval_shape(self._carry_init, self.param_shapes, tokens)
+
+    @cached_property
+    def carry_shardings(self) -> dict:
+        """The [p, ...] parts split over ``stage``, the previous batch's tokens replicated."""
+        stage = NamedSharding(self.mesh, P(Axis.STAGE))
+        replicated = NamedSharding(self.mesh, P())
+        return {
+            k: jax.tree.map(lambda _, s=(stage if k in two_bw.STAGED_CARRY else replicated): s, v)
+            for k, v in self.carry_shapes.items()
+        }
+
     @cached_property
     def state_shardings(self) -> dict:
         replicated = NamedSharding(self.mesh, P())
@@ -210,8 +236,9 @@ class TrainSetup:
             "opt_state": self.opt_state_shardings,
             "step": replicated,
         }
-        if self.stale_weights:  # 2bw's W(t-1), laid out like the parameters
+        if self.stale_weights:  # 2bw's W(t-1), laid out like the parameters, and its carry
             out[two_bw.PREV_PARAMS] = self.param_shardings
+            out[two_bw.CARRY] = self.carry_shardings
         if precision.uses_loss_scale(self.cfg.precision):
             out["loss_scale"] = jax.tree.map(
                 lambda _: replicated, precision.abstract_loss_scale(self.cfg.precision)
@@ -237,6 +264,7 @@ class TrainSetup:
         }
         if self.stale_weights:
             shapes[two_bw.PREV_PARAMS] = self.param_shapes
+            shapes[two_bw.CARRY] = self.carry_shapes
         if precision.uses_loss_scale(self.cfg.precision):
             shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
         if fp8.enabled(self.cfg.precision):
@@ -273,8 +301,9 @@ class TrainSetup:
                 "opt_state": tx.init(params),
                 "step": jnp.zeros((), jnp.int32),
             }
-            if stale:  # W(-1) = W(0): 2bw's first step is 1F1B's
+            if stale:  # W(-1) = W(0), and an empty pipeline
                 state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, params)
+                state[two_bw.CARRY] = init_carry(params, tokens)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
@@ -282,6 +311,9 @@ class TrainSetup:
             return map_blocks(order.store_rows, state, rows)  # the trainer's layer order
 
         order, rows = self.layer_order, self.workload.blocks
+        init_carry = self._carry_init if stale else None
+        b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
+        tokens = jnp.zeros((b, s + 1), jnp.int32)
         return jax.jit(init, out_shardings=self.state_shardings)
 
     def init_state(self) -> dict:

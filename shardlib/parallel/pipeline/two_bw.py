@@ -30,9 +30,14 @@ PipeDream-Flush, the paper's synchronous reference, is 1F1B with a flush per ste
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from shardlib.core.errors import ShardingError
 
 PREV_PARAMS = "prev_params"  # the train state's entry: W(t-1), laid out like ``params``
+CARRY = "pipeline_carry"  # the train state's entry: the loop's in-flight work (``two_bw_loop``)
+STAGED_CARRY = ("fwd", "bwd", "ring", "g_blocks", "g_rest", "loss")  # [p, ...]: over ``stage``
 SCHEDULE = "2bw"
 
 
@@ -52,6 +57,8 @@ def check(plan) -> None:
         problems.append(("offload", "offload.optimizer=false and offload.params=false"))
     if plan.data.onebit_momentum:
         problems.append(("1-bit momentum (onebit_adam / onebit_lamb)", "optimizer=adamw"))
+    if plan.data.microbatches > 1:  # the loop's micro-batches are the accumulation
+        problems.append(("data.microbatches > 1", "more pipeline_microbatches instead"))
     if problems:
         what = " and ".join(p for p, _ in problems)
         fix = ", ".join(f for _, f in problems)
@@ -62,9 +69,12 @@ def check(plan) -> None:
         )
 
 
-def gradient_params(state: dict) -> dict:
-    """The weights the gradient is taken at: W(t-1) under 2bw, else W(t)."""
-    return state.get(PREV_PARAMS, state["params"])
+def after_first(step, new, old):
+    """``new`` from the second step on, ``old`` (a tree like it, or one value for every
+    leaf) at step 0, whose call only filled the pipeline: no batch finished in it."""
+    if not isinstance(old, (dict, tuple, list)):
+        old = jax.tree.map(lambda x: jnp.full_like(x, old), new)
+    return jax.tree.map(lambda n, o: jnp.where(step > 0, n, o), new, old)
 
 
 def advance(new_state: dict, state: dict, params, keep=None) -> dict:
