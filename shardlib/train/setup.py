@@ -11,6 +11,7 @@ Order of work, so that mistakes surface before anything is compiled or allocated
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -32,7 +33,7 @@ from shardlib.core.model import (
     not_a_decoder,
     resolve_model,
 )
-from shardlib.core.rules import Rules
+from shardlib.core.rules import Rules, entry_axes
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import offload_stream
@@ -220,12 +221,42 @@ class TrainSetup:
 
     @cached_property
     def carry_shardings(self) -> dict:
-        """The [p, ...] parts split over ``stage``, the previous batch's tokens replicated."""
-        stage = NamedSharding(self.mesh, P(Axis.STAGE))
-        replicated = NamedSharding(self.mesh, P())
+        """The carry laid out as the loop computes it: [p, ...] over ``stage``, each
+        gradient sum inside a stage as its parameter, the micro-batch rows over the batch's
+        axes (where they divide), the loss per stage."""
+        mesh, shapes = self.mesh, self.carry_shapes
+        batch = self.batch_sharding.spec[0] if len(self.batch_sharding.spec) else None
+        sizes = mesh_axes(mesh)
+        rows = shapes["fwd"].shape[1]
+        if batch is not None and rows % math.prod(sizes[a] for a in entry_axes(batch)):
+            batch = None
+
+        def named(*spec):
+            return NamedSharding(mesh, P(*spec))
+
+        blocks = jax.tree.leaves(self.param_shardings["blocks"])
+        g_blocks = [
+            named(Axis.STAGE, None, *s.spec[1:])
+            if (p.shape[0] * p.shape[1],) + p.shape[2:] == w.shape
+            else named(Axis.STAGE)
+            for s, p, w in zip(
+                blocks,
+                shapes["g_blocks"],
+                jax.tree.leaves(self.param_shapes["blocks"]),
+                strict=True,
+            )
+        ]
+        rest = {k: v for k, v in self.param_shardings.items() if k != "blocks"}
+        tokens = named(None, batch)
         return {
-            k: jax.tree.map(lambda _, s=(stage if k in two_bw.STAGED_CARRY else replicated): s, v)
-            for k, v in self.carry_shapes.items()
+            "fwd": named(Axis.STAGE, batch),
+            "bwd": named(Axis.STAGE, batch),
+            "ring": named(Axis.STAGE, None, None, batch),
+            "g_blocks": g_blocks,
+            "g_rest": jax.tree.map(lambda s: named(Axis.STAGE, *s.spec), rest),
+            "loss": named(Axis.STAGE),
+            "inputs": tokens,
+            "targets": tokens,
         }
 
     @cached_property

@@ -2,27 +2,25 @@
 Pipeline-Parallel DNN Training"): ``pipeline_schedule=2bw``.
 
 2BW keeps two versions of the weights (double buffering) and computes the gradient of
-step t on the previous step's version, while the optimizer applies it to the current one:
+a batch on the weights it entered the pipeline with, while the optimizer applies it to
+the current ones:
 
     W(t+1) = W(t) - lr · ∇f(W(t-1))        (the paper's eq. (1), any optax optimizer)
 
-In the paper that one step of staleness is what lets step t+1's micro-batches enter the
-pipeline while step t's are still in flight, so no flush separates the steps. What is
-built here, and what is not:
+That one step of staleness lets step t+1's micro-batches enter the pipeline while step
+t's are still in flight, so no flush separates the steps (``two_bw_loop``: m executed
+chunks per device and step instead of 1F1B's m+p-1). In the trainer:
 
-* built: the update rule with double-buffered weights. The train state gains
-  ``PREV_PARAMS`` (W(t-1), laid out like ``params``, the same pytree), so orbax saves and
-  restores it and a resumed run continues exactly; the step takes the gradient at
-  ``prev_params`` through 1F1B's fused loop (``one_f_one_b``), hands it to the optimizer
-  with ``params`` and keeps the old ``params`` as the next ``prev_params``. At step 0 both
-  are W(0), so the first step is 1F1B's. The reported loss is the one the gradient was
-  taken at: f(W(t-1)) on batch t;
-* not built: the loop that spans steps. Each step still runs 1F1B's warm-up and
-  cool-down (v·m+p-1 executed chunks for m useful ones: the flush bubble (p-1)/m), so
-  today 2bw costs one more copy of the weights (W) and gives no speed over 1f1b. Carrying
-  the 1F1B ring's in-flight stage inputs, hand-overs, the half-finished gradient sum and
-  the previous batch across the step boundary in the train state is the missing part
-  (the design: README, "PipeDream-2BW").
+* the train state gains ``PREV_PARAMS`` (W(t-1), laid out like ``params``) and ``CARRY``
+  (the loop's in-flight work: hand-overs, ring of saved inputs, the unfinished batch's
+  gradient sums, loss and tokens), so orbax saves both and a resumed run continues
+  exactly;
+* step t runs the loop on ``params`` (the new batch) and ``prev_params`` (the previous
+  batch's last work) and returns the previous batch's loss and gradient, which the
+  optimizer applies to ``params``; the old ``params`` become ``prev_params``;
+* step 0 only fills the pipeline: it reports a NaN loss and applies nothing. So step t
+  reports batch t-1's loss, f(W(t-2)) in the rule's numbering, and after n steps the
+  weights are those of n-1 steps of the rule above.
 
 PipeDream-Flush, the paper's synchronous reference, is 1F1B with a flush per step:
 ``pipeline_schedule=pipedream-flush`` is a spelling of ``1f1b`` (``spec.SCHEDULE_ALIASES``).

@@ -26,8 +26,10 @@ the optimizer applies, at the end of call k+1, the gradient of batch k taken at 
 W(k+2) = W(k+1) - lr·∇f_k(W(k)), the paper's rule. The first call's returned gradient
 is of an empty pipeline (zeros flowed through it) and must not be applied.
 
-Scope: v = 1, one data replica per program (no ``pipeline.replicas`` view), and not yet
-wired into the trainer (``two_bw.py`` says what the trainer's 2bw runs).
+The trainer runs it through ``parallel.gradients.no_flush`` (``two_bw.py``). Scope:
+v = 1, and no ``pipeline.replicas`` view yet: with a ``data`` axis GSPMD reduces the
+stage's weight gradients over it in every trip (m reductions a step where 1F1B's
+replica view does one), and the trainer keeps the carry split over ``stage`` only.
 """
 
 from __future__ import annotations
