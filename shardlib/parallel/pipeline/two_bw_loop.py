@@ -17,8 +17,8 @@ layer inputs (2p-1 slots, rolled by m so that slots follow the new call's trips)
 previous batch's partial fp32 gradient sums and loss, and its tokens (for the heads and
 embedding gradients still to come). Its work runs on the weights it started with, the
 previous call's: ``prev_rest`` / ``prev_blocks`` (the double buffer), selected per device
-in the first 2p-2 trips of a call (unrolled: their masks are static); the rest of the
-call runs on the current weights only.
+in the first 2p-2 trips of a call (a loop of their own); the rest of the call runs on
+the current weights only.
 
 ``step(...)`` returns the previous batch's loss and gradients (complete after this call's
 first 2p-2 trips) and the new carry; the current batch's come out of the next call. So
@@ -69,13 +69,20 @@ def check_no_flush(spec: PipelineSpec) -> None:
 
 
 def _pick(mask_P, prev, cur):
-    """Per device: ``prev`` where ``mask_P`` (static [p] bools), else ``cur`` ([p, ...])."""
-    if not mask_P.any():
+    """Per device: ``prev`` where ``mask_P`` ([p] bools: numpy in the steady part, where
+    none is set, traced in the first 2p-2 trips), else ``cur`` ([p, ...])."""
+    if isinstance(mask_P, np.ndarray) and not mask_P.any():
         return cur
-    if mask_P.all():
-        return prev
     m = jnp.asarray(mask_P).reshape(-1, *([1] * (cur.ndim - 1)))
     return jnp.where(m, prev, cur)
+
+
+def _either(flag, prev, cur):
+    """``prev`` if ``flag`` (a Python bool, or a traced scalar in the first trips) else
+    ``cur``, leaf by leaf."""
+    if isinstance(flag, bool):
+        return prev if flag else cur
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), prev, cur)
 
 
 def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=None):
@@ -145,8 +152,9 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             )
 
         def trip(state, t, prev_f, prev_b):
-            """One trip; ``prev_f`` / ``prev_b`` (static [p] bools): the devices whose
-            forward / backward is of the previous batch (all False in the steady part)."""
+            """One trip; ``prev_f`` / ``prev_b`` ([p] bools): the devices whose forward /
+            backward is of the previous batch (traced in the first 2p-2 trips, all False
+            as numpy in the steady part, which then selects nothing)."""
             fwd, bwd, ring, acc, g_rest, loss = state["cur"]
             p_acc, p_g_rest, p_loss = state["prev"]
             # forward: device 0 embeds micro-batch t (always this batch's)
@@ -156,11 +164,10 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             y, ring = fwd_all(w, keep_pk, x, ring, t % ring_slots)
             new_fwd = jnp.roll(y, 1, axis=0)
             # head on device p-1: micro-batch t-(p-1), of the previous batch if negative
-            head_prev = bool(prev_f[p - 1])
-            head_rest = prev_rest if head_prev else rest
-            i_head = t - (p - 1) + (m if head_prev else 0)
-            target = micro(state["targets_prev"] if head_prev else targets_MBL, i_head)
-            loss_P, g_head_P, dy_head = head_all(head_rest, y, target)
+            head_prev = bool(prev_f[p - 1]) if isinstance(prev_f, np.ndarray) else prev_f[p - 1]
+            i_head = t - (p - 1) + jnp.where(head_prev, m, 0)
+            target = micro(_either(head_prev, state["targets_prev"], targets_MBL), i_head)
+            loss_P, g_head_P, dy_head = head_all(_either(head_prev, prev_rest, rest), y, target)
             last_loss = jnp.where(is_last, loss_P, 0)
             # backward: device s runs micro-batch t-2(p-1)+s, from its forward's ring slot
             dy = jnp.where(is_last.reshape(p, 1, 1, 1), dy_head, bwd)
@@ -171,18 +178,18 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             acc = [_pick(prev_b, b, o) for b, o in zip(acc, acc_out, strict=True)]
             p_acc = [_pick(prev_b, o, a) for a, o in zip(p_acc, acc_out, strict=True)]
             # device 0's input cotangent into the embedding, for the batch it belongs to
-            grad_prev = bool(prev_b[0])
-            i_emb = t - spill + (m if grad_prev else 0)
-            src = state["inputs_prev"] if grad_prev else inputs_MBL
-            g_emb_P = embed_grad_all(prev_rest if grad_prev else rest, dx, micro(src, i_emb))
-            if head_prev:
-                p_g_rest, p_loss = add(p_g_rest, g_head_P, is_last), p_loss + last_loss
-            else:
-                g_rest, loss = add(g_rest, g_head_P, is_last), loss + last_loss
-            if grad_prev:
-                p_g_rest = add(p_g_rest, g_emb_P, is_first)
-            else:
-                g_rest = add(g_rest, g_emb_P, is_first)
+            grad_prev = bool(prev_b[0]) if isinstance(prev_b, np.ndarray) else prev_b[0]
+            i_emb = t - spill + jnp.where(grad_prev, m, 0)
+            src = _either(grad_prev, state["inputs_prev"], inputs_MBL)
+            g_emb_P = embed_grad_all(_either(grad_prev, prev_rest, rest), dx, micro(src, i_emb))
+            head_new, grad_new = jnp.logical_not(head_prev), jnp.logical_not(grad_prev)
+            p_loss = p_loss + jnp.where(head_prev, last_loss, 0)
+            loss = loss + jnp.where(head_new, last_loss, 0)
+            both = jnp.logical_and
+            p_g_rest = add(p_g_rest, g_head_P, both(is_last, head_prev))
+            g_rest = add(g_rest, g_head_P, both(is_last, head_new))
+            p_g_rest = add(p_g_rest, g_emb_P, both(is_first, grad_prev))
+            g_rest = add(g_rest, g_emb_P, both(is_first, grad_new))
             new_bwd = jnp.roll(dx, -1, axis=0)
             return {
                 **state,
@@ -204,9 +211,11 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             "inputs_prev": carry["inputs"],
             "targets_prev": carry["targets"],
         }
-        for t in range(spill):  # the previous batch's last work: static per-device masks
-            prev_f, prev_b = stage_ids > t, stage_ids < spill - t
-            state = trip(state, t, prev_f, prev_b)
+
+        def first(s, t):  # the previous batch's last work: per-device masks
+            return trip(s, t, jnp.arange(p) > t, jnp.arange(p) < spill - t), None
+
+        state = jax.lax.scan(first, state, jnp.arange(spill, dtype=jnp.int32))[0]
         if m > spill:  # the steady part: this batch's work only
             none = np.zeros(p, bool)
 
