@@ -257,6 +257,7 @@ class TrainSetup:
             "loss": named(Axis.STAGE),
             "inputs": tokens,
             "targets": tokens,
+            "slot0": named(),
         }
 
     @cached_property

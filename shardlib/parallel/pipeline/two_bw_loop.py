@@ -13,7 +13,8 @@ backwards, the flush bubble gone. On device s, trip t (0 <= t < m) of a call run
   m >= 2p-2 is needed for a batch to finish in the next call).
 
 What crosses the boundary is the ``carry``: the two hand-over buffers, the ring of saved
-layer inputs (2p-1 slots, rolled by m so that slots follow the new call's trips), the
+layer inputs (2p-1 slots; trip t of call k writes slot k·m + t mod 2p-1, so nothing moves
+between calls), the
 previous batch's partial fp32 gradient sums and loss, and its tokens (for the heads and
 embedding gradients still to come). Its work runs on the weights it started with, the
 previous call's: ``prev_rest`` / ``prev_blocks`` (the double buffer), selected per device
@@ -125,6 +126,7 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             "loss": jnp.zeros((p,), jnp.float32),
             "inputs": inputs_MBL,
             "targets": targets_MBL,
+            "slot0": jnp.zeros((), jnp.int32),
         }
 
     def step(rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale=1.0):
@@ -141,6 +143,7 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
         inputs_MBL, targets_MBL = tokens_of(tokens_BL1)
         is_first, is_last = stage_ids == 0, stage_ids == p - 1
+        slot0 = carry["slot0"]  # the ring slot of this call's trip 0 (calls so far x m, mod R)
 
         def micro(tokens_M, i):
             return jax.lax.dynamic_index_in_dim(tokens_M, jnp.clip(i, 0, m - 1), 0, False)
@@ -161,7 +164,7 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             x0 = embed(rest, micro(inputs_MBL, t))[None]
             x = jnp.where(is_first.reshape(p, 1, 1, 1), x0, fwd)
             w = [_pick(prev_f, a, b) for a, b in zip(prev_w_pk, w_pk, strict=True)]
-            y, ring = fwd_all(w, keep_pk, x, ring, t % ring_slots)
+            y, ring = fwd_all(w, keep_pk, x, ring, jnp.mod(slot0 + t, ring_slots))
             new_fwd = jnp.roll(y, 1, axis=0)
             # head on device p-1: micro-batch t-(p-1), of the previous batch if negative
             head_prev = bool(prev_f[p - 1]) if isinstance(prev_f, np.ndarray) else prev_f[p - 1]
@@ -171,7 +174,7 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             last_loss = jnp.where(is_last, loss_P, 0)
             # backward: device s runs micro-batch t-2(p-1)+s, from its forward's ring slot
             dy = jnp.where(is_last.reshape(p, 1, 1, 1), dy_head, bwd)
-            slot_P = jnp.mod(t - spill + 2 * jnp.arange(p), ring_slots)
+            slot_P = jnp.mod(slot0 + t - spill + 2 * jnp.arange(p), ring_slots)
             w = [_pick(prev_b, a, b) for a, b in zip(prev_w_pk, w_pk, strict=True)]
             acc_in = [_pick(prev_b, a, b) for a, b in zip(p_acc, acc, strict=True)]
             acc_out, dx = bwd_all(w, keep_pk, ring, slot_P, dy, acc_in)
@@ -232,12 +235,13 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
         new_carry = {
             "fwd": fwd,
             "bwd": bwd,
-            "ring": jnp.roll(ring, -(m % ring_slots), axis=1),  # slots follow the next call
+            "ring": ring,
             "g_blocks": acc,
             "g_rest": g_rest,
             "loss": loss,
             "inputs": inputs_MBL,
             "targets": targets_MBL,
+            "slot0": jnp.mod(slot0 + m, ring_slots),  # the next call's trip 0's slot
         }
         g_rest_prev = jax.tree.map(lambda g: jnp.sum(g, 0), p_g_rest)
         loss_prev = jnp.sum(p_loss) / m * scale
