@@ -14,7 +14,8 @@ compiled step's (``planner.validate``). The difference 2bw - 1f1b, compiled and 
 devices), the trainer's default optimizer (AdamW, warm-up and cosine), the same seed and
 batches, ``1f1b`` and ``2bw`` for ``STEPS`` steps each; the per-step losses go to
 ``docs/two_bw.json``, and ``plot`` draws them (a separate step, so the venv needs no
-matplotlib). 2bw's loss at step t is f(W(t-1)) on batch t.
+matplotlib). 2bw's step 0 only fills the pipeline (NaN loss); its step t reports batch
+t-1's loss.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def convergence() -> None:
         tail = out[schedule][-20:]
         print(f"{schedule}: final loss {out[schedule][-1]:.4f}, mean of the last 20 "
               f"{sum(tail) / len(tail):.4f}", flush=True)  # fmt: skip
-    a, b = (sum(out[s][-20:]) / 20 for s in ("1f1b", "2bw"))
+    a, b = (sum(out[s][-20:]) / 20 for s in ("1f1b", "2bw"))  # 2bw's: batches 179..198
     print(f"2bw / 1f1b, mean loss of the last 20 steps: {b / a:.4f}")
     RESULTS.write_text(json.dumps(out))
 
