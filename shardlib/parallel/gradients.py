@@ -259,6 +259,7 @@ def no_flush(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_scal
     previous batch's loss and gradients, taken at ``prev_params`` (the weights its work
     started on), and the pipeline's in-flight work for the next step."""
     spec = plan.pipeline_spec()
+    rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
 
     def loop(params, tokens_BL1):
         rest, blocks_state, parts = _staged_parts(spec, loss, layout, params, tokens_BL1)
@@ -274,8 +275,9 @@ def no_flush(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_scal
         scale = 1.0 if loss_scale is None else loss_scale
         with plan.ops():
             value, g_rest, g_blocks, carry = run(
-                rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale
-            )
+                rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale,
+                rest_shardings,
+            )  # fmt: skip
         grads = {**g_rest, "blocks": nnx.to_pure_dict(g_blocks)}
         return value, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), carry
 

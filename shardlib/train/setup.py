@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
+from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs, use_layout
 from shardlib.core.mesh import Axis
 from shardlib.core.model import (
     Inventory,
@@ -43,6 +43,7 @@ from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
 from shardlib.parallel.pipeline import two_bw
+from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.storage import LayerOrder, map_blocks, reorder
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
 from shardlib.train import fp8, precision
@@ -217,7 +218,8 @@ class TrainSetup:
         """2bw's in-flight pipeline work between steps, abstractly (``two_bw_loop``)."""
         b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
         tokens = jax.ShapeDtypeStruct((b, s + 1), jnp.int32)
-        return jax.eval_shape(self._carry_init, self.param_shapes, tokens)
+        with use_layout(self.mesh, self.rules):  # per data replica: a leading [R] dim
+            return jax.eval_shape(self._carry_init, self.param_shapes, tokens)
 
     @cached_property
     def carry_shardings(self) -> dict:
@@ -225,19 +227,23 @@ class TrainSetup:
         gradient sum inside a stage as its parameter, the micro-batch rows over the batch's
         axes (where they divide), the loss per stage."""
         mesh, shapes = self.mesh, self.carry_shapes
+        with use_layout(mesh, self.rules):
+            reps = replicas(gather_weights=self.plan.pipeline.gather_weights)
+        lead = 0 if reps is None else 1  # the replica dim, over the replica axes
         batch = self.batch_sharding.spec[0] if len(self.batch_sharding.spec) else None
+        inner = tuple(a for a in entry_axes(batch) if reps is None or a not in reps.axes)
+        rows = shapes["fwd"].shape[lead + 1]
         sizes = mesh_axes(mesh)
-        rows = shapes["fwd"].shape[1]
-        if batch is not None and rows % math.prod(sizes[a] for a in entry_axes(batch)):
-            batch = None
+        batch = inner if inner and rows % math.prod(sizes[a] for a in inner) == 0 else None
 
         def named(*spec):
-            return NamedSharding(mesh, P(*spec))
+            spec = P(*spec)
+            return NamedSharding(mesh, spec if reps is None else reps.spec(spec))
 
         blocks = jax.tree.leaves(self.param_shardings["blocks"])
         g_blocks = [
             named(Axis.STAGE, None, *s.spec[1:])
-            if (p.shape[0] * p.shape[1],) + p.shape[2:] == w.shape
+            if (p.shape[lead] * p.shape[lead + 1],) + p.shape[lead + 2 :] == w.shape
             else named(Axis.STAGE)
             for s, p, w in zip(
                 blocks,
@@ -335,7 +341,8 @@ class TrainSetup:
             }
             if stale:  # W(-1) = W(0), and an empty pipeline
                 state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, params)
-                state[two_bw.CARRY] = init_carry(params, tokens)
+                with use_layout(mesh, rules):
+                    state[two_bw.CARRY] = init_carry(params, tokens)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
@@ -344,6 +351,7 @@ class TrainSetup:
 
         order, rows = self.layer_order, self.workload.blocks
         init_carry = self._carry_init if stale else None
+        mesh, rules = self.mesh, self.rules
         b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
         tokens = jnp.zeros((b, s + 1), jnp.int32)
         return jax.jit(init, out_shardings=self.state_shardings)

@@ -27,10 +27,9 @@ the optimizer applies, at the end of call k+1, the gradient of batch k taken at 
 W(k+2) = W(k+1) - lr·∇f_k(W(k)), the paper's rule. The first call's returned gradient
 is of an empty pipeline (zeros flowed through it) and must not be applied.
 
-The trainer runs it through ``parallel.gradients.no_flush`` (``two_bw.py``). Scope:
-v = 1, and no ``pipeline.replicas`` view yet: with a ``data`` axis GSPMD reduces the
-stage's weight gradients over it in every trip (m reductions a step where 1F1B's
-replica view does one), and the trainer keeps the carry split over ``stage`` only.
+As 1F1B's, the loop runs once per data replica (``per_replica``), so the stage's weight
+gradients are reduced once per step, after the loop; the carry keeps the replica dim.
+The trainer runs it through ``parallel.gradients.no_flush`` (``two_bw.py``). v = 1.
 """
 
 from __future__ import annotations
@@ -38,15 +37,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
+from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.stage_work import device_work
 from shardlib.parallel.pipeline.views import (
+    constrain_param,
     from_stages,
     split_microbatches,
     stage_axes,
+    to_replicas,
     to_stages,
     variable_names,
 )
@@ -247,4 +251,48 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
         loss_prev = jnp.sum(p_loss) / m * scale
         return loss_prev, g_rest_prev, treedef.unflatten(g_blocks), new_carry
 
-    return init_carry, step
+    return per_replica(spec, init_carry, step)
+
+
+def per_replica(spec: PipelineSpec, init_carry, step):
+    """``init_carry`` and ``step`` run once per data replica (``pipeline.replicas``: the
+    weights broadcast to a leading [R] dim, the batch split over it), so the stage's
+    weight gradients are reduced once per step, after the loop, as 1F1B's are
+    (``one_f_one_b.per_replica``). The carry keeps the [R] dim between steps."""
+
+    def spread(reps, rest, blocks_state, rest_shardings):
+        if rest_shardings is None:
+            rest_shardings = jax.tree.map(lambda _: NamedSharding(reps.mesh, P()), rest)
+        rest_R = jax.tree.map(lambda w, sh: reps.broadcast(w, sh.spec), rest, rest_shardings)
+        return rest_R, to_replicas(reps, blocks_state), rest_shardings
+
+    def init(rest, blocks_state, tokens_BL1):
+        reps = replicas(gather_weights=spec.gather_weights)
+        if reps is None:
+            return init_carry(rest, blocks_state, tokens_BL1)
+        tokens_R = reps.split_batch(tokens_BL1, reps.outer.spec(("batch", None)))
+        rest_R, blocks_R, _ = spread(reps, rest, blocks_state, None)
+        return reps.vmap(init_carry)(rest_R, blocks_R, tokens_R)
+
+    def run(rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale=1.0,
+            rest_shardings=None):  # fmt: skip
+        reps = replicas(gather_weights=spec.gather_weights)
+        if reps is None:
+            return step(rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale)
+        rest_R, blocks_R, rest_shardings = spread(reps, rest, blocks_state, rest_shardings)
+        prev_rest_R, prev_blocks_R, _ = spread(reps, prev_rest, prev_blocks, rest_shardings)
+        tokens_R = reps.split_batch(tokens_BL1, reps.outer.spec(("batch", None)))
+        loss_R, g_rest_R, g_blocks_R, carry = reps.vmap(
+            lambda r, b, pr, pb, c, t: step(r, b, pr, pb, c, t, scale)
+        )(rest_R, blocks_R, prev_rest_R, prev_blocks_R, carry, tokens_R)
+        g_rest = jax.tree.map(lambda g: jnp.mean(g, 0), g_rest_R)  # one reduction over R
+        g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
+        g_leaves, treedef = jax.tree.flatten(g_blocks_R)
+        names = variable_names(blocks_state)
+        g_blocks = [
+            constrain_param(jnp.mean(g, 0), n, "stacked gradient")
+            for g, n in zip(g_leaves, names, strict=True)
+        ]
+        return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks), carry
+
+    return init, run
