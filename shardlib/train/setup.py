@@ -223,8 +223,9 @@ class TrainSetup:
 
     @cached_property
     def carry_shardings(self) -> dict:
-        """The carry laid out as the loop computes it: [p, ...] over ``stage``, each
-        gradient sum inside a stage as its parameter, the micro-batch rows over the batch's
+        """The carry laid out as the loop computes it: a leading replica dim over the data
+        replica axes (``pipeline.replicas``), [p, ...] over ``stage``, each gradient sum
+        inside a stage as its parameter, the micro-batch rows over the batch's remaining
         axes (where they divide), the loss per stage."""
         mesh, shapes = self.mesh, self.carry_shapes
         with use_layout(mesh, self.rules):

@@ -14,12 +14,11 @@ backwards, the flush bubble gone. On device s, trip t (0 <= t < m) of a call run
 
 What crosses the boundary is the ``carry``: the two hand-over buffers, the ring of saved
 layer inputs (2p-1 slots; trip t of call k writes slot k·m + t mod 2p-1, so nothing moves
-between calls), the
-previous batch's partial fp32 gradient sums and loss, and its tokens (for the heads and
-embedding gradients still to come). Its work runs on the weights it started with, the
-previous call's: ``prev_rest`` / ``prev_blocks`` (the double buffer), selected per device
-in the first 2p-2 trips of a call (a loop of their own); the rest of the call runs on
-the current weights only.
+between calls), the previous batch's partial fp32 gradient sums and loss, and its tokens
+(for the heads and embedding gradients still to come). Its work runs on the weights it
+started with, the previous call's: ``prev_rest`` / ``prev_blocks`` (the double buffer),
+selected per device in the first 2p-2 trips of a call (a loop of their own); the rest of
+the call runs on the current weights only.
 
 ``step(...)`` returns the previous batch's loss and gradients (complete after this call's
 first 2p-2 trips) and the new carry; the current batch's come out of the next call. So
