@@ -327,6 +327,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             else:  # 2bw: the previous batch's gradient, at W(t-1), applied to W(t) below
                 run_2bw = gradients.no_flush(plan, fn, setup.step_layout, scale)[1]
                 loss, grads, carry = run_2bw(params, state[two_bw.PREV_PARAMS], carry, batch)
+                # step 0's are an empty pipeline's (maybe not finite: no fp16 overflow)
+                grads = two_bw.after_first(state["step"], grads, 0.0)
                 extra = {}
             extra = dict(extra)
             forward_state = extra.pop(MODEL_STATE, None)  # what the forward pass wrote
