@@ -1,6 +1,8 @@
 """PipeDream-2BW (``pipeline_schedule=2bw``) against PipeDream-Flush (1F1B): memory and loss.
 
 Run:  python benchmarks/two_bw.py memory        # planner next to the compiled step
+      python benchmarks/two_bw.py bubble        # compiled FLOPs on 1F1B's toy decoder
+      python benchmarks/two_bw.py collectives   # data-axis reductions per step
       python benchmarks/two_bw.py convergence   # 200 steps each, writes docs/two_bw.json
       python3 benchmarks/two_bw.py plot         # docs/two_bw.png (needs only matplotlib)
 
@@ -9,6 +11,11 @@ shapes; nothing runs) under ``1f1b`` and ``2bw``: per-device memory, the planner
 compiled step's (``planner.validate``). The difference 2bw - 1f1b, compiled and booked
 (``planner/cost/terms/two_bw.py``), is printed in units of the parameters a device holds
 (fp32).
+
+``bubble``: 1F1B's toy decoder (``tests/parallel/test_pipeline_1f1b.py``) through the
+2bw loop and through 1F1B, compiled FLOPs over the one-device step's, at p = 2, 4: 2bw's
+steady trips against 1F1B's 1 + (p-1)/m. ``collectives``: the data-axis all-reduces of
+the compiled train step (``explain``) on stage 2 x data 2, m = 4, for both schedules.
 
 ``convergence``: llama-tiny on the embedded corpus, stage 2 x data 2 (4 simulated CPU
 devices), the trainer's default optimizer (AdamW, warm-up and cosine), the same seed and
@@ -64,6 +71,55 @@ def memory() -> None:
         print(f"    2bw - 1f1b in held fp32 parameters: compiled {extra:.3f}, booked {booked:.3f}")
 
 
+def bubble() -> None:
+    import jax
+
+    for folder in ("tests", "tests/parallel"):  # the toy decoder of the 1F1B tests
+        sys.path.insert(0, str(ROOT / folder))
+    import test_pipeline_1f1b as toy
+
+    from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
+    from shardlib.parallel.pipeline.spec import PipelineSpec
+    from shardlib.parallel.pipeline.two_bw_loop import two_bw_loop
+
+    parts = dict(block_fn=toy._block, embed=toy._embed, head_loss=toy._head_loss)
+    print("FLOPs over the one-device step's (toy decoder, 16 layers)")
+    for p, m in ((2, 4), (2, 8), (4, 8)):
+        ideal = toy._flops(toy._one_device(m))
+        rest, blocks, tokens = toy._abstract(m)
+        init, step = two_bw_loop(PipelineSpec(p, m, 1, "2bw"), **parts)
+        carry = jax.eval_shape(init, rest, blocks, tokens)
+        two = jax.jit(step).lower(rest, blocks, rest, blocks, carry, tokens).compile()
+        vg = one_f_one_b_value_and_grad(PipelineSpec(p, m, 1, "1f1b"), **parts)
+        one = jax.jit(vg).lower(rest, blocks, tokens).compile()
+        print(f"p={p} m={m}: 2bw {toy._flops(two) / ideal:.4f} (paper: 1), 1f1b "
+              f"{toy._flops(one) / ideal:.4f} (1 + (p-1)/m = {1 + (p - 1) / m:.4f})",
+              flush=True)  # fmt: skip
+
+
+def collectives() -> None:
+    import jax
+
+    from shardlib import mesh_spec
+    from shardlib.analysis import explain
+    from shardlib.train.config import train_config
+    from shardlib.train.setup import make_setup
+
+    mesh = mesh_spec(stage=2, data=2).build(jax.devices()[:4])
+    for schedule in ("1f1b", "2bw"):
+        cfg = train_config(
+            steps=1, batch=16, seq=128, pipeline_schedule=schedule, pipeline_microbatches=4,
+            precision="fp32", **{"model.layers": 8},
+        )  # fmt: skip
+        setup = make_setup(cfg, mesh)
+        report = explain(setup.train_step, setup.abstract_state(), setup.abstract_batch(),
+                         mesh=mesh)  # fmt: skip
+        ops = [c for c in report.collectives if "data" in c.axes]
+        count = sum(c.count for c in ops)
+        size = sum(c.count * c.buffer_bytes for c in ops) / 1e6
+        print(f"{schedule}: {count} reductions over data per step, {size:.2f} MB")
+
+
 def convergence() -> None:
     import jax
 
@@ -116,4 +172,5 @@ if __name__ == "__main__":
         from shardlib import simulate_cpu_devices
 
         simulate_cpu_devices(8)
-    {"memory": memory, "convergence": convergence, "plot": plot}[what]()
+    modes = {"memory": memory, "bubble": bubble, "collectives": collectives}
+    {**modes, "convergence": convergence, "plot": plot}[what]()
