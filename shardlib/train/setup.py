@@ -11,7 +11,6 @@ Order of work, so that mistakes surface before anything is compiled or allocated
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs, use_layout
-from shardlib.core.mesh import Axis
 from shardlib.core.model import (
     Inventory,
     ModelFactory,
@@ -33,7 +31,7 @@ from shardlib.core.model import (
     not_a_decoder,
     resolve_model,
 )
-from shardlib.core.rules import Rules, entry_axes
+from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel import offload_stream
@@ -43,10 +41,9 @@ from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
 from shardlib.parallel.pipeline import two_bw
-from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.storage import LayerOrder, map_blocks, reorder
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
-from shardlib.train import fp8, precision
+from shardlib.train import fp8, precision, two_bw_state
 from shardlib.train.config import TrainConfig
 from shardlib.train.optim import build_optimizer, freeze_base, resolve_optimizer, schedule
 
@@ -207,65 +204,18 @@ class TrainSetup:
 
     @property
     def _carry_init(self):
-        """2bw's ``init_carry(params, tokens)`` (``parallel.gradients.no_flush``)."""
-        from shardlib.parallel.gradients import no_flush
-        from shardlib.train.step import make_loss_fn
-
-        return no_flush(self.plan, make_loss_fn(self), self.step_layout)[0]
+        """2bw's ``init_carry(params, tokens)`` (``train.two_bw_state``)."""
+        return two_bw_state.carry_init(self)
 
     @cached_property
     def carry_shapes(self) -> dict:
         """2bw's in-flight pipeline work between steps, abstractly (``two_bw_loop``)."""
-        b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
-        tokens = jax.ShapeDtypeStruct((b, s + 1), jnp.int32)
-        with use_layout(self.mesh, self.rules):  # per data replica: a leading [R] dim
-            return jax.eval_shape(self._carry_init, self.param_shapes, tokens)
+        return two_bw_state.carry_shapes(self)
 
     @cached_property
     def carry_shardings(self) -> dict:
-        """The carry laid out as the loop computes it: a leading replica dim over the data
-        replica axes (``pipeline.replicas``), [p, ...] over ``stage``, each gradient sum
-        inside a stage as its parameter, the micro-batch rows over the batch's remaining
-        axes (where they divide), the loss per stage."""
-        mesh, shapes = self.mesh, self.carry_shapes
-        with use_layout(mesh, self.rules):
-            reps = replicas(gather_weights=self.plan.pipeline.gather_weights)
-        lead = 0 if reps is None else 1  # the replica dim, over the replica axes
-        batch = self.batch_sharding.spec[0] if len(self.batch_sharding.spec) else None
-        inner = tuple(a for a in entry_axes(batch) if reps is None or a not in reps.axes)
-        rows = shapes["fwd"].shape[lead + 1]
-        sizes = mesh_axes(mesh)
-        batch = inner if inner and rows % math.prod(sizes[a] for a in inner) == 0 else None
-
-        def named(*spec):
-            spec = P(*spec)
-            return NamedSharding(mesh, spec if reps is None else reps.spec(spec))
-
-        blocks = jax.tree.leaves(self.param_shardings["blocks"])
-        g_blocks = [
-            named(Axis.STAGE, None, *s.spec[1:])
-            if (p.shape[lead] * p.shape[lead + 1],) + p.shape[lead + 2 :] == w.shape
-            else named(Axis.STAGE)
-            for s, p, w in zip(
-                blocks,
-                shapes["g_blocks"],
-                jax.tree.leaves(self.param_shapes["blocks"]),
-                strict=True,
-            )
-        ]
-        rest = {k: v for k, v in self.param_shardings.items() if k != "blocks"}
-        tokens = named(None, batch)
-        return {
-            "fwd": named(Axis.STAGE, batch),
-            "bwd": named(Axis.STAGE, batch),
-            "ring": named(Axis.STAGE, None, None, batch),
-            "g_blocks": g_blocks,
-            "g_rest": jax.tree.map(lambda s: named(Axis.STAGE, *s.spec), rest),
-            "loss": named(Axis.STAGE),
-            "inputs": tokens,
-            "targets": tokens,
-            "slot0": named(),
-        }
+        """Its layout (``train.two_bw_state.carry_shardings``)."""
+        return two_bw_state.carry_shardings(self)
 
     @cached_property
     def state_shardings(self) -> dict:
