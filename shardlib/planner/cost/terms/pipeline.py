@@ -264,8 +264,8 @@ def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool
         return virtual == 1 and workload.seq % m == 0 and not workload.experts and not context
     if knobs["schedule"] == "chimera":  # two directions of m/2 over an even stage count
         return virtual == 1 and stages % 2 == 0 and m % 2 == 0
-    if knobs["schedule"] == "2bw":  # one chunk per device (``PipelineSpec.check``)
-        return virtual == 1
+    if knobs["schedule"] == "2bw":  # one chunk per device; a step ends the last one's work
+        return virtual == 1 and m >= 2 * stages - 2  # (``PipelineSpec.check``)
     return not (knobs["schedule"] == "1f1b" and virtual > 1 and m % stages)
 
 
