@@ -152,7 +152,8 @@ def plot() -> None:
 
     out = json.loads(RESULTS.read_text())
     fig, ax = plt.subplots(figsize=(7, 4))
-    for schedule, label in (("1f1b", "PipeDream-Flush (1f1b)"), ("2bw", "PipeDream-2BW (2bw)")):
+    labels = {"1f1b": "PipeDream-Flush (1f1b)", "2bw": "PipeDream-2BW (2bw; step t: batch t-1)"}
+    for schedule, label in labels.items():
         ax.plot(range(1, len(out[schedule]) + 1), out[schedule], label=label, lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
