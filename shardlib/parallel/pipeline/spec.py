@@ -33,8 +33,8 @@ class PipelineSpec:
     """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
     """gpipe | circular | 1f1b | chimera | terapipe | 2bw (see the module docstrings); under
-    terapipe ``microbatches`` counts the sequence's token slices; 2bw runs 1F1B's loop on
-    the previous step's weights (``pipeline/two_bw.py``)."""
+    terapipe ``microbatches`` counts the sequence's token slices; 2bw is PipeDream-2BW's
+    loop without a flush between steps (``pipeline/two_bw_loop.py``)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline/replicas.py``)."""
