@@ -19,6 +19,8 @@ the plan's business alone, decided here and nowhere else:
   runs the loss's own parts (``StagedLoss``: its token order, embedding, blocks, head and
   loss) under ``plan.ops()``, as the loss itself does, so the attention kernel the plan
   installs (a sequence split's kernel, say) and the loss are the trainer's under every schedule.
+  ``pipeline.schedule = 2bw`` takes the same parts into PipeDream-2BW's loop (``no_flush``),
+  which the train step calls itself: it also reads and returns the pipeline's in-flight work.
 
 fp16: the loss is multiplied by ``loss_scale`` and the loss and gradients come back scaled
 (the trainer unscales them and skips a non-finite step), whichever path computed them.
