@@ -19,6 +19,8 @@ the plan's business alone, decided here and nowhere else:
   runs the loss's own parts (``StagedLoss``: its token order, embedding, blocks, head and
   loss) under ``plan.ops()``, as the loss itself does, so the attention kernel the plan
   installs (a sequence split's kernel, say) and the loss are the trainer's under every schedule.
+  ``pipeline.schedule = 2bw`` takes the same parts into PipeDream-2BW's loop (``no_flush``),
+  which the train step calls itself: it also reads and returns the pipeline's in-flight work.
 
 fp16: the loss is multiplied by ``loss_scale`` and the loss and gradients come back scaled
 (the trainer unscales them and skips a non-finite step), whichever path computed them.
@@ -42,8 +44,10 @@ from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
 from shardlib.parallel import zeropp
 from shardlib.parallel.layer_loop import cast_params
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
 from shardlib.parallel.pipeline.one_f_one_b import one_f_one_b_value_and_grad
+from shardlib.parallel.pipeline.two_bw_loop import two_bw_loop
 
 if TYPE_CHECKING:
     from shardlib.parallel.plan import ParallelPlan
@@ -230,29 +234,8 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
     named = {} if layout.batch_names is None else {"batch_names": layout.batch_names}
 
     def value_and_grad(params, tokens_BL1):
-        if isinstance(tokens_BL1, dict) and layout.batch_names is None:
-            raise ShardingError(
-                f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
-                "micro-batch's document positions would have to travel with it through the "
-                "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
-                "without a stage axis."
-            )
-        cast = cast_params(params, layout.dtype, keep_blocks=True)  # blocks: cast per stage
-        block_graph, blocks_state = nnx.split(nnx.merge(layout.graphdef, cast).blocks)
-        rest = {k: v for k, v in cast.items() if k != "blocks"}
-
-        def whole(r):
-            return {**r, "blocks": cast["blocks"]}
-
-        positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
-        run = schedule(
-            spec,
-            block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
-            embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
-            head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
-            split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
-            **named,
-        )
+        rest, blocks_state, parts = _staged_parts(spec, loss, layout, params, tokens_BL1)
+        run = schedule(spec, **parts, **named)
         with plan.ops():  # the attention kernel (and exchange) the plan picks, as in the loss
             value, g_rest, g_blocks = run(
                 rest, blocks_state, tokens_BL1, rest_shardings, loss_scale
@@ -263,10 +246,72 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
     return value_and_grad
 
 
+def _staged_parts(spec, loss: StagedLoss, layout: StepLayout, params, tokens_BL1):
+    """``(rest, blocks_state, parts)``: the parameters as a fused schedule runs them and the
+    loss's parts (``block_fn``, ``embed``, ``head_loss``, ``split_tokens``) on them. The
+    stacked blocks stay fp32 master weights (each stage casts its own per trip, so the
+    per-micro-batch gradients accumulate in fp32); every other parameter is cast once. The
+    blocks see the token positions of the loss's token order (``split_tokens``)."""
+    if isinstance(tokens_BL1, dict) and layout.batch_names is None:
+        raise ShardingError(
+            f"pipeline_schedule={spec.schedule} with a packed batch (a prepared dataset): each "
+            "micro-batch's document positions would have to travel with it through the "
+            "stages, which the schedule does not carry. Fix: a flat token file, or a mesh "
+            "without a stage axis."
+        )
+    cast = cast_params(params, layout.dtype, keep_blocks=True)  # blocks: cast per stage
+    block_graph, blocks_state = nnx.split(nnx.merge(layout.graphdef, cast).blocks)
+    rest = {k: v for k, v in cast.items() if k != "blocks"}
+
+    def whole(r):
+        return {**r, "blocks": cast["blocks"]}
+
+    positions_L = loss.split(tokens_BL1)[2]  # the token order's true positions (constant)
+    parts = dict(
+        block_fn=loss.block(block_graph, positions_L),  # the schedule decides what is saved
+        embed=lambda r, inputs_BL: loss.embed(whole(r), inputs_BL, positions_L),
+        head_loss=lambda r, x_BLD, targets_BL: loss.head(whole(r), x_BLD, targets_BL, None)[0],
+        split_tokens=lambda t_BL1: loss.split(t_BL1)[:2],
+    )
+    return rest, blocks_state, parts
+
+
+def no_flush(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_scale=None):
+    """PipeDream-2BW's loop (``pipeline.two_bw_loop``) as ``(init_carry(params, tokens) ->
+    carry, step(params, prev_params, carry, tokens) -> (loss, grads, carry))``: the
+    previous batch's loss and gradients, taken at ``prev_params`` (the weights its work
+    started on), and the pipeline's in-flight work for the next step."""
+    spec = plan.pipeline_spec()
+    rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}
+
+    def loop(params, tokens_BL1):
+        rest, blocks_state, parts = _staged_parts(spec, loss, layout, params, tokens_BL1)
+        return rest, blocks_state, two_bw_loop(spec, **parts)
+
+    def init_carry(params, tokens_BL1):
+        rest, blocks_state, (init, _) = loop(params, tokens_BL1)
+        return init(rest, blocks_state, tokens_BL1)
+
+    def step(params, prev_params, carry, tokens_BL1):
+        rest, blocks_state, (_, run) = loop(params, tokens_BL1)
+        prev_rest, prev_blocks, _ = loop(prev_params, tokens_BL1)
+        scale = 1.0 if loss_scale is None else loss_scale
+        with plan.ops():
+            value, g_rest, g_blocks, carry = run(
+                rest, blocks_state, prev_rest, prev_blocks, carry, tokens_BL1, scale,
+                rest_shardings,
+            )  # fmt: skip
+        grads = {**g_rest, "blocks": nnx.to_pure_dict(g_blocks)}
+        return value, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), carry
+
+    return init_carry, step
+
+
 def check(plan: ParallelPlan) -> None:
     """The gradient path's refusals that span sections: 1-bit momentum runs on a plain
     data-parallel mesh with replicated state (DeepSpeed: 1-bit Adam does not combine with
     ZeRO), since its step maps the ``data`` axis alone and keeps one error buffer per device."""
+    two_bw.check(plan)  # 2bw's stale weights live beside the parameters, in the trainer's step
     if not plan.data.onebit_momentum:
         return
     others = {a: s for a, s in plan.mesh_axes.items() if a != Axis.DATA and s > 1}

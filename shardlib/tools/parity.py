@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec, reference_mesh
 from shardlib.dataset.tokens import global_batch, load_tokens
+from shardlib.parallel.pipeline import two_bw
 from shardlib.train import fp8, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.loop import run
@@ -93,6 +94,10 @@ def random_state(setup: TrainSetup, seed: int = 0) -> dict:
     values = _random_params(key, seed)
     params = jax.tree_util.tree_unflatten(treedef, [values[k] for k, _ in key])
     state = {"params": params, "opt_state": setup.tx.init(params), "step": np.int32(0)}
+    if setup.stale_weights:  # 2bw: W(-1) = W(0), and an empty pipeline
+        state[two_bw.PREV_PARAMS] = params
+        zeros = lambda s: np.zeros(s.shape, s.dtype)  # noqa: E731
+        state[two_bw.CARRY] = jax.tree.map(zeros, setup.carry_shapes)
     if precision.uses_loss_scale(setup.cfg.precision):
         state["loss_scale"] = precision.init_loss_scale(setup.cfg.precision)
     if setup.fp8_shardings is not None:

@@ -32,7 +32,7 @@ from shardlib.planner.cost.terms.tensor25d import GRID_DEPTHS
 from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
-SCHEDULES = ("gpipe", "1f1b", "circular", "chimera", "terapipe")
+SCHEDULES = ("gpipe", "1f1b", "circular", "chimera", "terapipe", "2bw")
 KNOBS = (
     "zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload",
     "attention", "loss_chunk", "grid_depth",

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs
+from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs, use_layout
 from shardlib.core.model import (
     Inventory,
     ModelFactory,
@@ -39,6 +39,7 @@ from shardlib.parallel.context import choice
 from shardlib.parallel.context.choice import AttentionChoice
 from shardlib.parallel.gradients import StepLayout
 from shardlib.parallel.offload import HOST_MEMORY
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.storage import LayerOrder, map_blocks, reorder
 from shardlib.parallel.plan import ParallelPlan, suggest_presets
 from shardlib.train import fp8, precision
@@ -171,7 +172,7 @@ class TrainSetup(StateLayout):
 
     @cached_property
     def _init(self):
-        make, tx, prec = self.model.make, self.tx, self.cfg.precision
+        make, tx, prec, stale = self.model.make, self.tx, self.cfg.precision, self.stale_weights
         init_fp8 = self.init_fp8 if fp8.enabled(prec) else None
 
         # the NVMe tier writes its state into files layer by layer (``train.nvme``): the
@@ -185,6 +186,10 @@ class TrainSetup(StateLayout):
             state = {"params": params, "step": jnp.zeros((), jnp.int32)}
             if not in_files:
                 state["opt_state"] = tx.init(params)
+            if stale:  # W(-1) = W(0), and an empty pipeline
+                state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, params)
+                with use_layout(mesh, rules):
+                    state[two_bw.CARRY] = init_carry(params, tokens)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             if init_fp8 is not None:
@@ -192,6 +197,10 @@ class TrainSetup(StateLayout):
             return map_blocks(order.store_rows, state, rows)  # the trainer's layer order
 
         order, rows = self.layer_order, self.workload.blocks
+        init_carry = self._carry_init if stale else None
+        mesh, rules = self.mesh, self.rules
+        b, s = self.cfg.dataset.batch, self.cfg.dataset.seq
+        tokens = jnp.zeros((b, s + 1), jnp.int32)
         shardings = dict(self.state_shardings)
         if in_files:
             del shardings["opt_state"]
@@ -210,6 +219,8 @@ class TrainSetup(StateLayout):
             abstract = self.abstract_state()["params"]
             loaded = self.stored(load_initial_params(source, abstract, self.model_cfg))
             state["params"] = overlay(state["params"], loaded)
+            if self.stale_weights:  # W(-1) = W(0) again, in buffers of its own (donated apart)
+                state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, state["params"])
         if self.plan.offload.nvme_path:  # fresh files, tx.init written one layer at a time
             from shardlib.train.nvme import nvme_state
 

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.parallel import state as layouts
 from shardlib.parallel.offload import HOST_MEMORY
-from shardlib.train import fp8, precision
+from shardlib.parallel.pipeline import two_bw
+from shardlib.train import fp8, precision, two_bw_state
 
 
 class StateLayout:
@@ -65,6 +66,27 @@ class StateLayout:
         replicated = NamedSharding(self.mesh, P())
         return jax.tree.map(lambda _: replicated, jax.eval_shape(self.init_fp8))
 
+    @property
+    def stale_weights(self) -> bool:
+        """Whether the state keeps the previous step's weights (``pipeline_schedule=2bw``
+        on a stage axis: ``parallel/pipeline/two_bw.py``)."""
+        return two_bw.stale(self.plan.pipeline_spec())
+
+    @property
+    def _carry_init(self):
+        """2bw's ``init_carry(params, tokens)`` (``train.two_bw_state``)."""
+        return two_bw_state.carry_init(self)
+
+    @cached_property
+    def carry_shapes(self) -> dict:
+        """2bw's in-flight pipeline work between steps, abstractly (``two_bw_loop``)."""
+        return two_bw_state.carry_shapes(self)
+
+    @cached_property
+    def carry_shardings(self) -> dict:
+        """Its layout (``train.two_bw_state.carry_shardings``)."""
+        return two_bw_state.carry_shardings(self)
+
     @cached_property
     def state_shardings(self) -> dict:
         replicated = NamedSharding(self.mesh, P())
@@ -73,6 +95,9 @@ class StateLayout:
             "opt_state": self.opt_state_shardings,
             "step": replicated,
         }
+        if self.stale_weights:  # 2bw's W(t-1), laid out like the parameters, and its carry
+            out[two_bw.PREV_PARAMS] = self.param_shardings
+            out[two_bw.CARRY] = self.carry_shardings
         if precision.uses_loss_scale(self.cfg.precision):
             out["loss_scale"] = jax.tree.map(
                 lambda _: replicated, precision.abstract_loss_scale(self.cfg.precision)
@@ -96,6 +121,9 @@ class StateLayout:
             "opt_state": self._abstract_opt_state,
             "step": jax.ShapeDtypeStruct((), jnp.int32),
         }
+        if self.stale_weights:
+            shapes[two_bw.PREV_PARAMS] = self.param_shapes
+            shapes[two_bw.CARRY] = self.carry_shapes
         if precision.uses_loss_scale(self.cfg.precision):
             shapes["loss_scale"] = precision.abstract_loss_scale(self.cfg.precision)
         if fp8.enabled(self.cfg.precision):

@@ -23,6 +23,7 @@ from shardlib.core.layout import constrain, use_layout
 from shardlib.core.model import embed_takes_positions
 from shardlib.core.ops import Packed, run_blocks, use_matmul
 from shardlib.dataset.tokens import BATCH_NAMES
+from shardlib.parallel import gradients
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
@@ -30,6 +31,7 @@ from shardlib.parallel.loss import chunked_cross_entropy
 from shardlib.parallel.offload import DEVICE_MEMORY
 from shardlib.parallel.offload_stream import grad_norm as streamed_grad_norm
 from shardlib.parallel.offload_stream import streamed_update, streams
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.stats import stats_tokens
 from shardlib.parallel.pipeline.storage import map_blocks
 from shardlib.train import fp8, precision
@@ -299,6 +301,11 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             "TrainSetup.train_step (shardlib.train.nvme.NvmeTrainStep), or drop nvme_path."
         )
     tx, sched, cfg, plan = setup.tx, setup.schedule, setup.cfg, setup.plan
+    if setup.stale_weights and fp8.enabled(cfg.precision):
+        raise ShardingError(
+            "pipeline_schedule=2bw with FP8: its loop does not carry the delayed scales "
+            "between steps. Fix: precision.compute=bf16 (or fp32), or pipeline_schedule=1f1b."
+        )
     scaled = precision.uses_loss_scale(cfg.precision)
     # the streamed update walks the decoder's stacked blocks; a model without them (a user's
     # own, ``train.user_model``) takes the whole-state update, its state still kept on host
@@ -313,8 +320,16 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             # a user's model state (BatchNorm statistics, RNG counts): read, not differentiated
             model_state = state.get(MODEL_STATE)
             fn = loss_fn if model_state is None else loss_fn.given(model_state)
-            grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale, stored=True)
-            (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), batch)
+            carry = state.get(two_bw.CARRY)
+            if carry is None:
+                grad_fn = grad_function(setup, fn, has_aux=True, loss_scale=scale, stored=True)
+                (loss, extra), grads = grad_fn(fp8.with_meta(params, meta), batch)
+            else:  # 2bw: the previous batch's gradient, at W(t-1), applied to W(t) below
+                run_2bw = gradients.no_flush(plan, fn, setup.step_layout, scale)[1]
+                loss, grads, carry = run_2bw(params, state[two_bw.PREV_PARAMS], carry, batch)
+                # step 0's are an empty pipeline's (maybe not finite: no fp16 overflow)
+                grads = two_bw.after_first(state["step"], grads, 0.0)
+                extra = {}
             extra = dict(extra)
             forward_state = extra.pop(MODEL_STATE, None)  # what the forward pass wrote
             # FP8: the meta's "gradient" is its next value (delayed scaling), not an update
@@ -339,9 +354,15 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
                 new_params, new_opt_state, params, opt_state, grads = _whole_update(
                     setup, grads, opt_state, params
                 )
+                if carry is not None:  # step 0 finished no batch: nothing to apply
+                    new_params, new_opt_state = two_bw.after_first(
+                        state["step"], (new_params, new_opt_state), (params, opt_state)
+                    )
                 if scaled:
                     finite = precision.all_finite(grads)
                 grad_norm = global_norm(grads)
+        if carry is not None:  # no batch's loss at step 0
+            loss, grad_norm = two_bw.after_first(state["step"], (loss, grad_norm), jnp.nan)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model (the user's loss) reports besides the loss
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
@@ -355,6 +376,10 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
         if scaled and not stream:  # (the streamed update kept them row by row)
             new_state["params"] = precision.keep_if(finite, new_params, params)
             new_state["opt_state"] = precision.keep_if(finite, new_opt_state, opt_state)
+        keep = (lambda new, old: precision.keep_if(finite, new, old)) if scaled else None
+        new_state = two_bw.advance(new_state, state, params, keep)  # 2bw: W(t) is next's stale
+        if carry is not None:
+            new_state[two_bw.CARRY] = carry
         if scaled:
             new_state["loss_scale"] = precision.update_loss_scale(
                 cfg.precision, state["loss_scale"], finite

@@ -53,6 +53,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, mesh_axes, resolve_specs, use_layout
 from shardlib.core.model import ModelFactory, inventory, resolve_model
 from shardlib.core.workload import Workload
+from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.plan import suggest_presets
 from shardlib.parallel.remat import RematSpec
 from shardlib.train import user_state
@@ -111,6 +112,7 @@ class ModelSetup(TrainSetup):
         if not self.model_state:
             return TrainSetup._init.func(self)
         make, tx, prec, keys = self.model.make, self.tx, self.cfg.precision, self.model_state.keys
+        stale = self.stale_weights
         from shardlib.train import precision
 
         def init(key):
@@ -123,6 +125,8 @@ class ModelSetup(TrainSetup):
                 "step": jnp.zeros((), jnp.int32),
                 user_state.MODEL_STATE: user_state.carried(model, keys),
             }
+            if stale:  # 2bw's W(-1) = W(0) (``TrainSetup._init``)
+                state[two_bw.PREV_PARAMS] = jax.tree.map(jnp.copy, params)
             if precision.uses_loss_scale(prec):
                 state["loss_scale"] = precision.init_loss_scale(prec)
             return state

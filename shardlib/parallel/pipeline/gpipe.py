@@ -114,9 +114,11 @@ class PipelineParallel:
     }
 
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1) | chimera
-    (bidirectional, ``pipeline/chimera.py``) | terapipe (token slices of the sequence,
-    ``pipeline/terapipe.py``; microbatches = slices); used when the mesh has a stage axis > 1."""
+    """gpipe | circular | 1f1b (1F1B; interleaved 1F1B with virtual_stages > 1; also spelled
+    pipedream-flush) | chimera (bidirectional, ``pipeline/chimera.py``) | terapipe (token
+    slices of the sequence, ``pipeline/terapipe.py``; microbatches = slices) | 2bw
+    (PipeDream-2BW: no flush between steps, one step of weight staleness,
+    ``pipeline/two_bw.py``); used when the mesh has a stage axis > 1."""
     microbatches: int = 0
     """Micro-batches streamed through the pipeline per batch (terapipe: token slices of the
     sequence); 0 = one per stage."""

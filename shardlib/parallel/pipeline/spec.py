@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import balanced_stages
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "chimera", "terapipe")
-FUSED_SCHEDULES = ("1f1b", "chimera")  # forward and backward in one loop: a value_and_grad
-SCHEDULE_ALIASES = {"bounded": "1f1b"}  # older name of 1f1b, still accepted
+SCHEDULES = ("gpipe", "circular", "1f1b", "chimera", "terapipe", "2bw")
+FUSED_SCHEDULES = ("1f1b", "chimera", "2bw")  # forward and backward in one loop: a value_and_grad
+SCHEDULE_ALIASES = {
+    "bounded": "1f1b",  # older name of 1f1b, still accepted
+    "pipedream-flush": "1f1b",  # Narayanan et al. 2021's name for 1F1B with a flush per step
+    "pipedream-2bw": "2bw",
+}
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,9 @@ class PipelineSpec:
     virtual_stages: int = 1
     """v: layer groups per device (circular, or interleaved 1F1B); 1 for GPipe."""
     schedule: str = "gpipe"
-    """gpipe | circular | 1f1b | chimera | terapipe (see the module docstrings); under
-    terapipe ``microbatches`` counts the sequence's token slices."""
+    """gpipe | circular | 1f1b | chimera | terapipe | 2bw (see the module docstrings); under
+    terapipe ``microbatches`` counts the sequence's token slices; 2bw is PipeDream-2BW's
+    loop without a flush between steps (``pipeline/two_bw_loop.py``)."""
     gather_weights: str = "microbatch"
     """When FSDP-sharded stage weights are all-gathered: per micro-batch or once per step
     (``pipeline/replicas.py``)."""
@@ -44,20 +49,26 @@ class PipelineSpec:
         return self.schedule in FUSED_SCHEDULES
 
     def iterations(self) -> int:
-        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B
-        v·m+v·p+p-2 over its three phases (``pipeline.timetable.Schedule``), Chimera
-        m+2p-3 (``pipeline.chimera_timetable``)."""
+        """Loop trips: GPipe m+p-1, circular v·m+p-1, (interleaved) 1F1B v·m+v·p+p-2 over
+        its three phases (``pipeline.timetable.Schedule``), Chimera m+2p-3
+        (``pipeline.chimera_timetable``), 2bw m (no flush: ``pipeline.two_bw_loop``)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
         if self.schedule == "chimera":
             return m + 2 * p - 3
-        return v * m + v * p + p - 2 if self.schedule == "1f1b" else v * m + p - 1
+        if self.schedule == "2bw":  # steady trips only (``pipeline.two_bw_loop``)
+            return m
+        if self.schedule == "1f1b":
+            return v * m + v * p + p - 2
+        return v * m + p - 1
 
     def executed(self) -> int:
         """Chunk forwards (each with its backward) a stage executes: the loop trips, but
         1F1B's warm-up runs only forwards and its cool-down only backwards: v·m+p-1;
-        Chimera's m+p-2."""
+        Chimera's m+p-2; 2bw's m (every trip is a steady one)."""
         if self.schedule == "chimera":
             return self.microbatches + self.stages - 2
+        if self.schedule == "2bw":
+            return self.microbatches
         if self.schedule == "1f1b":
             return self.virtual_stages * self.microbatches + self.stages - 1
         return self.iterations()
@@ -82,6 +93,20 @@ class PipelineSpec:
             )
         if self.schedule == "chimera":
             self._check_chimera()
+        if self.schedule == "2bw" and v != 1:
+            raise ShardingError(
+                f"pipeline_schedule=2bw with virtual_stages={v}: PipeDream-2BW's stale "
+                "weights are kept for one chunk per device, as in the paper; interleaving is "
+                "not implemented with them. Fix: virtual_stages=1, or pipeline_schedule=1f1b "
+                "for interleaved 1F1B."
+            )
+        if self.schedule == "2bw" and m < 2 * p - 2:
+            raise ShardingError(
+                f"pipeline_schedule=2bw with pipeline_microbatches={m} over {p} stages: a "
+                f"step's last backwards run 2p-2 = {2 * p - 2} trips into the next step "
+                f"(``pipeline.two_bw_loop``), which has only {m}. Fix: "
+                f"pipeline_microbatches={2 * p - 2} or more."
+            )
         if self.stage_layers:
             counts = self.stage_layers
             if len(counts) != p * v or sum(counts) != layers or min(counts) < 1:

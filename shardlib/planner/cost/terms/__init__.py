@@ -3,9 +3,10 @@
 ``state`` (parameters, gradients, optimizer state under every split), ``model`` (FLOPs and
 saved activations), ``dp`` (with ZeRO-1/2), ``onebit`` (1-bit Adam/LAMB's compressed
 momentum), ``fsdp``, ``tensor``, ``tensor25d`` (2D/2.5D grids), ``context``, ``expert``,
-``pipeline`` (and ``chimera``'s doubled weights, ``terapipe``'s K/V buffers), ``remat``,
-``offload``, ``loss``: each describes what the trainer's compiled program does, and
-``benchmarks/planner_validation.py`` checks them against compiled executables.
+``pipeline`` (and ``chimera``'s doubled weights, ``terapipe``'s K/V buffers, ``two_bw``'s
+stale weights), ``remat``, ``offload``, ``loss``: each describes what the trainer's compiled
+program does, and ``benchmarks/planner_validation.py`` checks them against compiled
+executables.
 
 Each module declares one ``base.Term``: its cost, the mesh axis and search values it owns,
 and its hooks. ``TERMS`` lists them; ``cost.total`` adds their costs up and ``search``
@@ -31,6 +32,7 @@ from shardlib.planner.cost.terms import (
     tensor,
     tensor25d,
     terapipe,
+    two_bw,
 )
 from shardlib.planner.cost.terms.base import SearchAxis, Terms
 
@@ -48,6 +50,7 @@ TERMS = Terms(
         pipeline.TERM,
         chimera.TERM,
         terapipe.TERM,
+        two_bw.TERM,
         remat.TERM,
         offload.TERM,
         loss.TERM,

@@ -244,6 +244,8 @@ def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
         scheds += [("chimera", 1, False)]  # (split saved inputs: not checked under chimera)
     if "terapipe" in schedules and 1 in virtual:  # likewise: token slices (terms.terapipe)
         scheds += [("terapipe", 1, False)]
+    if "2bw" in schedules and 1 in virtual:  # likewise: stale weights (terms.two_bw)
+        scheds += [("2bw", 1, False)]
     return [{"schedule": s, "virtual": v, "split_saved": split} for s, v, split in scheds]
 
 
@@ -262,6 +264,8 @@ def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool
         return virtual == 1 and workload.seq % m == 0 and not workload.experts and not context
     if knobs["schedule"] == "chimera":  # two directions of m/2 over an even stage count
         return virtual == 1 and stages % 2 == 0 and m % 2 == 0
+    if knobs["schedule"] == "2bw":  # one chunk per device; a step ends the last one's work
+        return virtual == 1 and m >= 2 * stages - 2  # (``PipelineSpec.check``)
     return not (knobs["schedule"] == "1f1b" and virtual > 1 and m % stages)
 
 
@@ -272,7 +276,7 @@ def _fix(settings: Mapping[str, Any]) -> tuple[dict[str, tuple], tuple[str, ...]
     virtual, schedule = settings.get("virtual"), settings.get("schedule")
     if virtual is not None:
         together = VIRTUAL_SCHEDULES if virtual > 1 else ("gpipe", "1f1b")
-        chimera = schedule in ("chimera", "terapipe") and virtual == 1  # asked for by name
+        chimera = schedule in ("chimera", "terapipe", "2bw") and virtual == 1  # by name
         if schedule is not None and schedule not in together and not chimera:
             raise ShardingError(
                 f"--fix schedule={schedule},virtual={virtual}: virtual stages > 1 go with "
