@@ -17,10 +17,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardlib.checkpoint.dirlock import RunLock
+from shardlib.checkpoint.dirlock import DirectoryLock, RunLock
 from shardlib.checkpoint.saver import Saver
 from shardlib.checkpoint.store import CheckpointError, jsonable, read_meta
-from shardlib.checkpoint.tiers import LOCAL_KEEP, candidates, check_settings, restore_newest
+from shardlib.checkpoint.tiers import (
+    LOCAL_KEEP,
+    candidates,
+    check_settings,
+    local_directory,
+    restore_newest,
+)
 from shardlib.core.errors import ShardingError
 from shardlib.core.values import flatten_table
 
@@ -92,7 +98,7 @@ class RunCheckpoints:
         check_settings(cfg)
         self.setup = setup
         self.directory = Path(cfg.dir)
-        self.local_directory = Path(cfg.local_dir) if cfg.local_dir else None
+        self.local_directory = local_directory(cfg.local_dir) if cfg.local_dir else None
         self.say = say
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
@@ -111,9 +117,13 @@ class RunCheckpoints:
     def locked(self):
         """The directories' locks (``with ckpt.locked():``): one run per directory."""
         with ExitStack() as stack:
-            for directory in (self.directory, self.local_directory):
-                if directory is not None:
-                    stack.enter_context(RunLock(directory, say=self.say))
+            stack.enter_context(RunLock(self.directory, say=self.say))
+            if self.local_directory is not None:
+                # several processes: each its own directory (a refusal on one rank ends the
+                # others, as any error of one rank does)
+                local = self.local_directory != Path(self.setup.cfg.checkpoint.local_dir)
+                lock = DirectoryLock(self.local_directory) if local else None
+                stack.enter_context(lock or RunLock(self.local_directory, say=self.say))
             yield
 
     def resume(self) -> dict | None:
@@ -178,6 +188,7 @@ class RunCheckpoints:
                 every=cfg.local_every,
                 keep=LOCAL_KEEP,
                 setting="checkpoint.local_dir",
+                per_process=True,
             )
         return self
 

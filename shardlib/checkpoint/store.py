@@ -294,6 +294,17 @@ def _unreadable(state_dir: Path, target) -> str:
     return f"tensor {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
+def any_process(flag: bool) -> bool:
+    """``flag`` of any process (all call this): how processes that each read their own
+    copy of a step (the local tier) take the same branch when one copy is damaged."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.asarray([flag], np.int32))  # [processes, 1]
+    return bool(np.asarray(flags).any())
+
+
 @dataclass(frozen=True)
 class Restored:
     """A state read back onto the target mesh, with the metadata it was saved with."""
@@ -322,6 +333,8 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
             state = reader.restore((path / str(step) / "state").absolute(), target)
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
         failure = f"{type(err).__name__}: {error_summary(err)}"
+    if any_process(failure is not None):  # a local tier's copy may be damaged on one host
+        failure = failure or "its copy on another process cannot be read"
     if failure is not None:  # outside the handler: the error's frames can be collected
         with _dropping_failed_reads():
             what = _unreadable(path / str(step) / "state", target)

@@ -1,4 +1,5 @@
-"""Faults of two-process runs (gloo on loopback): one rank fails, dies or is signalled.
+"""Faults of two-process runs (gloo on loopback): one rank fails, dies or is signalled, or
+both are killed and resume from their local checkpoint tiers.
 
 The healthy rank must stop promptly naming the peer and the cause, never hang in JAX's
 shutdown barrier, and a job on a port another job uses must not harm the running one. Every
@@ -232,3 +233,57 @@ def test_losing_rank_0_is_one_line_on_the_others_within_the_heartbeat_bound(tmp_
         6 + 5 + 10,
         0.5,
     )
+
+
+@pytest.mark.slow
+def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, cache):
+    """The fast-restart tier with two processes (data=2: every parameter is replicated, so
+    under orbax's own multi-process save process 1 would write none of it): each writes
+    its whole copy into its own ``process-<i>-of-2`` directory. Both are killed (-9) a few
+    local saves past the persistent step 10; the restart agrees on the newest local step
+    both hold, restores each process from its own copy, and recomputes the lost steps with
+    the killed run's losses, bit for bit."""
+    from shardlib.checkpoint.store import complete_steps
+
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+    settings = [f"checkpoint_dir={persistent}", f"checkpoint.local_dir={local}"]
+    settings += ["checkpoint_every=10", "checkpoint.local_every=2"]
+    first, port = tmp_path / "first.jsonl", free_port()
+    procs = [
+        start_rank(tmp_path, port, 0, "k0.log", *settings, "steps=30", f"metrics={first}",
+                   cache=cache),
+        start_rank(tmp_path, port, 1, "k1.log", *settings, "steps=30", cache=cache),
+    ]  # fmt: skip
+    try:
+        wait_for(lambda: len(records_of(first)) >= 17, procs, 120, 0.01)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    killed = {r["step"]: r["loss"] for r in records_of(first)}
+    assert max(killed) < 30, "the first run ended before it was killed"
+    dirs = [local / f"process-{i}-of-2" for i in (0, 1)]
+    steps = [complete_steps(d) for d in dirs]
+    assert complete_steps(persistent) == [10], steps
+    newest = max(set(steps[0]) & set(steps[1]))
+    assert newest >= 14, steps  # saved every 2 steps, 2 kept, on both hosts
+    for d in dirs:  # each process holds its own copy of the replicated parameters
+        assert list((d / str(newest) / "state").glob("ocdbt.process_*/d/*")), d
+
+    second, port = tmp_path / "second.jsonl", free_port()
+    procs = [
+        start_rank(tmp_path, port, 0, "r0.log", *settings, "steps=30", f"metrics={second}",
+                   cache=cache),
+        start_rank(tmp_path, port, 1, "r1.log", *settings, "steps=30", cache=cache),
+    ]  # fmt: skip
+    codes, seconds = wait_all(procs, 120)
+    logs = [(tmp_path / f"r{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], logs
+    line = only_line(tmp_path / "r0.log", r"^resumed from ")
+    assert line == f"resumed from {dirs[0]}/{newest} (step {newest})", logs[0]
+    resumed = {r["step"]: r["loss"] for r in records_of(second)}
+    assert min(resumed) == newest + 1 and max(resumed) == 30
+    overlap = sorted(set(resumed) & set(killed))
+    assert overlap and all(resumed[s] == killed[s] for s in overlap), (resumed, killed)
+    print(f"\nkilled at step {max(killed)}: resumed from local step {newest} of both "
+          f"processes, steps {overlap} equal bit for bit; restart ran {seconds:.1f} s")  # fmt: skip
