@@ -60,10 +60,27 @@ def test_an_error_on_one_rank_is_printed_by_it_and_ends_the_other(tmp_path, cach
     assert "Traceback" not in logs[0] and "stack trace" not in logs[0]
     print(f"\nrank 1's error ended rank 0 {seconds:.1f} s later: {lines[0]}")
 
+    # the file missing on every rank: each prints one line, its own error (exit 2) or, when
+    # the other's came first, "stopping: process N failed: <it>" (exit 1); rank 0 used to
+    # print both lines and exit 1
+    port = free_port()
+    gone = f"data={tmp_path / 'gone.bin'}"
+    procs = [start_rank(tmp_path, port, i, f"g{i}.log", gone, cache=cache) for i in (0, 1)]
+    codes, seconds = wait_all(procs, 60)
+    logs = [(tmp_path / f"g{i}.log").read_text() for i in range(2)]
+    assert 2 in codes, logs
+    for i, code in enumerate(codes):
+        own = rf"^process {i}: error: data='.*gone.bin': no such file"
+        other = rf"^process {i}: stopping: process {1 - i} failed: data='.*gone.bin'"
+        assert code in (1, 2), logs[i]
+        said = [line for line in logs[i].splitlines() if line.startswith(f"process {i}:")]
+        assert len(said) == 1, logs[i]
+        only_line(tmp_path / f"g{i}.log", own if code == 2 else other)
+
 
 @pytest.mark.slow
 def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_path, cache):
-    from shardlib.checkpoint.store import complete_steps, read_meta
+    from shardlib.checkpoint.store import TMP_MARK, complete_steps, read_meta
 
     # an unrelated program holds the port: process 0 refuses it, process 1 gives up in time
     with socket.socket() as squatter:
@@ -80,7 +97,7 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
     # job B's process 1 reaches job A's coordinator while A is forming: it reads process 0's
     # join desk and stops before joining; A's own process 1 joins later and A trains
     port, directory, metrics = free_port(), tmp_path / "run", tmp_path / "a.jsonl"
-    settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=1", "keep=2", "steps=100000"]
     a0 = start_rank(
         tmp_path,
         port,
@@ -122,6 +139,8 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
         time.sleep(2)
         assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
         assert len(records_of(metrics)) > seen  # job A trains on, untouched
+        # killed while a save is being written (A saves every step): noticed in the same bound
+        wait_for(lambda: any(TMP_MARK in p.name for p in directory.iterdir()), job_a, 30, 0.002)
         job_a[1].send_signal(signal.SIGKILL)
         codes, seconds = wait_all(job_a[:1], 30)
     finally:
@@ -129,7 +148,7 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
             p.kill()
     assert codes == [1]
     line = only_line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
-    print(f"rank 1 killed: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
+    print(f"rank 1 killed mid-save: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
     assert seconds < 6 + 2
     assert complete_steps(directory) and read_meta(directory)[1]["step"] >= 5
 
