@@ -25,9 +25,11 @@ from shardlib.checkpoint.tiers import (
     candidates,
     check_settings,
     local_directory,
+    readable_here,
     restore_newest,
 )
 from shardlib.core.errors import ShardingError
+from shardlib.core.layout import mesh_axes
 from shardlib.core.values import flatten_table
 
 RESUME_MODES = ("auto", "require", "never")
@@ -130,6 +132,7 @@ class RunCheckpoints:
         """The restored state, or None to start from initialisation."""
         mode = self.setup.cfg.checkpoint.resume
         found = candidates(self.directory, self.local_directory)
+        found = readable_here(found, mesh_axes(self.setup.mesh), self.say)
         if mode == "never":
             if found:
                 where = ", ".join(f"{c.tier} step {c.step}" for c in found)

@@ -126,6 +126,35 @@ def candidates(persistent: Path, local: Path | None) -> list[Candidate]:
     return sorted(found, key=lambda c: (-c.step, c.tier != "local"))
 
 
+def readable_here(found: list[Candidate], axes: dict[str, int], say) -> list[Candidate]:
+    """``found`` less the local steps of a multi-process run written on another mesh.
+
+    Each process's local copy holds only the shards its devices held when it was written;
+    on another mesh a process needs others, which its disk does not have (the persistent
+    tier has them all). Every process decides alike: a step any of them drops is dropped.
+    """
+    if jax.process_count() == 1:
+        return found
+    kept = []
+    for c in found:
+        other = None
+        if c.tier == "local":
+            try:
+                other = read_meta(c.directory, c.step)[1].get("mesh", {}).get("axes")
+            except DamagedCheckpoint:  # reported, and skipped, by restore_newest
+                other = None
+            other = other if other is not None and other != axes else None
+        if c.tier == "local" and any_process(other is not None):
+            say(
+                f"checkpoint: local step {c.step} ({c.path}) was written on mesh {other}, "
+                f"this run's is {axes}: each host's local copy holds only its own shards "
+                "of that mesh; an older or persistent step is restored instead."
+            )
+            continue
+        kept.append(c)
+    return kept
+
+
 def restore_newest(
     found: list[Candidate],
     setup,

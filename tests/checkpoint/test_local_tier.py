@@ -237,6 +237,28 @@ def test_processes_agree_on_the_newest_step_every_one_holds():
     assert common_steps(np.array([[4, -1], [6, -1]])) == []
 
 
+def test_local_steps_of_another_mesh_are_passed_over_by_a_multi_process_run(monkeypatch):
+    """With several processes each local copy holds only its own shards of the mesh it was
+    written on: on another mesh the step is passed over, with a line, for the persistent
+    tier (one process stands for them: every process drops what any of them drops)."""
+    from shardlib.checkpoint import tiers
+
+    root, _, kept = reference()
+    found = tiers.candidates(root / "persistent", root / "local")  # written on data=1
+    said = []
+    monkeypatch.setattr(tiers.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(tiers, "agreed_steps", lambda steps: steps)
+    monkeypatch.setattr(tiers, "any_process", lambda flag: flag)
+    assert tiers.readable_here(found, {"data": 1}, said.append) == found
+    left = tiers.readable_here(found, {"fsdp": 1}, said.append)
+    assert [(c.tier, c.step) for c in left] == [("persistent", s) for s in kept["persistent"][::-1]]
+    assert len(said) == 2 and re.match(
+        r"checkpoint: local step 38 \(\S+/local/38\) was written on mesh \{'data': 1\}, this "
+        r"run's is \{'fsdp': 1\}: each host's local copy holds only its own shards",
+        said[0],
+    ), said
+
+
 FAILED_SAVE = """
 import os, sys
 from pathlib import Path
