@@ -182,7 +182,9 @@ def restore_newest(
                     what="another process's copy",
                 )
             accept(meta)
-            return restore_step(candidate.directory, setup, candidate.step), skipped
+            own_copy = candidate.tier == "local" and jax.process_count() > 1
+            restored = restore_step(candidate.directory, setup, candidate.step, own_copy=own_copy)
+            return restored, skipped
         except DamagedCheckpoint as err:
             if i + 1 == len(found):
                 raise

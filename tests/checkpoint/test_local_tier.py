@@ -243,18 +243,20 @@ def test_local_steps_of_another_mesh_are_passed_over_by_a_multi_process_run(monk
     tier (one process stands for them: every process drops what any of them drops)."""
     from shardlib.checkpoint import tiers
 
-    root, _, kept = reference()
-    found = tiers.candidates(root / "persistent", root / "local")  # written on data=1
+    killed = killed_run(7)  # local steps 4 and 6, written on data=1 (a copy: read only)
+    local = tiers.candidates(killed / "persistent", killed / "local")
+    assert [c.step for c in local] == [6, 4]
+    found = [*local, tiers.Candidate(0, killed / "persistent", "persistent")]  # not read
     said = []
     monkeypatch.setattr(tiers.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(tiers, "agreed_steps", lambda steps: steps)
     monkeypatch.setattr(tiers, "any_process", lambda flag: flag)
     assert tiers.readable_here(found, {"data": 1}, said.append) == found
     left = tiers.readable_here(found, {"fsdp": 1}, said.append)
-    assert [(c.tier, c.step) for c in left] == [("persistent", s) for s in kept["persistent"][::-1]]
-    assert len(said) == 2 and re.match(
-        r"checkpoint: local step 38 \(\S+/local/38\) was written on mesh \{'data': 1\}, this "
-        r"run's is \{'fsdp': 1\}: each host's local copy holds only its own shards",
+    assert left == [c for c in found if c.tier == "persistent"]
+    assert len(said) == len(local) and re.match(
+        rf"checkpoint: local step {local[0].step} \(\S+/local/{local[0].step}\) was written on "
+        r"mesh \{'data': 1\}, this run's is \{'fsdp': 1\}: each host's local copy holds only "
+        "its own shards",
         said[0],
     ), said
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoint_damage import DAMAGE
 from fault_runs import (
     assert_one_line_error,
     catches,
@@ -288,6 +289,11 @@ def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, c
     assert newest >= 14, steps  # saved every 2 steps, 2 kept, on both hosts
     for d in dirs:  # each process holds its own copy of the replicated parameters
         assert list((d / str(newest) / "state").glob("ocdbt.process_*/d/*")), d
+    # process 1's copy of the newest step is damaged: both pass over it, to the next older
+    # step both hold (local), else the persistent step 10
+    DAMAGE["truncated"](dirs[1] / str(newest))
+    older = max((set(steps[0]) & set(steps[1])) - {newest}, default=10)
+    origin = dirs[0] if older > 10 else persistent
 
     second, port = tmp_path / "second.jsonl", free_port()
     procs = [
@@ -298,11 +304,14 @@ def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, c
     codes, seconds = wait_all(procs, 120)
     logs = [(tmp_path / f"r{i}.log").read_text() for i in (0, 1)]
     assert codes == [0, 0], logs
+    skipped = only_line(tmp_path / "r0.log", r"^checkpoint: skipped step ")
+    assert skipped.startswith(f"checkpoint: skipped step {newest} (local, {dirs[0]}/{newest}): ")
+    assert f"is damaged; falling back to step {older} " in skipped, skipped
     line = only_line(tmp_path / "r0.log", r"^resumed from ")
-    assert line == f"resumed from {dirs[0]}/{newest} (step {newest})", logs[0]
+    assert line == f"resumed from {origin}/{older} (step {older})", logs[0]
     resumed = {r["step"]: r["loss"] for r in records_of(second)}
-    assert min(resumed) == newest + 1 and max(resumed) == 30
+    assert min(resumed) == older + 1 and max(resumed) == 30
     overlap = sorted(set(resumed) & set(killed))
     assert overlap and all(resumed[s] == killed[s] for s in overlap), (resumed, killed)
-    print(f"\nkilled at step {max(killed)}: resumed from local step {newest} of both "
-          f"processes, steps {overlap} equal bit for bit; restart ran {seconds:.1f} s")  # fmt: skip
+    print(f"\nkilled at step {max(killed)}: {skipped}\n{line}; steps {overlap} equal bit "
+          f"for bit; restart ran {seconds:.1f} s")  # fmt: skip
