@@ -17,11 +17,19 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardlib.checkpoint.dirlock import RunLock
+from shardlib.checkpoint.dirlock import DirectoryLock, RunLock
 from shardlib.checkpoint.saver import Saver
 from shardlib.checkpoint.store import CheckpointError, jsonable, read_meta
-from shardlib.checkpoint.tiers import LOCAL_KEEP, candidates, check_settings, restore_newest
+from shardlib.checkpoint.tiers import (
+    LOCAL_KEEP,
+    candidates,
+    check_settings,
+    local_directory,
+    readable_here,
+    restore_newest,
+)
 from shardlib.core.errors import ShardingError
+from shardlib.core.layout import mesh_axes
 from shardlib.core.values import flatten_table
 
 RESUME_MODES = ("auto", "require", "never")
@@ -92,7 +100,7 @@ class RunCheckpoints:
         check_settings(cfg)
         self.setup = setup
         self.directory = Path(cfg.dir)
-        self.local_directory = Path(cfg.local_dir) if cfg.local_dir else None
+        self.local_directory = local_directory(cfg.local_dir) if cfg.local_dir else None
         self.say = say
         self.last: Path | None = None
         """The step directory of the newest save started by this run."""
@@ -111,15 +119,20 @@ class RunCheckpoints:
     def locked(self):
         """The directories' locks (``with ckpt.locked():``): one run per directory."""
         with ExitStack() as stack:
-            for directory in (self.directory, self.local_directory):
-                if directory is not None:
-                    stack.enter_context(RunLock(directory, say=self.say))
+            stack.enter_context(RunLock(self.directory, say=self.say))
+            if self.local_directory is not None:
+                # several processes: each its own directory (a refusal on one rank ends the
+                # others, as any error of one rank does)
+                local = self.local_directory != Path(self.setup.cfg.checkpoint.local_dir)
+                lock = DirectoryLock(self.local_directory) if local else None
+                stack.enter_context(lock or RunLock(self.local_directory, say=self.say))
             yield
 
     def resume(self) -> dict | None:
         """The restored state, or None to start from initialisation."""
         mode = self.setup.cfg.checkpoint.resume
         found = candidates(self.directory, self.local_directory)
+        found = readable_here(found, mesh_axes(self.setup.mesh), self.say)
         if mode == "never":
             if found:
                 where = ", ".join(f"{c.tier} step {c.step}" for c in found)
@@ -178,6 +191,7 @@ class RunCheckpoints:
                 every=cfg.local_every,
                 keep=LOCAL_KEEP,
                 setting="checkpoint.local_dir",
+                per_process=True,
             )
         return self
 

@@ -84,6 +84,44 @@ def _quiet_writes_after_a_failed_save() -> None:
     sys.unraisablehook = hook
 
 
+def _per_process_manager(options: dict, directory: Path) -> tuple[dict, dict]:
+    """Orbax settings under which this process writes, alone, every shard it holds.
+
+    Orbax's own multi-process save writes each array once: a replicated shard by the
+    process holding replica 0, metadata and the commit by process 0. A host-local tier
+    needs the opposite (each host's disk holds everything that host restores), which is
+    what orbax's emergency (P2P) local checkpoint manager configures, taken here as it is:
+    no primary host (every process writes its own metadata and commits its own step
+    directory), and an array handler that writes every addressable shard, replicas
+    included. The processes still meet at orbax's barriers (``local`` keys), so a step is
+    written by all or is unfinished everywhere it is not.
+    """
+    ocp = load_orbax()
+    from orbax.checkpoint import type_handlers
+
+    multiprocessing = ocp.options.MultiprocessingOptions(
+        primary_host=None, barrier_sync_key_prefix="local"
+    )
+    arrays = type_handlers.ArrayHandler(
+        primary_host=None, replica_id=None, use_replica_parallel=False
+    )
+    registry = type_handlers.create_type_handler_registry((jax.Array, arrays))
+    directory.mkdir(parents=True, exist_ok=True)  # create=False: ours, not process 0's
+    options = dict(
+        options,
+        create=False,
+        multiprocessing_options=multiprocessing,
+        enable_per_process_directory_creation=True,
+    )
+    handlers = dict(
+        state=ocp.PyTreeCheckpointHandler(
+            multiprocessing_options=multiprocessing, type_handler_registry=registry
+        ),
+        meta=ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+    )
+    return options, handlers
+
+
 class Saver:
     """Writes one run's checkpoints: every ``every`` steps, on demand, keeping ``keep``.
 
@@ -92,10 +130,18 @@ class Saver:
     them; ``close`` waits for the last one. A save that fails in the background is raised
     by ``check`` (called at every step boundary) as one ``CheckpointError`` naming the step,
     and the manager is closed however the run ends, so that no orbax thread outlives it.
+    ``per_process`` (the local tier of a multi-process run): each process writes its own
+    complete copy of what it holds into its own ``directory`` (``_per_process_manager``).
     """
 
     def __init__(
-        self, directory: str | Path, *, every: int, keep: int, setting: str = "checkpoint_dir"
+        self,
+        directory: str | Path,
+        *,
+        every: int,
+        keep: int,
+        setting: str = "checkpoint_dir",
+        per_process: bool = False,
     ) -> None:
         ocp = load_orbax()
         logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: the same object
@@ -104,16 +150,26 @@ class Saver:
         if not _ORBAX_ERRORS.directories:  # the run's first saver: no earlier run's errors
             _ORBAX_ERRORS.errors.clear()
         _ORBAX_ERRORS.directories.add(str(self.directory.absolute()))
-        self._manager = ocp.CheckpointManager(
-            self.directory.absolute(),
-            options=ocp.CheckpointManagerOptions(
-                save_interval_steps=max(every, 1),
-                max_to_keep=keep or None,
-                enable_async_checkpointing=True,
-                cleanup_tmp_directories=True,  # unfinished saves of a crashed run
-            ),
-            item_names=("state", "meta"),
+        options = dict(
+            save_interval_steps=max(every, 1),
+            max_to_keep=keep or None,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,  # unfinished saves of a crashed run
         )
+        self._per_process = per_process and jax.process_count() > 1
+        if self._per_process:
+            options, handlers = _per_process_manager(options, self.directory)
+            self._manager = ocp.CheckpointManager(
+                self.directory.absolute(),
+                options=ocp.CheckpointManagerOptions(**options),
+                item_handlers=handlers,
+            )
+        else:
+            self._manager = ocp.CheckpointManager(
+                self.directory.absolute(),
+                options=ocp.CheckpointManagerOptions(**options),
+                item_names=("state", "meta"),
+            )
         self._every = every
         self._setting = setting
         """The setting that names the directory (its error says what to fix)."""
@@ -169,7 +225,10 @@ class Saver:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                    state=(ocp.args.PyTreeSave if self._per_process else ocp.args.StandardSave)(
+                        state
+                    ),
+                    meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,
             )

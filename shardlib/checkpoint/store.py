@@ -293,13 +293,28 @@ def _dropping_failed_reads():
         sys.unraisablehook, log.disabled = hook, was_disabled
 
 
-def _unreadable(state_dir: Path, target) -> str:
+def _reader(own_copy: bool):
+    """An orbax reader; ``own_copy`` (each process reads its own copy: the local tier of a
+    multi-process run): one that meets no other process at orbax's barriers, so that a
+    process whose copy fails to read cannot leave the others waiting in one. The processes
+    agree on the outcome afterwards (``any_process``)."""
+    ocp = load_orbax()
+    if not own_copy:
+        return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    alone = ocp.options.MultiprocessingOptions(
+        primary_host=None, active_processes={jax.process_index()}, barrier_sync_key_prefix="own"
+    )
+    handler = ocp.StandardCheckpointHandler(multiprocessing_options=alone)
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
+
+
+def _unreadable(state_dir: Path, target, own_copy: bool = False) -> str:
     """Which tensors of a step that failed to read cannot be read, each read on its own
     (orbax's partial restore; one damaged data file can hold many tensors)."""
     ocp = load_orbax()
     leaves, treedef = jax.tree.flatten(target)
     bad = []
-    reader = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    reader = _reader(own_copy)
     for i, name in enumerate(tensor_names(target)):
         one = jax.tree.unflatten(treedef, [x if j == i else None for j, x in enumerate(leaves)])
         try:
@@ -313,6 +328,17 @@ def _unreadable(state_dir: Path, target) -> str:
     return f"tensor {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
+def any_process(flag: bool) -> bool:
+    """``flag`` of any process (all call this): how processes that each read their own
+    copy of a step (the local tier) take the same branch when one copy is damaged."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.asarray([flag], np.int32))  # [processes, 1]
+    return bool(np.asarray(flags).any())
+
+
 @dataclass(frozen=True)
 class Restored:
     """A state read back onto the target mesh, with the metadata it was saved with."""
@@ -324,10 +350,13 @@ class Restored:
     meta: dict
 
 
-def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
+def restore(
+    directory: str | Path, setup, step: int | None = None, *, own_copy: bool = False
+) -> Restored:
     """Read ``step`` (default: latest complete) straight into ``setup``'s shardings.
 
-    Read-only: a failure here changes nothing on disk.
+    Read-only: a failure here changes nothing on disk. ``own_copy``: every process reads
+    its own copy of the step (the local tier of a multi-process run, ``_reader``).
     """
     step, meta = read_meta(directory, step)
     path = Path(directory)
@@ -337,13 +366,19 @@ def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
     ocp = load_orbax()
     failure = None
     try:
-        with ocp.StandardCheckpointer() as reader:
-            state = reader.restore((path / str(step) / "state").absolute(), target)
+        with _reader(own_copy) as reader:
+            state = reader.restore(
+                (path / str(step) / "state").absolute(), ocp.args.StandardRestore(target)
+            )
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
         failure = f"{type(err).__name__}: {error_summary(err)}"
-    if failure is not None:  # outside the handler: the error's frames can be collected
-        with _dropping_failed_reads():
-            what = _unreadable(path / str(step) / "state", target)
+    here = failure is not None
+    if any_process(here):  # outside the handler: the error's frames can be collected
+        if here:
+            with _dropping_failed_reads():
+                what = _unreadable(path / str(step) / "state", target, own_copy)
+        else:  # own_copy: this process's copy read fine
+            what, failure = "another process's copy", "it read back here"
         raise DamagedCheckpoint(
             f"checkpoint {where} is damaged or incomplete and cannot be read: {what} "
             f"({failure}). Fix: restore an earlier step (complete steps: "

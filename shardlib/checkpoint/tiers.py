@@ -15,9 +15,14 @@ one (unreadable metadata or arrays, a tensor whose fingerprint differs) is skipp
 line naming what is damaged and the step, and the next older one is tried; it is left on
 disk as it is. Only when no older complete step exists is the damage an error.
 
-Several processes: each host would write its local tier to its own disk, so a step counts
-only where it is complete on every process (``agreed_steps``: the steps all processes list).
-The writing side is not there yet (see ``check_settings``).
+Several processes: each process writes its local tier into its own directory
+(``local_directory``: ``<local_dir>/process-<i>-of-<n>``, on its host's disk; the names keep
+processes apart where hosts share a path, and a run of another process count away from
+steps it cannot read), every shard it holds, replicated ones included
+(``saver._per_process_manager``), so that it restores from its own disk alone. A step counts
+only where it is complete on every process (``agreed_steps``: the steps all processes list),
+and the processes agree on each candidate's fate before moving on (``store.any_process``):
+a step damaged on one host is skipped by all.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shardlib.checkpoint.store import DamagedCheckpoint, Restored, complete_steps, read_meta
+from shardlib.checkpoint.store import (
+    DamagedCheckpoint,
+    Restored,
+    any_process,
+    complete_steps,
+    read_meta,
+)
 from shardlib.checkpoint.store import restore as restore_step
 from shardlib.core.errors import ShardingError
 
@@ -76,13 +87,14 @@ def check_settings(cfg) -> None:
             "are the same directory or one holds the other; the tiers keep their steps apart. "
             "Fix: a local_dir on the host's own disk, outside checkpoint_dir."
         )
-    if jax.process_count() > 1:
-        raise ShardingError(
-            "config: checkpoint.local_dir with several processes is not supported yet: each "
-            "host's local tier must hold every shard it needs to restore (orbax writes a "
-            "replicated shard on one host only and commits on process 0's disk). Fix: leave "
-            "checkpoint.local_dir unset in multi-process runs."
-        )
+
+
+def local_directory(local_dir: str | Path) -> Path:
+    """This process's local tier: ``local_dir`` itself with one process, else its own
+    ``process-<i>-of-<n>`` directory below it."""
+    if jax.process_count() == 1:
+        return Path(local_dir)
+    return Path(local_dir) / f"process-{jax.process_index()}-of-{jax.process_count()}"
 
 
 def agreed_steps(steps: list[int]) -> list[int]:
@@ -114,6 +126,35 @@ def candidates(persistent: Path, local: Path | None) -> list[Candidate]:
     return sorted(found, key=lambda c: (-c.step, c.tier != "local"))
 
 
+def readable_here(found: list[Candidate], axes: dict[str, int], say) -> list[Candidate]:
+    """``found`` less the local steps of a multi-process run written on another mesh.
+
+    Each process's local copy holds only the shards its devices held when it was written;
+    on another mesh a process needs others, which its disk does not have (the persistent
+    tier has them all). Every process decides alike: a step any of them drops is dropped.
+    """
+    if jax.process_count() == 1:
+        return found
+    kept = []
+    for c in found:
+        other = None
+        if c.tier == "local":
+            try:
+                other = read_meta(c.directory, c.step)[1].get("mesh", {}).get("axes")
+            except DamagedCheckpoint:  # reported, and skipped, by restore_newest
+                other = None
+            other = other if other is not None and other != axes else None
+        if c.tier == "local" and any_process(other is not None):
+            say(
+                f"checkpoint: local step {c.step} ({c.path}) was written on mesh {other}, "
+                f"this run's is {axes}: each host's local copy holds only its own shards "
+                "of that mesh; an older or persistent step is restored instead."
+            )
+            continue
+        kept.append(c)
+    return kept
+
+
 def restore_newest(
     found: list[Candidate],
     setup,
@@ -129,8 +170,21 @@ def restore_newest(
     skipped = []
     for i, candidate in enumerate(found):
         try:
-            accept(read_meta(candidate.directory, candidate.step)[1])
-            return restore_step(candidate.directory, setup, candidate.step), skipped
+            try:  # the metadata is read by every process from its own copy (local tier)
+                meta = read_meta(candidate.directory, candidate.step)[1]
+                damaged = None
+            except DamagedCheckpoint as err:
+                damaged = err
+            if any_process(damaged is not None):
+                raise damaged or DamagedCheckpoint(
+                    f"checkpoint {candidate.path}: damaged on another process",
+                    step=candidate.step,
+                    what="another process's copy",
+                )
+            accept(meta)
+            own_copy = candidate.tier == "local" and jax.process_count() > 1
+            restored = restore_step(candidate.directory, setup, candidate.step, own_copy=own_copy)
+            return restored, skipped
         except DamagedCheckpoint as err:
             if i + 1 == len(found):
                 raise

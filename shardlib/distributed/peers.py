@@ -30,6 +30,12 @@ STOPPING_PREFIX = "shardlib/stopping/"  # a process read another's error and is 
 ACK_WAIT_S = 3.0
 POLL_S = 0.2
 _STARTED_AS: list[int] = []  # the rank this process was started as, before it has joined
+_FAILING = threading.Event()
+"""Set once this process reports an error of its own (``failing``): its watcher then ends
+nothing, so that the error is its one line and its exit code stands, even when the other
+processes fail too (a data file missing on every host: each reports it, none says another
+failed)."""
+_ENDING = threading.Lock()  # one of: this process's own error, or its watcher's verdict
 
 
 def _state():
@@ -55,6 +61,13 @@ def rank_prefix() -> str:
     return f"process {_STARTED_AS[0]}: " if _STARTED_AS else ""
 
 
+def failing() -> None:
+    """Claim the process's one line for its own error (before printing it): a watcher
+    already printing its verdict wins instead, and ends the process before this returns."""
+    with _ENDING:
+        _FAILING.set()
+
+
 def publish_error(message: str) -> None:
     """Tell the other processes why this one stops (best effort: it may be the cause).
 
@@ -68,8 +81,12 @@ def publish_error(message: str) -> None:
         state.client.key_value_set(f"{ERROR_PREFIX}{state.process_id}", message[:2000])
         deadline = time.monotonic() + ACK_WAIT_S
         while state.process_id == 0 and time.monotonic() < deadline:
-            if len(state.client.key_value_dir_get(STOPPING_PREFIX)) >= state.num_processes - 1:
-                break
+            told = {
+                k.rsplit("/", 1)[-1] for k, _ in state.client.key_value_dir_get(STOPPING_PREFIX)
+            }
+            told |= {k.rsplit("/", 1)[-1] for k, _ in state.client.key_value_dir_get(ERROR_PREFIX)}
+            if len(told - {str(state.process_id)}) >= state.num_processes - 1:
+                break  # each has read the error, or has failed on its own
             time.sleep(POLL_S / 4)
     except Exception:  # the service may be what failed
         pass
@@ -115,7 +132,9 @@ class PeerWatch:
             self._thread.join(self._lost_after_s + 2 * POLL_S)
 
     def _end(self, why: str) -> None:
-        if not self._stop.is_set():
+        with _ENDING:
+            if self._stop.is_set() or _FAILING.is_set():
+                return  # stopped, or the process is on its way out with its own error
             print(f"process {self._me}: stopping: {why}", file=sys.stderr, flush=True)
             try:  # process 0 waits for this before it takes the coordination service down
                 self._client.key_value_set(f"{STOPPING_PREFIX}{self._me}", "1", True)

@@ -385,8 +385,16 @@ def _main(argv: list[str] | None, early: Sequence[str] = (), originals=None) -> 
 def _fail(errors: Console, message: str, code: int) -> int:
     """Print one line; in a multi-process run, with the rank, told to the others, and exit
     at once (JAX's shutdown barrier would wait for processes that have stopped)."""
-    from shardlib.distributed.peers import exit_now, multi_process, publish_error, rank_prefix
+    from shardlib.distributed.peers import (
+        exit_now,
+        failing,
+        multi_process,
+        publish_error,
+        rank_prefix,
+    )
 
+    if multi_process():
+        failing()  # this line, not the watcher's "stopping: process N failed" after it
     prefix = rank_prefix()
     errors.print(f"{prefix}[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     if multi_process():

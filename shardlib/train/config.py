@@ -162,7 +162,8 @@ class Checkpoint:
     local_dir: str | None = None
     """The fast-restart tier: a directory on this host's local storage (a local SSD), saved
     to every ``local_every`` steps and holding only the newest two; a resume takes the newest
-    complete checkpoint of either tier (``shardlib.checkpoint.tiers``). None: no local tier."""
+    complete checkpoint of either tier (``shardlib.checkpoint.tiers``). With several processes
+    each writes its whole copy into ``local_dir/process-<i>-of-<n>``. None: no local tier."""
     local_every: int = 10
     """Save to ``local_dir`` every this many steps (>= 1; steps the persistent tier saves
     are not saved twice)."""

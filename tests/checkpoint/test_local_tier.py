@@ -237,6 +237,30 @@ def test_processes_agree_on_the_newest_step_every_one_holds():
     assert common_steps(np.array([[4, -1], [6, -1]])) == []
 
 
+def test_local_steps_of_another_mesh_are_passed_over_by_a_multi_process_run(monkeypatch):
+    """With several processes each local copy holds only its own shards of the mesh it was
+    written on: on another mesh the step is passed over, with a line, for the persistent
+    tier (one process stands for them: every process drops what any of them drops)."""
+    from shardlib.checkpoint import tiers
+
+    killed = killed_run(7)  # local steps 4 and 6, written on data=1 (a copy: read only)
+    local = tiers.candidates(killed / "persistent", killed / "local")
+    assert [c.step for c in local] == [6, 4]
+    found = [*local, tiers.Candidate(0, killed / "persistent", "persistent")]  # not read
+    said = []
+    monkeypatch.setattr(tiers.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(tiers, "any_process", lambda flag: flag)
+    assert tiers.readable_here(found, {"data": 1}, said.append) == found
+    left = tiers.readable_here(found, {"fsdp": 1}, said.append)
+    assert left == [c for c in found if c.tier == "persistent"]
+    assert len(said) == len(local) and re.match(
+        rf"checkpoint: local step {local[0].step} \(\S+/local/{local[0].step}\) was written on "
+        r"mesh \{'data': 1\}, this run's is \{'fsdp': 1\}: each host's local copy holds only "
+        "its own shards",
+        said[0],
+    ), said
+
+
 FAILED_SAVE = """
 import os, sys
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""Faults of two-process runs (gloo on loopback): one rank fails, dies or is signalled.
+"""Faults of two-process runs (gloo on loopback): one rank fails, dies or is signalled, or
+both are killed and resume from their local checkpoint tiers.
 
 The healthy rank must stop promptly naming the peer and the cause, never hang in JAX's
 shutdown barrier, and a job on a port another job uses must not harm the running one. Every
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoint_damage import DAMAGE
 from fault_runs import (
     assert_one_line_error,
     catches,
@@ -59,10 +61,27 @@ def test_an_error_on_one_rank_is_printed_by_it_and_ends_the_other(tmp_path, cach
     assert "Traceback" not in logs[0] and "stack trace" not in logs[0]
     print(f"\nrank 1's error ended rank 0 {seconds:.1f} s later: {lines[0]}")
 
+    # the file missing on every rank: each prints one line, its own error (exit 2) or, when
+    # the other's came first, "stopping: process N failed: <it>" (exit 1); rank 0 used to
+    # print both lines and exit 1
+    port = free_port()
+    gone = f"data={tmp_path / 'gone.bin'}"
+    procs = [start_rank(tmp_path, port, i, f"g{i}.log", gone, cache=cache) for i in (0, 1)]
+    codes, seconds = wait_all(procs, 60)
+    logs = [(tmp_path / f"g{i}.log").read_text() for i in range(2)]
+    assert 2 in codes, logs
+    for i, code in enumerate(codes):
+        own = rf"^process {i}: error: data='.*gone.bin': no such file"
+        other = rf"^process {i}: stopping: process {1 - i} failed: data='.*gone.bin'"
+        assert code in (1, 2), logs[i]
+        said = [line for line in logs[i].splitlines() if line.startswith(f"process {i}:")]
+        assert len(said) == 1, logs[i]
+        only_line(tmp_path / f"g{i}.log", own if code == 2 else other)
+
 
 @pytest.mark.slow
 def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_path, cache):
-    from shardlib.checkpoint.store import complete_steps, read_meta
+    from shardlib.checkpoint.store import TMP_MARK, complete_steps, read_meta
 
     # an unrelated program holds the port: process 0 refuses it, process 1 gives up in time
     with socket.socket() as squatter:
@@ -79,7 +98,7 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
     # job B's process 1 reaches job A's coordinator while A is forming: it reads process 0's
     # join desk and stops before joining; A's own process 1 joins later and A trains
     port, directory, metrics = free_port(), tmp_path / "run", tmp_path / "a.jsonl"
-    settings = [f"checkpoint_dir={directory}", "checkpoint_every=5", "steps=100000"]
+    settings = [f"checkpoint_dir={directory}", "checkpoint_every=1", "keep=2", "steps=100000"]
     a0 = start_rank(
         tmp_path,
         port,
@@ -121,6 +140,8 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
         time.sleep(2)
         assert all(p.poll() is None for p in job_a), (tmp_path / "a0.log").read_text()
         assert len(records_of(metrics)) > seen  # job A trains on, untouched
+        # killed while a save is being written (A saves every step): noticed in the same bound
+        wait_for(lambda: any(TMP_MARK in p.name for p in directory.iterdir()), job_a, 30, 0.002)
         job_a[1].send_signal(signal.SIGKILL)
         codes, seconds = wait_all(job_a[:1], 30)
     finally:
@@ -128,7 +149,7 @@ def test_ports_and_job_ids_protect_a_running_job_whose_lost_peer_is_named(tmp_pa
             p.kill()
     assert codes == [1]
     line = only_line(tmp_path / "a0.log", r"^process 0: stopping: lost process 1")
-    print(f"rank 1 killed: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
+    print(f"rank 1 killed mid-save: rank 0 exits 1 after {seconds:.1f} s (bound 6 s): {line}")
     assert seconds < 6 + 2
     assert complete_steps(directory) and read_meta(directory)[1]["step"] >= 5
 
@@ -232,3 +253,65 @@ def test_losing_rank_0_is_one_line_on_the_others_within_the_heartbeat_bound(tmp_
         6 + 5 + 10,
         0.5,
     )
+
+
+@pytest.mark.slow
+def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, cache):
+    """The fast-restart tier with two processes (data=2: every parameter is replicated, so
+    under orbax's own multi-process save process 1 would write none of it): each writes
+    its whole copy into its own ``process-<i>-of-2`` directory. Both are killed (-9) a few
+    local saves past the persistent step 10; the restart agrees on the newest local step
+    both hold, restores each process from its own copy, and recomputes the lost steps with
+    the killed run's losses, bit for bit."""
+    from shardlib.checkpoint.store import complete_steps
+
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+    settings = [f"checkpoint_dir={persistent}", f"checkpoint.local_dir={local}"]
+    settings += ["checkpoint_every=10", "checkpoint.local_every=2"]
+    first, port = tmp_path / "first.jsonl", free_port()
+    procs = [
+        start_rank(tmp_path, port, 0, "k0.log", *settings, "steps=30", f"metrics={first}",
+                   cache=cache),
+        start_rank(tmp_path, port, 1, "k1.log", *settings, "steps=30", cache=cache),
+    ]  # fmt: skip
+    try:
+        wait_for(lambda: len(records_of(first)) >= 17, procs, 120, 0.01)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    killed = {r["step"]: r["loss"] for r in records_of(first)}
+    assert max(killed) < 30, "the first run ended before it was killed"
+    dirs = [local / f"process-{i}-of-2" for i in (0, 1)]
+    steps = [complete_steps(d) for d in dirs]
+    assert complete_steps(persistent) == [10], steps
+    newest = max(set(steps[0]) & set(steps[1]))
+    assert newest >= 14, steps  # saved every 2 steps, 2 kept, on both hosts
+    for d in dirs:  # each process holds its own copy of the replicated parameters
+        assert list((d / str(newest) / "state").glob("ocdbt.process_*/d/*")), d
+    # process 1's copy of the newest step is damaged: both pass over it, to the next older
+    # step both hold (local), else the persistent step 10
+    DAMAGE["truncated"](dirs[1] / str(newest))
+    older = max((set(steps[0]) & set(steps[1])) - {newest}, default=10)
+    origin = dirs[0] if older > 10 else persistent
+
+    second, port = tmp_path / "second.jsonl", free_port()
+    procs = [
+        start_rank(tmp_path, port, 0, "r0.log", *settings, "steps=30", f"metrics={second}",
+                   cache=cache),
+        start_rank(tmp_path, port, 1, "r1.log", *settings, "steps=30", cache=cache),
+    ]  # fmt: skip
+    codes, seconds = wait_all(procs, 120)
+    logs = [(tmp_path / f"r{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], logs
+    skipped = only_line(tmp_path / "r0.log", r"^checkpoint: skipped step ")
+    assert skipped.startswith(f"checkpoint: skipped step {newest} (local, {dirs[0]}/{newest}): ")
+    assert f"is damaged; falling back to step {older} " in skipped, skipped
+    line = only_line(tmp_path / "r0.log", r"^resumed from ")
+    assert line == f"resumed from {origin}/{older} (step {older})", logs[0]
+    resumed = {r["step"]: r["loss"] for r in records_of(second)}
+    assert min(resumed) == older + 1 and max(resumed) == 30
+    overlap = sorted(set(resumed) & set(killed))
+    assert overlap and all(resumed[s] == killed[s] for s in overlap), (resumed, killed)
+    print(f"\nkilled at step {max(killed)}: {skipped}\n{line}; steps {overlap} equal bit "
+          f"for bit; restart ran {seconds:.1f} s")  # fmt: skip
