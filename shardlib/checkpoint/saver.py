@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +121,21 @@ def _per_process_manager(options: dict, directory: Path) -> tuple[dict, dict]:
         meta=ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
     )
     return options, handlers
+
+
+def stranded_threads() -> list[threading.Thread]:
+    """orbax's background threads still running once its managers are closed.
+
+    A save that fails before its temporary directory exists (``checkpoint_dir`` made
+    read-only mid-run) leaves the commit threads of that save waiting for a "directory
+    created" signal that never comes, until orbax's async timeout (minutes): being
+    non-daemon, they hold the interpreter's exit. The command's entry point ends such a
+    process itself once the error is printed (``tools.entry``)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.is_alive() and not t.daemon and type(t).__module__.startswith("orbax")
+    ]
 
 
 class Saver:

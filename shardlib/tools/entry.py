@@ -35,13 +35,29 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["train"]:  # the run takes the handlers over, and what they kept
-        return cli.main(argv, early=_SEEN, originals=previous)  # read once JAX has loaded
+        code = cli.main(argv, early=_SEEN, originals=previous)  # read once JAX has loaded
+        return _leave(code)
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     if _SEEN:
         sys.stderr.write(f"shardlib: {_SEEN[0]} while starting; stopped before the command\n")
         return 0 if _SEEN[0] == "SIGTERM" else 130
     return cli.main(argv)
+
+
+def _leave(code: int) -> int:
+    """``code``, or the process ended with it at once when a failed checkpoint save left
+    orbax threads that would hold the interpreter's exit for minutes
+    (``checkpoint.saver.stranded_threads``): the error line is out, the complete
+    checkpoints are intact and the run's files are closed by then."""
+    if code:
+        from shardlib.checkpoint.saver import stranded_threads
+
+        if stranded_threads():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
