@@ -148,6 +148,7 @@ run(tiered(sys.argv[1]), show=False)
 """
 
 
+@pytest.mark.slow  # the fast subset keeps the inner loop under 3 minutes
 def test_kill_9_at_step_7_resumes_from_local_step_6_bitwise(tmp_path):
     """As above, with a real kill -9 in a child process (same XLA flags, so the same machine
     code; about 10 s): no clean exit, both directories' locks left behind and taken over."""

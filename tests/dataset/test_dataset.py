@@ -276,6 +276,7 @@ def test_mixture_follows_its_weights(corpus):
     assert any(not np.array_equal(stream[i]["tokens"], other[i]["tokens"]) for i in range(50))
 
 
+@pytest.mark.slow  # the fast subset keeps the inner loop under 3 minutes
 def test_kill_and_resume_on_a_prepared_mixture_is_bitwise(corpus, tmp_path):
     mix = f"{corpus['sft']}:0.5,{corpus['plain']}:0.5"
     mesh = MeshSpec((("data", 2),)).build(jax.devices()[:2])

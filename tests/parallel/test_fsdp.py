@@ -98,6 +98,7 @@ def test_the_resolved_spec_places_the_tensor_as_stated():
 CFG = train_config(steps=2, batch=8, seq=16, **{"model.vocab": 2048, "model.layers": 1})
 
 
+@pytest.mark.slow  # the fast subset keeps the inner loop under 3 minutes
 def test_vocab_parallel_head_matches_one_device():
     mesh = mesh_spec(data=2, fsdp=2, tensor=2).build()
     specs = make_setup(CFG, mesh).param_specs

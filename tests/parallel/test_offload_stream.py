@@ -33,6 +33,7 @@ def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow  # the fast subset keeps the inner loop under 3 minutes
 def test_streamed_update_equals_optax_whole_update():
     keys = iter(jax.random.split(jax.random.key(0), 8))
     shapes = {"blocks": {"w": (3, 4, 5), "norm": {"scale": (3, 4)}}, "embedding": (6, 4)}
