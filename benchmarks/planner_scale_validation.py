@@ -4,6 +4,7 @@
     python benchmarks/planner_scale_validation.py --scales gpt3-13b,gpt3-175b  # the GPT block
     python benchmarks/planner_scale_validation.py --scales 7b   # one scale
     python benchmarks/planner_scale_validation.py --scales glam-64b-64e  # GLaM's 1.2T MoE
+    python benchmarks/planner_scale_validation.py --scales gpt-39b  # 1F1B and Chimera
     python benchmarks/planner_scale_validation.py --json rows.json
 
 For each scale: the plan ``shardlib plan`` picks (``a100-8`` preset with ``--hosts``, searched
@@ -99,6 +100,20 @@ SCALES = {
         [
             "pick",
             dict(data=16, stage=8, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
+        ],
+    ),
+    # Megatron's 39B row (Narayanan et al. 2021, Table 1: width 8192, 48 layers, 64 heads;
+    # tensor 8 x pipeline 2 x data 32, batch 1536 = 32 replicas x 16 micro-batches of 3),
+    # under 1F1B and under Chimera (two pipelines, ``planner/cost/terms/chimera.py``)
+    "gpt-39b": (
+        512,
+        "gpt3-13b",
+        dict(embed=8192, layers=48, heads=64, head_dim=128, vocab=51200),
+        1536,
+        2048,
+        [
+            dict(data=32, stage=2, tensor=8, schedule="1f1b", microbatches=16, remat="full"),
+            dict(data=32, stage=2, tensor=8, schedule="chimera", microbatches=16, remat="full"),
         ],
     ),
     # GLaM 64B/64E (models/glam): 1.16T parameters, 96.6B activated per token, on
