@@ -20,6 +20,10 @@ COEFFICIENTS: dict[str, float] = {
     # terms.remat.KEPT (2h, q/k/v, 2 x mlp); 0: XLA keeps what the policy says, no more
     "selective_qkv": 0.0,  # ... of the q/k/v width
     "selective_mlp": 0.0,  # ... of the MLP width
+    "cpu_scores": 2.0,  # remat=none on the CPU backend: score-sized buffers saved per layer
+    # (q·kᵀ and its softmax, both fp32: buffer assignment, terms.remat.by_definition)
+    "layer_live_scores": 3.25,  # remat=none on the CPU backend: score-sized buffers live once
+    # (one layer's attention backward, beyond the head's: terms.model.attention_backward_bytes)
     "remat_scores": 1.685,  # remat: heads x seq elements per token of the layer recomputed
     "full_layer_live": 0.0,  # remat=full: share of one layer's none-policy residuals live
     "update_live": 0.148,  # fp32 parameter-sized temporaries of the update, per optimizer shard
@@ -39,6 +43,7 @@ COEFFICIENTS: dict[str, float] = {
     "gpt_layer_live_h": 39.024,  # remat=none: elements of width h live once (one layer's
     # backward: fp32 LayerNorm and tanh-GELU temporaries); Llama's is 0 (absent)
     "gpt_layer_live_mlp": 0.0,  # ... of width mlp
+    "gpt_layer_live_scores": 0.0,  # fitted without it (its live_h holds the layer's working set)
     "gpt_selective_h": 0.0,
     "gpt_selective_mlp": 0.518,
 }

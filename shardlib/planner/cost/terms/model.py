@@ -28,6 +28,7 @@ from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
     by_definition,
+    on_cpu,
     per_layer,
     recompute_flops,
     saved_coefficients,
@@ -57,7 +58,11 @@ def _layer_parts(
     tokens = micro_batch * step.local_seq
     policy = per_layer(view.remat) if policy is None else policy
     k = saved_coefficients(
-        policy, step.calib, defined=by_definition(step), mlp_matrices=w.mlp_matrices
+        policy,
+        step.calib,
+        defined=by_definition(step),
+        mlp_matrices=w.mlp_matrices,
+        cpu=on_cpu(step),
     )
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
@@ -138,8 +143,25 @@ def activations(step: Step) -> dict[str, float]:
         working += live_elems * b * step.local_seq * w.compute_bytes
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
-    head_batch = batches[0] if batches else b
-    return {"activations": saved + working, "logits": head_activation_bytes(step, head_batch)}
+    head = head_activation_bytes(step, batches[0] if batches else b)
+    if policy == "none" and on_cpu(step) and "attention" not in replaced:
+        working += max(0.0, attention_backward_bytes(step, b) - head)
+    return {"activations": saved + working, "logits": head}
+
+
+def attention_backward_bytes(step: Step, micro_batch: int) -> float:
+    """Dense attention's backward under remat=none on the CPU backend: score-sized
+    temporaries of one layer live once (``layer_live_scores``: the gradients of the
+    probabilities and of the scores and their product, fp32, and the causal mask, a byte
+    per score: 3.25 fp32 sets in llama-7b's buffer assignment at 8x2048 tokens per
+    device). They run after the loss head's backward and XLA reuses its freed logits
+    buffers for them (same offsets), so the peak holds the larger of the two:
+    ``activations`` books what exceeds the head. The seq-128 probes the ``layer_*`` counts
+    were fitted on cannot show it (scores are 1/16 of seq 2048's per token); GPT's count
+    is 0 (its fitted ``layer_live_h`` holds its layer's working set)."""
+    w, t = step.workload, step.view["tensor"]
+    scores = micro_batch * step.local_seq * w.heads * step.local_seq / t
+    return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
 
 
 def model(step: Step) -> Contribution:
