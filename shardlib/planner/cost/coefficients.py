@@ -23,7 +23,7 @@ COEFFICIENTS: dict[str, float] = {
     "cpu_scores": 2.0,  # remat=none on the CPU backend: score-sized buffers saved per layer
     # (q·kᵀ and its softmax, both fp32: buffer assignment, terms.remat.by_definition)
     "layer_live_scores": 3.25,  # remat=none on the CPU backend: score-sized buffers live once
-    # (one layer's attention backward, beyond the head's: terms.model.attention_backward_bytes)
+    # (one layer's attention backward: terms.model.attention_backward_bytes)
     "remat_scores": 1.685,  # remat: heads x seq elements per token of the layer recomputed
     "full_layer_live": 0.0,  # remat=full: share of one layer's none-policy residuals live
     "update_live": 0.148,  # fp32 parameter-sized temporaries of the update, per optimizer shard

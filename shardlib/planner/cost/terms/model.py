@@ -144,8 +144,8 @@ def activations(step: Step) -> dict[str, float]:
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
     head = head_activation_bytes(step, batches[0] if batches else b)
-    if policy == "none" and on_cpu(step) and "attention" not in replaced:
-        working += max(0.0, attention_backward_bytes(step, b) - head)
+    if policy == "none" and on_cpu(step) and "attention" not in replaced:  # dense attention
+        working += attention_backward_bytes(step, b)
     return {"activations": saved + working, "logits": head}
 
 
@@ -154,11 +154,12 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     temporaries of one layer live once (``layer_live_scores``: the gradients of the
     probabilities and of the scores and their product, fp32, and the causal mask, a byte
     per score: 3.25 fp32 sets in llama-7b's buffer assignment at 8x2048 tokens per
-    device). They run after the loss head's backward and XLA reuses its freed logits
-    buffers for them (same offsets), so the peak holds the larger of the two:
-    ``activations`` books what exceeds the head. The seq-128 probes the ``layer_*`` counts
-    were fitted on cannot show it (scores are 1/16 of seq 2048's per token); GPT's count
-    is 0 (its fitted ``layer_live_h`` holds its layer's working set)."""
+    device). Booked beside the loss head's buffers, as every working set is: XLA reuses
+    the head's freed logits buffers for them there (same offsets), but booking the larger
+    of the two hides a chunked loss's fall where the head is under-booked (vocab-heavy
+    models: ``coefficients``), as the refits that took the larger did. The seq-128 probes
+    the ``layer_*`` counts were fitted on cannot show these buffers (scores are 1/16 of
+    seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them)."""
     w, t = step.workload, step.view["tensor"]
     scores = micro_batch * step.local_seq * w.heads * step.local_seq / t
     return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
