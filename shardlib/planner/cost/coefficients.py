@@ -123,3 +123,13 @@ def for_block(calib: dict, kind: str) -> dict:
 # dense-attention counts', which the non-negative ring_saved_qkv cannot lower).
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
+# remat=none on the CPU backend (2026-11-27): the Llama block is booked by definition
+# (``terms.remat.by_definition``: KEPT["none"], and ``cpu_scores`` 2 score sets, q·kᵀ and its
+# softmax), plus one layer's attention backward live once (``layer_live_scores`` 3.25: the
+# gradients of probabilities and scores, their product, a byte-per-score mask), both read
+# off the buffer assignment of llama-7b (4 layers, fsdp 8, 8x2048 tokens per device). The
+# fitted ``layer_*`` counts (now read by no Llama workload; GPT's own replace them) put the
+# scores' bytes into the per-layer q/k/v count at seq 128 and over-booked the 7B pick
+# (fsdp 64, 32 layers) by 24%: 502.1 -> 405.5 GiB against 403.5 compiled (1.005). 22 of
+# the small remat=none probes measured again move by 0 to +9 points, worst 1.095 (data 4 x
+# tensor 2, seq 128, was 1.071); layers=1 at 7B width reads 1.21 (no layer loop to share).
