@@ -5,9 +5,11 @@ every axis that splits tokens (the batch and sequence splits the axes declare) o
 (tensor), plus the forward that rematerialisation repeats. Saved activations follow
 Korthikanti et al. 2022: per layer, per token, some elements of width h (norm inputs,
 residual: not split by tensor parallelism), some of the q/k/v and MLP widths (split by
-tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend the
-element counts are fitted to compiled programs (``calibrate.fit``) instead of assumed,
-because XLA:CPU's fusion (and its fp32 upcasts of bf16 products) decides what is saved. For
+tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend a
+block with counts of its own (GPT's) has them fitted to compiled programs (``calibrate.fit``)
+because XLA:CPU's fusion decides what it saves; Llama's block saves its definition there
+(``terms.remat.by_definition``), with two fp32 score sets and one layer's attention backward
+live once (``attention_backward_bytes``). For
 a GPU or TPU program remat=none is booked by definition (``terms.remat.KEPT["none"]``: what
 the block's backward needs, each buffer once, as fused kernels keep it; ~32 bytes per token
 per h per layer at Llama 7B in bf16, Korthikanti et al.'s 34), the scores' count still

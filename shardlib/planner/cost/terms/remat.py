@@ -61,8 +61,9 @@ KEPT: dict[str, dict[str, float]] = {
 }
 """Elements per token per layer a policy keeps by definition, by width (see the docstring):
 ``h`` the model width, ``q`` the attention output's (heads x head_dim), ``qkv`` the q/k/v
-projection's, ``mlp`` the MLP's. ``none`` is booked by definition only where the program runs
-on a GPU/TPU (``by_definition``); the CPU backend's is fitted (``layer_*`` coefficients)."""
+projection's, ``mlp`` the MLP's. ``none`` is booked by definition on a GPU/TPU and for the
+Llama block on the CPU backend too (``by_definition``); a block with counts of its own (GPT's)
+is fitted on the CPU backend (``gpt_layer_*`` coefficients)."""
 
 WIDTHS = ("h", "q", "qkv", "mlp", "scores")
 """The widths the saved counts are given in (``terms.model``)."""
