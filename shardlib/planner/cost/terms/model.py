@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
@@ -146,8 +147,9 @@ def activations(step: Step) -> dict[str, float]:
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
     head = head_activation_bytes(step, batches[0] if batches else b)
-    if policy == "none" and on_cpu(step) and "attention" not in replaced:  # dense attention
-        working += attention_backward_bytes(step, b)
+    fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
+    if policy == "none" and on_cpu(step) and "attention" not in replaced and not fused:
+        working += attention_backward_bytes(step, b)  # dense attention's, once
     return {"activations": saved + working, "logits": head}
 
 
@@ -161,7 +163,11 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     of the two hides a chunked loss's fall where the head is under-booked (vocab-heavy
     models: ``coefficients``), as the refits that took the larger did. The seq-128 probes
     the ``layer_*`` counts were fitted on cannot show these buffers (scores are 1/16 of
-    seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them)."""
+    seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them).
+    Not booked under a fused pipeline schedule (1F1B), whose stage backward re-runs each
+    layer's forward from its saved input (``parallel.pipeline.stage_work``) at a point of
+    the schedule that is not its peak: llama-1b, 8 layers, stage 4, m=8
+    (benchmarks/planner_validation.py --devices 8) reads 1.103 with it, 0.945 without."""
     w, t = step.workload, step.view["tensor"]
     scores = micro_batch * step.local_seq * w.heads * step.local_seq / t
     return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
