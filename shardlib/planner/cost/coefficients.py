@@ -133,3 +133,5 @@ def for_block(calib: dict, kind: str) -> dict:
 # (fsdp 64, 32 layers) by 24%: 502.1 -> 405.5 GiB against 403.5 compiled (1.005). 22 of
 # the small remat=none probes measured again move by 0 to +9 points, worst 1.095 (data 4 x
 # tensor 2, seq 128, was 1.071); layers=1 at 7B width reads 1.21 (no layer loop to share).
+# benchmarks/planner_validation.py --devices 8: 28 of 28 within 10%, worst 7.0% (the ring
+# attention row above: 1.102 -> 0.956). Not booked under 1F1B (terms.model).
