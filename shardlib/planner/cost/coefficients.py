@@ -130,8 +130,12 @@ def for_block(calib: dict, kind: str) -> dict:
 # off the buffer assignment of llama-7b (4 layers, fsdp 8, 8x2048 tokens per device). The
 # fitted ``layer_*`` counts (now read by no Llama workload; GPT's own replace them) put the
 # scores' bytes into the per-layer q/k/v count at seq 128 and over-booked the 7B pick
-# (fsdp 64, 32 layers) by 24%: 502.1 -> 405.5 GiB against 403.5 compiled (1.005). 22 of
-# the small remat=none probes measured again move by 0 to +9 points, worst 1.095 (data 4 x
-# tensor 2, seq 128, was 1.071); layers=1 at 7B width reads 1.21 (no layer loop to share).
+# (fsdp 64, 32 layers) by 24%: 502.1 -> 405.5 GiB against 403.5 compiled (1.005). The 68
+# small remat=none probes measured again move by -8.3 to +9.6 points; worst 1.137 (was
+# 1.041): fsdp 2 x tensor 4, seq 256, vocab 8192 at h 256, where the head's booked logits
+# (36 MiB) and the attention backward's (13 MiB) add though XLA reuses one's buffers for
+# the other (as at 7B); booking the larger of the two hides a chunked loss's fall
+# (terms.model.attention_backward_bytes), so that probe is a known miss, not refitted.
+# layers=1 at 7B width reads 1.21 (no layer loop: the one layer's temporaries overlap).
 # benchmarks/planner_validation.py --devices 8: 28 of 28 within 10%, worst 7.0% (the ring
 # attention row above: 1.102 -> 0.956). Not booked under 1F1B (terms.model).
