@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ import jax
 
 from shardlib.checkpoint.store import (
     CheckpointError,
+    any_process,
     build_meta,
     complete_steps,
     error_summary,
@@ -232,7 +234,15 @@ class Saver:
     def save(self, setup, state: dict, step: int, data: dict | None = None) -> Path | None:
         """Start saving ``state`` as step ``step``; None if that step is already saved."""
         self.check(wait=True)  # orbax waits for the previous save anyway: name its failure
-        if step in self._manager.all_steps():
+        have = step in self._manager.all_steps()
+        if self._per_process:  # each process lists its own directory: decide together, or
+            # one process enters the save's barrier while another runs the next step
+            if not any_process(not have):
+                return None  # every process holds the step
+            if have:  # a resumed run recomputes a step only some processes kept: this
+                shutil.rmtree(self.directory / str(step))  # process's copy goes, alone
+            self._manager.reload()  # (orbax's own delete would wait for the others)
+        elif have:
             return None
         ocp = load_orbax()
         meta = build_meta(setup, state, step, data)
