@@ -72,6 +72,7 @@ from shardlib.parallel.pipeline.timetable import Schedule
 from shardlib.parallel.pipeline.views import (
     batch_tree_names,
     constrain_param,
+    from_replicas,
     from_stages,
     is_names,
     microbatched,
@@ -160,13 +161,7 @@ def per_replica(spec: PipelineSpec, run, batch_names=None):
         # averaged in one reduction over both axes: about the data-parallel one's bytes alone
         g_rest = jax.tree.map(lambda g: sum_replicas_and_stages(reps, g), g_rest_RP)
         g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
-        g_leaves, treedef = jax.tree.flatten(g_blocks_R)
-        names = variable_names(blocks_state)
-        g_blocks = [
-            constrain_param(jnp.mean(g, 0), n, "stacked gradient")
-            for g, n in zip(g_leaves, names, strict=True)
-        ]
-        return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks)
+        return jnp.mean(loss_R), g_rest, from_replicas(g_blocks_R, blocks_state)
 
     return value_and_grad
 

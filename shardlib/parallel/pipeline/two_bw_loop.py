@@ -45,7 +45,7 @@ from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.spec import PipelineSpec
 from shardlib.parallel.pipeline.stage_work import device_work
 from shardlib.parallel.pipeline.views import (
-    constrain_param,
+    from_replicas,
     from_stages,
     split_microbatches,
     stage_axes,
@@ -286,12 +286,6 @@ def per_replica(spec: PipelineSpec, init_carry, step):
         )(rest_R, blocks_R, prev_rest_R, prev_blocks_R, carry, tokens_R)
         g_rest = jax.tree.map(lambda g: jnp.mean(g, 0), g_rest_R)  # one reduction over R
         g_rest = jax.lax.with_sharding_constraint(g_rest, rest_shardings)
-        g_leaves, treedef = jax.tree.flatten(g_blocks_R)
-        names = variable_names(blocks_state)
-        g_blocks = [
-            constrain_param(jnp.mean(g, 0), n, "stacked gradient")
-            for g, n in zip(g_leaves, names, strict=True)
-        ]
-        return jnp.mean(loss_R), g_rest, treedef.unflatten(g_blocks), carry
+        return jnp.mean(loss_R), g_rest, from_replicas(g_blocks_R, blocks_state), carry
 
     return init, run

@@ -87,6 +87,17 @@ def to_replicas(reps, blocks_state):
     return treedef.unflatten(out)
 
 
+def from_replicas(g_R, blocks_state):
+    """The inverse of ``to_replicas`` for gradients: each [R, L, ...] leaf averaged over the
+    replicas (one reduction over the data axes) and pinned to its parameter's layout."""
+    leaves, treedef = jax.tree.flatten(g_R)
+    means = [
+        constrain_param(jnp.mean(g, 0), n, "stacked gradient")
+        for g, n in zip(leaves, variable_names(blocks_state), strict=True)
+    ]
+    return treedef.unflatten(means)
+
+
 def stage_state(blocks_state, p: int, v: int, stored: bool = False):
     """Every stacked leaf of an nnx State as [p, v, k, ...] (metadata kept on the Variables)."""
     names = variable_names(blocks_state)
