@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.llama.cache import decode as decode_cached
 from models.llama.cache import init_cache
-from models.llama.lora import adapted, add_lora, update
+from models.llama.lora import adapted, add_attention_lora, add_lora, update
 from models.llama.model import Block as LlamaBlock
 from models.llama.model import stack_blocks
 from shardlib.core.layout import constrain
@@ -164,13 +164,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), out_std)  # [h, d, e]
         self.bo = _const(0.0, (e,), ("embed",))  # [embed]
         self.lora_scale = cfg.lora_alpha / max(cfg.lora_rank, 1)
-        for t, w, names in (
-            ("q", self.wq, ("embed", "heads", "head_dim")),
-            ("k", self.wk, ("embed", "kv_heads", "head_dim")),
-            ("v", self.wv, ("embed", "kv_heads", "head_dim")),
-        ):
-            add_lora(self, cfg, rngs, t, w, names, inputs=1)
-        add_lora(self, cfg, rngs, "o", self.wo, ("heads", "head_dim", "embed"), inputs=2)
+        add_attention_lora(self, cfg, rngs)
 
     window = 0
     """Every earlier position is visible (``models.llama.cache.attend_cached`` reads it)."""

@@ -47,6 +47,19 @@ def add_lora(
     setattr(module, f"lora_{target}_b", b)  # [rank, *out]
 
 
+def add_attention_lora(module: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
+    """LoRA factors for an attention module's q, k, v and o projections (``wq``, ``wk``,
+    ``wv`` [embed, heads or kv_heads, head_dim], ``wo`` [heads, head_dim, embed]), where
+    ``cfg.lora_targets`` names them: Llama's and GPT's attention alike."""
+    for t, w, names in (
+        ("q", module.wq, ("embed", "heads", "head_dim")),
+        ("k", module.wk, ("embed", "kv_heads", "head_dim")),
+        ("v", module.wv, ("embed", "kv_heads", "head_dim")),
+    ):
+        add_lora(module, cfg, rngs, t, w, names, inputs=1)
+    add_lora(module, cfg, rngs, "o", module.wo, ("heads", "head_dim", "embed"), inputs=2)
+
+
 def adapted(module: nnx.Module, target: str, w: nnx.Param, lora_scale: float) -> jax.Array:
     """``w`` plus its LoRA update (alpha / rank) * A @ B, or ``w`` itself without adapters."""
     a = getattr(module, f"lora_{target}_a", None)

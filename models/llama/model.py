@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.llama.cache import attend_cached, init_cache
 from models.llama.cache import decode as decode_cached
-from models.llama.lora import adapted, add_lora, update
+from models.llama.lora import adapted, add_attention_lora, add_lora, update
 from models.llama.norm import rms_norm
 from models.llama.rotary import check_scaling, rotary
 from models.llama.swiglu import swiglu
@@ -169,13 +169,7 @@ class Attention(nnx.Module):
             self.bq = _bias((h, d), ("heads", "head_dim"))  # [heads, head_dim]
             self.bk = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
             self.bv = _bias((g, d), ("kv_heads", "head_dim"))  # [kv_heads, head_dim]
-        for t, w, names in (
-            ("q", self.wq, ("embed", "heads", "head_dim")),
-            ("k", self.wk, ("embed", "kv_heads", "head_dim")),
-            ("v", self.wv, ("embed", "kv_heads", "head_dim")),
-        ):
-            add_lora(self, cfg, rngs, t, w, names, inputs=1)
-        add_lora(self, cfg, rngs, "o", self.wo, ("heads", "head_dim", "embed"), inputs=2)
+        add_attention_lora(self, cfg, rngs)
 
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """(wq, wk, wv, wo) with their LoRA updates added (the base weights without any)."""
