@@ -28,6 +28,20 @@ out 1.1-1.9x faster than published, the more so the longer the sequence, and the
   (the recomputed one too) and its bf16 weight gradient back to fp32, which FSDP casts to bf16
   again before reducing: passes over each layer's full weights at HBM bandwidth
   (``CAST_BYTES``), per micro-batch. Under ``PURE``, 2 and 2, and no casts.
+* **FSDP's gradient memory**: PyTorch FSDP reduce-scatters each layer's gradient as the
+  backward produces it and adds the shard into the one fp32 gradient shard each flat
+  parameter keeps (``_accumulate_sharded_grad`` in ``torch/distributed/fsdp/
+  _runtime_utils.py``: ``_saved_grad_shard += sharded_grad``), across micro-batches too; and
+  Composer's ``DecoupledAdamW`` updates one parameter at a time. So the step holds one
+  gradient shard and a layer's unreduced gradient, not shardlib's accumulator beside each
+  micro-batch's gradients and the whole-state update temporaries (``terms.state``): 18 GiB
+  less per GPU for 30B on 8 GPUs, which ran in 80 GB and was booked at 88 GiB.
+* **the loss head's memory**: the tied head's bf16 logits go to flash-attn's fused
+  cross-entropy (``ComposerMPTCausalLM``'s default ``loss_fn``, ``inplace_backward`` off),
+  which saves the logits and writes a bf16 gradient beside them: 4 bytes per logit, where
+  shardlib's head keeps fp32 logits, softmax and gradient (``terms.model``). Around it, the
+  final LayerNorm's input and output and the hidden state's gradient, bf16: 6 bytes per token
+  and hidden unit.
 """
 
 from __future__ import annotations
@@ -36,7 +50,9 @@ import dataclasses
 
 from shardlib.planner.cost import total as cost
 from shardlib.planner.cost.kernels import AttentionKernel, BlockTraffic
-from shardlib.planner.cost.terms.base import Contribution, Step
+from shardlib.planner.cost.terms import TERMS, model, state
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Contribution, Step
+from shardlib.planner.cost.terms.fsdp import layer_elements_gathered
 
 MPT_TRAFFIC = BlockTraffic(embed=10, rotary=0, mlp=3)
 """The MPT block per token of one block's forward, in widths of bf16: two LayerNorms (read,
@@ -65,9 +81,10 @@ def llmfoundry_program(
 
 
 def _terms(step: Step, mixed_precision: str) -> list[Contribution]:
-    parts = cost.contributions(step)
     if step.view["fsdp"] <= 1:
-        return parts
+        return cost.contributions(step)
+    own = {state.TERM.name: _fsdp_state, model.TERM.name: _mpt_head}
+    parts = [own.get(term.name, term.cost)(step) for term in TERMS]
     # bf16 gradient reductions (shardlib's: fp32); DEFAULT gathers fp32 weights (shardlib's:
     # the compute dtype)
     w = step.workload
@@ -89,6 +106,33 @@ def _terms(step: Step, mixed_precision: str) -> list[Contribution]:
     if mixed_precision == "PURE":
         return parts
     return [*parts, Contribution(seconds=_cast_seconds(step))]
+
+
+def _fsdp_state(step: Step) -> Contribution:
+    """shardlib's state term with PyTorch FSDP's gradients (module docstring): the fp32
+    gradient shard every micro-batch adds into, and one layer's gradient before its
+    reduce-scatter."""
+    part = state.state(step)
+    in_flight = layer_elements_gathered(step) * step.calib["grad_layers_live"] * MASTER_BYTES
+    grads = step.held_elements * MASTER_BYTES + in_flight
+    return dataclasses.replace(part, memory={**part.memory, "grads": grads})
+
+
+XENTROPY_LOGIT_BYTES = 4
+"""A bf16 logit saved by flash-attn's fused cross-entropy and its bf16 gradient."""
+HEAD_HIDDEN_BYTES = 6
+"""Per token and hidden unit around the head: the final LayerNorm's input and output and the
+gradient of the hidden state, each bf16."""
+
+
+def _mpt_head(step: Step) -> Contribution:
+    """shardlib's model term with the head's memory of MPT's loss (module docstring)."""
+    part = model.TERM.cost(step)
+    batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
+    tokens = (batches[0] if batches else step.micro_batch) * step.local_seq
+    w = step.workload
+    logits = w.vocab / step.view["tensor"] * XENTROPY_LOGIT_BYTES + w.embed * HEAD_HIDDEN_BYTES
+    return dataclasses.replace(part, memory={**part.memory, "logits": tokens * logits})
 
 
 def _cast_seconds(step: Step) -> float:
