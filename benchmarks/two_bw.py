@@ -3,7 +3,7 @@
 Run:  python benchmarks/two_bw.py memory        # planner next to the compiled step
       python benchmarks/two_bw.py bubble        # compiled FLOPs on 1F1B's toy decoder
       python benchmarks/two_bw.py collectives   # data-axis reductions per step
-      python benchmarks/two_bw.py convergence   # 200 steps each, writes docs/two_bw.json
+      python benchmarks/two_bw.py convergence   # 200 steps each at 2 rates, writes docs/two_bw.json
       python3 benchmarks/two_bw.py plot         # docs/two_bw.png (needs only matplotlib)
 
 ``memory``: for each tiny plan (8 simulated CPU devices, fp32, compiled from abstract
@@ -22,7 +22,8 @@ devices), the trainer's default optimizer (AdamW, warm-up and cosine), the same 
 batches, ``1f1b`` and ``2bw`` for ``STEPS`` steps each; the per-step losses go to
 ``docs/two_bw.json``, and ``plot`` draws them (a separate step, so the venv needs no
 matplotlib). 2bw's step 0 only fills the pipeline (NaN loss); its step t reports batch
-t-1's loss.
+t-1's loss, and the two are compared on the same batches. Both at the trainer's default
+peak learning rate (3e-3) and at 1e-3 (``LRS``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ PLANS = (  # model, batch, seq, layers, mesh axes and micro-batches
     ("llama-tiny", 16, 128, 12, dict(stage=2, fsdp=2, tensor=2, microbatches=2)),
 )
 STEPS, BATCH, SEQ, LAYERS = 200, 16, 64, 4
+LRS = (3e-3, 1e-3)
+"""The trainer's default peak learning rate, and a third of it: one step of staleness costs
+more the larger the step (Narayanan et al. 2021 train at their baselines' rates)."""
 RESULTS, FIGURE = ROOT / "docs" / "two_bw.json", ROOT / "docs" / "two_bw.png"
 
 
@@ -129,19 +133,25 @@ def convergence() -> None:
     from shardlib.train.setup import make_setup
 
     mesh = mesh_spec(stage=2, data=2).build(jax.devices()[:4])
-    out = {"steps": STEPS, "batch": BATCH, "seq": SEQ, "layers": LAYERS}
-    for schedule in ("1f1b", "2bw"):
-        cfg = train_config(
-            steps=STEPS, batch=BATCH, seq=SEQ, pipeline_schedule=schedule,
-            pipeline_microbatches=4, **{"model.layers": LAYERS},
-        )  # fmt: skip
-        out[schedule] = run(make_setup(cfg, mesh), show=False).losses
-        tail = out[schedule][-20:]
-        print(f"{schedule}: final loss {out[schedule][-1]:.4f}, mean of the last 20 "
-              f"{sum(tail) / len(tail):.4f}", flush=True)  # fmt: skip
-    a, b = (sum(out[s][-20:]) / 20 for s in ("1f1b", "2bw"))  # 2bw's: batches 179..198
-    print(f"2bw / 1f1b, mean loss of the last 20 steps: {b / a:.4f}")
+    out = {"steps": STEPS, "batch": BATCH, "seq": SEQ, "layers": LAYERS, "runs": {}}
+    for lr in LRS:
+        runs = out["runs"][f"{lr:g}"] = {}
+        for schedule in ("1f1b", "2bw"):
+            cfg = train_config(
+                steps=STEPS, batch=BATCH, seq=SEQ, pipeline_schedule=schedule,
+                pipeline_microbatches=4, **{"model.layers": LAYERS, "optimizer.lr": lr},
+            )  # fmt: skip
+            runs[schedule] = run(make_setup(cfg, mesh), show=False).losses
+        print(f"lr {lr:g}: 2bw / 1f1b, mean loss over the last 20 batches: "
+              f"{stale_ratio(runs):.4f}", flush=True)  # fmt: skip
     RESULTS.write_text(json.dumps(out))
+
+
+def stale_ratio(runs: dict, last: int = 20) -> float:
+    """2bw's mean loss over 1f1b's on the same ``last`` batches (2bw's step t reports batch
+    t-1's loss)."""
+    flush, stale = runs["1f1b"][-last - 1 : -1], runs["2bw"][-last:]
+    return sum(stale) / sum(flush)
 
 
 def plot() -> None:
@@ -151,17 +161,18 @@ def plot() -> None:
     import matplotlib.pyplot as plt
 
     out = json.loads(RESULTS.read_text())
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, len(out["runs"]), figsize=(11, 4), sharey=True)
     labels = {"1f1b": "PipeDream-Flush (1f1b)", "2bw": "PipeDream-2BW (2bw; step t: batch t-1)"}
-    for schedule, label in labels.items():
-        ax.plot(range(1, len(out[schedule]) + 1), out[schedule], label=label, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(
-        f"llama-tiny, {out['layers']} layers, stage 2 x data 2, batch {out['batch']} x "
-        f"{out['seq']}, AdamW"
+    for ax, (lr, runs) in zip(axes, out["runs"].items(), strict=True):
+        for schedule, label in labels.items():
+            ax.plot(range(1, len(runs[schedule]) + 1), runs[schedule], label=label, lw=1)
+        ax.set_title(f"AdamW lr {lr}: 2bw / 1f1b over the last 20 = {stale_ratio(runs):.3f}")
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend()
+    fig.suptitle(
+        f"llama-tiny, {out['layers']} layers, stage 2 x data 2, batch {out['batch']} x {out['seq']}"
     )
-    ax.legend()
     fig.tight_layout()
     fig.savefig(FIGURE, dpi=120)
     print(f"wrote {FIGURE}")
