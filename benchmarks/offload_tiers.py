@@ -40,7 +40,8 @@ from shardlib.train.setup import make_setup  # noqa: E402
 TIERS = {
     "none": {},
     "optimizer, whole update": {"offload_optimizer": True, "offload_per_layer": False},
-    "optimizer, streamed": {"offload_optimizer": True},
+    "optimizer, streamed, grads kept": {"offload_optimizer": True, "offload_grads": False},
+    "optimizer, streamed": {"offload_optimizer": True},  # grads leave in the backward
     "params (+ streamed update)": {"offload_params": True},
     "params + optimizer": {"offload_params": True, "offload_optimizer": True},
 }

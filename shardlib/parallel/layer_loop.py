@@ -32,6 +32,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.core.ops import scan_blocks
+from shardlib.parallel import offload_grads
 from shardlib.parallel.pipeline.gpipe import pipeline_layers
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.terapipe import terapipe_layers
@@ -56,21 +57,48 @@ def _fetch(block_fn, dtype):
     return fetched
 
 
+def _cast(block_fn, dtype):
+    """``block_fn`` casting its layer's master weights to ``dtype`` first."""
+    return lambda w, x: block_fn(jax.tree.map(lambda a: a.astype(dtype), w), x)
+
+
+def _tapped(block_fn, dtype):
+    """``block_fn`` of ``(layer weights, their gradient sink's row)``: the weights' gradient
+    leaves for host memory as the backward produces it (``offload_grads``), in fp32."""
+
+    def tapped(layer_and_sink, x):
+        return block_fn(offload_grads.tap_layer(*layer_and_sink, dtype), x)
+
+    return tapped
+
+
 def master_blocks(plan) -> bool:
     """Whether the stacked blocks enter the layer loop as master weights: offloaded ones are
     cast per layer, pipelined ones per stage and loop trip (their per-replica gradients
-    then accumulate in fp32 across micro-batches)."""
-    return plan.offload.params or plan.pipeline_spec() is not None
+    then accumulate in fp32 across micro-batches), and so are those whose gradients leave
+    for host memory in the backward (``offload_grads``: fp32 gradients, as the update's)."""
+    return (
+        plan.offload.params
+        or plan.pipeline_spec() is not None
+        or offload_grads.leave_in_backward(plan)
+    )
 
 
 def layer_loop(plan, workload, dtype):
     """The function that runs the model's blocks, for GPipe/circular/no pipeline."""
     remat = plan.remat.spec(workload)
     offload = plan.offload.params
+    to_host = offload_grads.leave_in_backward(plan)
 
     def stage_layers(block_fn, blocks_state, x):
         if offload:
             block_fn = _fetch(block_fn, dtype)
+        if to_host:  # within value_and_grad: the weights' gradients go to host memory
+            blocks_state, sink = offload_grads.tapped_blocks(blocks_state)
+            if sink is None:  # evaluation, or a loss traced outside the gradient
+                block_fn = _cast(block_fn, dtype)
+            else:
+                block_fn, blocks_state = _tapped(block_fn, dtype), (blocks_state, sink)
         if remat.mode == "full" and not offload and spec is None and not remat.segments:
             block_fn = partition_saved_inputs(block_fn)  # split over tensor where replicated
         else:

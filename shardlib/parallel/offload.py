@@ -4,11 +4,14 @@
   device for the update and back (the train step's in/out shardings say so);
   with ``per_layer`` (the default) the update streams it one layer at a time instead
   (``offload_stream.py``), so the device never holds more than a layer's worth of it;
+  the stacked layers' gradients leave for host memory as the backward produces them
+  (``grads``, ``offload_grads.py``);
 * ``params``: the stacked block weights (and their optimizer state) live in host memory;
   the layer loop fetches one layer at a time and never saves the fetched copy for the
   backward pass (it is fetched again there).
 
-XLA moves the bytes; nothing here writes a transfer except the per-layer fetch.
+XLA moves the bytes; nothing here writes a transfer except the per-layer fetch and the
+gradients' way out (``offload_grads``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class Offload:
     """With ``optimizer``: update the offloaded state one stacked layer at a time, so the
     device holds one layer's state during the update (``offload_stream``; Adam, AdamW,
     SGD). False: the whole state visits the device for the update (any optimizer)."""
+
+    grads: bool = True
+    """With ``optimizer`` and ``per_layer`` (weights on the device, one micro-batch, no
+    pipeline): each layer's weight gradient leaves for host memory as the backward produces
+    it (``offload_grads``, ZeRO-Offload's overlap), so the device never holds them all.
+    False: they stay on the device until the streamed update moves them, a layer a trip."""
 
     def check(self, mesh_axes: Mapping[str, int], rules, workload) -> None:
         if self.nvme_path and not self.optimizer:

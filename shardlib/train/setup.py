@@ -139,6 +139,7 @@ class TrainSetup(StateLayout):
             grad_shardings=self.grad_shardings,
             batch_spec=self.batch_spec,
             batch_names=self.batch_names,
+            stacked_layers=self.stacked_layers,
         )
 
     @property
