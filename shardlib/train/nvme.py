@@ -19,11 +19,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, use_layout
 from shardlib.dataset.tokens import BATCH_NAMES
+from shardlib.parallel.offload import HOST_MEMORY
+from shardlib.parallel.offload_grads import BLOCKS, leave_in_backward
 from shardlib.parallel.offload_nvme import NvmeOptimizerState
+from shardlib.parallel.offload_nvme_params import NvmeParams, reading
 from shardlib.train import fp8, precision
 from shardlib.train.step import grad_function, make_loss_fn, normalise_weights
 
@@ -95,6 +99,51 @@ def build_nvme_step(setup: TrainSetup, state: NvmeOptimizerState):
         loss, _, grads = grads_of(params, batch)
         params, norm = state.update(grads, params)
         return params, {"loss": loss, "grad_norm": norm}
+
+    return step
+
+
+def _grads_from_files(setup: TrainSetup, weights: NvmeParams):
+    """``(rest, batch) -> (loss, metrics, grads)``, jitted: the trainer's gradient path with
+    the stacked weights read from ``weights``'s files layer by layer (``layer_loop``), their
+    gradients in host memory. ``rest``: the parameters but ``blocks``."""
+    if not leave_in_backward(setup.plan) or not setup.stacked_layers:
+        raise ShardingError(
+            "the stacked weights in files are read by the layer loop, whose gradients must "
+            "leave for host memory in the backward (offload_grads), but this plan keeps them "
+            "on the device. Fix: offload_optimizer=true with offload_grads=true, one "
+            "micro-batch, no pipeline, ZeRO++ or 1-bit Adam."
+        )
+    loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
+    rest_shardings = {k: v for k, v in setup.param_shardings.items() if k != BLOCKS}
+    hosts = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), setup.param_shardings[BLOCKS])
+    shapes = jax.tree.unflatten(weights.treedef, weights.leaves)
+
+    def loss_and_grads(rest, tokens_BL1):
+        # stand-ins for the weights: the model's tree needs them, nothing reads their values
+        blocks = jax.tree.map(lambda x, h: jax.device_put(jnp.zeros(x.shape, x.dtype), h),
+                              shapes, hosts)  # fmt: skip
+        with use_layout(setup.mesh, setup.rules), reading(weights):
+            tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
+            grad_fn = grad_function(setup, loss_fn, has_aux=True, stored=True)
+            (loss, metrics), grads = grad_fn(
+                {**rest, BLOCKS: blocks}, normalise_weights(tokens_BL1)
+            )
+        return loss, dict(metrics), grads
+
+    return jax.jit(loss_and_grads, in_shardings=(rest_shardings, setup.batch_sharding))
+
+
+def build_nvme_params_step(setup: TrainSetup, state: NvmeOptimizerState, weights: NvmeParams):
+    """``step(rest, batch) -> (rest, metrics)``: the stacked weights and the optimizer state
+    in files (ZeRO-Infinity's ``offload_param`` and ``offload_optimizer`` on NVMe); ``rest``
+    the parameters but ``blocks``, on the device."""
+    grads_of = _grads_from_files(setup, weights)
+
+    def step(rest, batch):
+        loss, _, grads = grads_of(rest, batch)
+        rest, norm = state.update_files(grads, rest, weights)
+        return rest, {"loss": loss, "grad_norm": norm}
 
     return step
 
