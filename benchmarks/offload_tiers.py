@@ -51,6 +51,7 @@ GPU_TIERS = {
     "optimizer -> NVMe": Offload(optimizer=True, nvme_path="/nvme"),
     "params + optimizer -> host": Offload(optimizer=True, params=True),
     "params -> host, optimizer -> NVMe": Offload(optimizer=True, params=True, nvme_path="/nvme"),
+    "params + optimizer -> NVMe": Offload(optimizer=True, nvme_path="/nvme", nvme_params=True),
 }
 PRESETS = ("llama-1b", "llama3-8b", "llama2-13b", "llama2-70b", "llama3-405b")
 MiB = 2**20

@@ -44,6 +44,10 @@ class Offload:
     """With ``optimizer``: keep the optimizer state in files under this directory
     (ZeRO-Infinity's NVMe tier, ``offload_nvme``), streamed one layer at a time through
     pinned host buffers; stepped by ``shardlib.train.nvme``. Empty: host memory."""
+    nvme_params: bool = False
+    """With ``nvme_path``: the stacked block weights in files there too (ZeRO-Infinity's
+    ``offload_param.device: nvme``, ``offload_nvme_params``): the layer loop reads each
+    layer from the files, forward and backward, and the update writes it back."""
     per_layer: bool = True
     """With ``optimizer``: update the offloaded state one stacked layer at a time, so the
     device holds one layer's state during the update (``offload_stream``; Adam, AdamW,
@@ -60,6 +64,12 @@ class Offload:
             raise ShardingError(
                 f"offload.nvme_path={self.nvme_path!r} holds the optimizer state, but "
                 "offload.optimizer is off. Fix: offload_optimizer=true, or drop nvme_path."
+            )
+        if self.nvme_params and (not self.nvme_path or self.params):
+            raise ShardingError(
+                f"offload.nvme_params keeps the stacked weights in files under nvme_path, but "
+                f"nvme_path={self.nvme_path!r}, offload.params={self.params} (host memory). "
+                "Fix: offload_nvme_path=DIR with offload_params=false, or drop nvme_params."
             )
         if self.params and mesh_axes.get(Axis.STAGE, 1) > 1:
             raise ShardingError(

@@ -90,26 +90,35 @@ def test_nvme_tier_refuses_what_it_cannot_hold(monkeypatch):
 @pytest.mark.slow
 def test_shardlib_train_runs_the_tier_and_resumes_from_its_checkpoint_exactly(tmp_path):
     """``loop.run`` (what ``shardlib train`` calls) drives the NVMe step; a checkpoint holds
-    optax's state read from the files, so a run whose files are gone resumes from it bit for
-    bit, and the in-memory offload setup reads the same checkpoint."""
+    optax's state (and the weights) read from the files, so a run whose files are gone
+    resumes from it bit for bit, and the in-memory offload setup reads the same checkpoint.
+    The interrupted run keeps its weights in files too (``offload.nvme_params``): it trains
+    bit for bit like the one that holds them in memory."""
     tier = {"offload_optimizer": True, "offload_nvme_path": str(tmp_path / "files")}
     whole = run(make_setup(override(CFG, tier), single_device_mesh()), show=False)
     assert not (tmp_path / "ckpt").exists()
-    tier = {**tier, "checkpoint_dir": str(tmp_path / "ckpt")}
+    tier = {**tier, "offload_nvme_params": True, "checkpoint_dir": str(tmp_path / "ckpt")}
     setup = make_setup(override(CFG, tier), single_device_mesh())
     first = run(setup, show=False, stop_after=2)
     assert first.stopped_by and len(first.losses) == 2
     shutil.rmtree(tmp_path / "files")  # only the checkpoint is left to resume from
     second = run(make_setup(override(CFG, tier), single_device_mesh()), show=False)
     assert first.losses + second.losses == whole.losses
+    weights = second.state["params"]["blocks"]
+    assert isinstance(weights, NvmeParams)
+    assert (weights.io.read, weights.io.written) == (3 * weights.nbytes, weights.nbytes)
     for got, want in zip(
-        jax.tree.leaves(second.state["params"]),
+        jax.tree.leaves({**second.state["params"], "blocks": weights.tree()}),
         jax.tree.leaves(whole.state["params"]),
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     memory = make_setup(override(CFG, {"offload_optimizer": True}), single_device_mesh())
-    saved = restore(tmp_path / "ckpt", memory, step=3).state["opt_state"]
-    files = second.state["opt_state"].tree()
-    for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(files), strict=True):
+    saved = restore(tmp_path / "ckpt", memory, step=3).state
+    files = {"opt_state": second.state["opt_state"].tree(), "blocks": weights.tree()}
+    for got, want in zip(
+        jax.tree.leaves((saved["opt_state"], saved["params"]["blocks"])),
+        jax.tree.leaves((files["opt_state"], files["blocks"])),
+        strict=True,
+    ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -306,6 +306,10 @@ def test_offload_tiers_move_state_to_host_and_nvme():
     kept = tier(optimizer=True, grads=False)
     assert kept.memory_bytes - host.memory_bytes == pytest.approx(grads * (1 - 1 / 8))
     assert (nvme.host_bytes, nvme.nvme_bytes) == (pytest.approx(grads), pytest.approx(state))
+    files = tier(optimizer=True, nvme_path="/nvme", nvme_params=True)  # and the weights
+    weights = files.nvme_bytes - state
+    assert nvme.memory_bytes - files.memory_bytes == pytest.approx(weights * (1 - 1 / 8))
+    assert files.host_s > nvme.host_s  # 4 x the weights over the disk
     assert base.host_s < host.host_s < nvme.host_s  # 2 x state over PCIe, then over the disk
     weights = tier(params=True)  # fp32 weights and their gradients, the stacked layers'
     stacked = weights.host_bytes / 2

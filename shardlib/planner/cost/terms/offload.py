@@ -17,6 +17,10 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
   (``offload_grads``); the device holds one layer's instead of the stacked layers' (compiled,
   llama-tiny x 8 layers: (8 - 1) x a layer's gradient freed, to 0.1%). The way out (4 bytes a
   parameter) is assumed hidden behind the backward, the update's reads (4) are not;
+* weights on NVMe (``offload.nvme_params``, with the state's files): the device holds the
+  layer being computed (compiled, llama-tiny x 8 layers, remat=full: the gradient
+  program's bytes fell by 7.998 layers' weights); each step reads the weights three times
+  (forward, backward, update) and writes them once, at the disk's rate;
 * weights (``offload.params``): the stacked layers' fp32 weights and their gradients live in
   host memory; the device holds the layer being computed and the next (prefetched), in the
   forward and the backward pass (2 x a layer's weights), and one layer's gradient; the
@@ -68,6 +72,12 @@ def offload(step: Step) -> Contribution:
             memory["nvme: optimizer"] = moved
             seconds += 2 * moved / min(nvme_bw, host_bw)
             notes.append(f"optimizer state on NVMe: {2 * moved / nvme_bw:.3f} s of disk I/O")
+            if settings.nvme_params:  # the layer loop reads one layer from the files a trip
+                stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
+                memory["params"] = step.layer_elements * MASTER_BYTES - stacked
+                memory["nvme: params"] = stacked
+                seconds += 4 * stacked / min(nvme_bw, host_bw)  # read 3 times, written once
+                notes.append(f"weights on NVMe: {4 * stacked / nvme_bw:.3f} s of disk I/O")
         else:
             memory["host: optimizer"] = moved
             seconds += 2 * moved / host_bw
