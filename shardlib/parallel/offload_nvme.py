@@ -19,9 +19,7 @@ state: one device, or data parallelism with ``zero=0``): each file is the whole 
 
 The stacked weights can live in files too (``offload_nvme_params``, ZeRO-Infinity's
 ``offload_param.device: nvme``): ``update_files`` then reads each layer's weights with its
-state rows and writes both back (``train.nvme.build_nvme_params_step``). ``loop.run`` and
-the checkpoint's saved and live forms do not hold weights in files yet: the jitted train
-state keeps ``params["blocks"]`` as arrays.
+state rows and writes both back (``train.nvme``: ``offload.nvme_params``).
 """
 
 from __future__ import annotations

@@ -74,6 +74,8 @@ def test_nvme_state_and_weights_train_like_memory_move_their_size_and_resume_exa
 def test_nvme_tier_refuses_what_it_cannot_hold(monkeypatch):
     with pytest.raises(ShardingError, match="offload_optimizer=true"):
         make_setup(override(CFG, {"offload_nvme_path": "/tmp/x"}), single_device_mesh())
+    with pytest.raises(ShardingError, match="drop nvme_params"):  # the weights need a path
+        make_setup(override(CFG, {"offload_nvme_params": True}), single_device_mesh())
     setup = make_setup(
         override(CFG, {"offload_optimizer": True, "offload_nvme_path": "/tmp/x"}),
         single_device_mesh(),
