@@ -40,7 +40,8 @@ from shardlib.train.setup import make_setup  # noqa: E402
 TIERS = {
     "none": {},
     "optimizer, whole update": {"offload_optimizer": True, "offload_per_layer": False},
-    "optimizer, streamed": {"offload_optimizer": True},
+    "optimizer, streamed, grads kept": {"offload_optimizer": True, "offload_grads": False},
+    "optimizer, streamed": {"offload_optimizer": True},  # grads leave in the backward
     "params (+ streamed update)": {"offload_params": True},
     "params + optimizer": {"offload_params": True, "offload_optimizer": True},
 }
@@ -50,6 +51,7 @@ GPU_TIERS = {
     "optimizer -> NVMe": Offload(optimizer=True, nvme_path="/nvme"),
     "params + optimizer -> host": Offload(optimizer=True, params=True),
     "params -> host, optimizer -> NVMe": Offload(optimizer=True, params=True, nvme_path="/nvme"),
+    "params + optimizer -> NVMe": Offload(optimizer=True, nvme_path="/nvme", nvme_params=True),
 }
 PRESETS = ("llama-1b", "llama3-8b", "llama2-13b", "llama2-70b", "llama3-405b")
 MiB = 2**20

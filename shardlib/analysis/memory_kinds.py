@@ -189,10 +189,19 @@ def host_temp_bytes(jaxpr) -> int:
     return total
 
 
+def live(jaxpr):
+    """``jaxpr`` without the values nothing reads, inside loops too: XLA drops them, so they
+    are no buffer (``offload_grads``'s gradient sink, a host value only AD reads the type of)."""
+    from jax._src.interpreters.partial_eval import dce_jaxpr  # no public DCE (jax <= 0.12)
+
+    return dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
 def memory_by_kind(jitted, *args) -> MemoryByKind:
     """Compile ``jitted`` for ``args`` (arrays or ShapeDtypeStructs with shardings) and
     count its bytes per device by memory kind."""
     traced = jitted.trace(*args)
+    jaxpr = live(traced.jaxpr.jaxpr)
     compiled = traced.lower().compile()
     stats = compiled.memory_analysis()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
@@ -201,7 +210,7 @@ def memory_by_kind(jitted, *args) -> MemoryByKind:
     return MemoryByKind(
         compiled_total=total,
         host_bytes=host_reported or host_entry_bytes(compiled.as_text()),
-        staged_bytes=staged_bytes(traced.jaxpr.jaxpr),
-        host_temp_bytes=host_temp_bytes(traced.jaxpr.jaxpr),
+        staged_bytes=staged_bytes(jaxpr),
+        host_temp_bytes=host_temp_bytes(jaxpr),
         separated=host_reported > 0,
     )

@@ -239,6 +239,16 @@ def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
             "(parallel.offload.nvme_path: shardlib train streams it one layer at a time)"
         )
         return {f"parallel.offload.{setting}": True, "parallel.offload.nvme_path": str(path)}
+    optimizer_nvme = r.get("zero_optimization.offload_optimizer.device", "none") == "nvme"
+    if device == "nvme" and optimizer_nvme:  # ZeRO-Infinity's weights, next to the state
+        path = r.get(f"zero_optimization.{part}.nvme_path", NVME_DEFAULT_PATH)
+        r.used.add(f"zero_optimization.{part}")  # buffer_count, buffer_size: its own streaming
+        r.notes.append(
+            f"zero_optimization.{part}: nvme, the stacked weights in files next to the "
+            f"optimizer state's (parallel.offload.nvme_params; {path} is not read: the "
+            "state's nvme_path holds both); the layer loop reads one layer at a time"
+        )
+        return {"parallel.offload.nvme_params": True}
     if device == "nvme":
         r.refuse(f"zero_optimization.{part}.device", NVME, listed=True)
         r.used.add(f"zero_optimization.{part}")  # its NVMe tuning means nothing without it

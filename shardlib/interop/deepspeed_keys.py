@@ -89,8 +89,9 @@ DEFAULTS_ONLY = {  # accepted at DeepSpeed's default value, refused otherwise
     "zero_optimization.zero_quantized_nontrainable_weights": False,
 }
 NVME = (
-    "NVMe offload of parameters (ZeRO-Infinity): shardlib keeps offloaded weights in host "
-    "memory; use 'cpu' (offload_optimizer's state can go to NVMe)"
+    "NVMe offload of parameters alone (ZeRO-Infinity): shardlib keeps the weights' files "
+    "next to the optimizer state's (parallel.offload.nvme_params under nvme_path); set "
+    "offload_optimizer.device: nvme too, or use 'cpu'"
 )
 NVME_DEFAULT_PATH = "/local_nvme"  # DeepSpeed's default nvme_path
 NO_COUNTERPART = {

@@ -11,6 +11,9 @@ the plan's business alone, decided here and nowhere else:
   step runs in ``shard_map`` over ``data`` (``train/onebit.py``) and the optimizer's
   compressed momentum exchange is the only reduction over that axis, so nothing here pins a
   layout;
+* ``offload.optimizer`` (streamed, weights on the device, one micro-batch): the same, but
+  each layer's weight gradient leaves for host memory as the backward produces it
+  (``offload_grads``: ZeRO-Offload's overlap);
 * ``data``'s ZeRO++ parts: ZeRO-3's gradient with quantized or hierarchical collectives
   (``zeropp``);
 * ``pipeline.schedule = 1f1b`` or ``chimera``: the (interleaved) 1F1B schedule (and the
@@ -42,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
-from shardlib.parallel import zeropp
+from shardlib.parallel import offload_grads, zeropp
 from shardlib.parallel.layer_loop import cast_params
 from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.pipeline.chimera import chimera_value_and_grad
@@ -98,6 +101,9 @@ class StepLayout:
     batch_names: Any = None
     """Logical names of each batch array's dims, a tree like the batch's (a user's model:
     ``train.user_data.Batches.names``); None: token rows ``TOKEN_NAMES``."""
+    stacked_layers: int = 0
+    """The decoder's stacked blocks under ``params["blocks"]`` (``TrainSetup.stacked_layers``);
+    0 (a user's model): their gradients cannot leave in the backward (``offload_grads``)."""
 
 
 def value_and_grad(
@@ -120,6 +126,9 @@ def value_and_grad(
         grad_fn = zeropp.value_and_grad(plan, fn, layout)
     elif spec is not None and spec.fused:
         grad_fn = _one_f_one_b(plan, loss_fn, layout, loss_scale)
+    elif offload_grads.leave_in_backward(plan) and layout.stacked_layers:  # blocks' to host
+        layouts = layout.grad_shardings or layout.param_shardings
+        grad_fn = offload_grads.value_and_grad(fn, layouts[offload_grads.BLOCKS])
     else:
         grad_fn = jax.value_and_grad(fn, has_aux=True)
     grad_fn = accumulate(grad_fn, fn, plan.data.microbatches, shardings, layout.batch_names)

@@ -16,6 +16,10 @@ in this one place:
 * ``offload.params`` keeps the stacked block weights (and their optimizer state) in
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
   fetched copy is never saved for the backward pass (it is fetched again there);
+* ``offload.optimizer`` (``offload_grads.leave_in_backward``): the blocks enter as fp32
+  master weights, each trip casts its layer and taps it so that its gradient leaves for
+  host memory as the backward produces it; with the weights in files
+  (``offload_nvme_params``) each trip reads its layer instead, forward and backward;
 * under a pipeline the stacked block weights also enter the layer loop as fp32 master
   weights and each stage casts its own per loop trip, so that the per-replica gradients
   accumulated across micro-batches (``pipeline/replicas.py``) are summed in fp32 (one
@@ -29,9 +33,11 @@ stacked ``blocks`` and ``head``; the layer loop runs the blocks.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from shardlib.core.ops import scan_blocks
+from shardlib.parallel import offload_grads, offload_nvme_params
 from shardlib.parallel.pipeline.gpipe import pipeline_layers
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.terapipe import terapipe_layers
@@ -56,25 +62,70 @@ def _fetch(block_fn, dtype):
     return fetched
 
 
+def _cast(block_fn, dtype):
+    """``block_fn`` casting its layer's master weights to ``dtype`` first."""
+    return lambda w, x: block_fn(jax.tree.map(lambda a: a.astype(dtype), w), x)
+
+
+def _tapped(block_fn, dtype):
+    """``block_fn`` of ``(layer weights, their gradient sink's row)``: the weights' gradient
+    leaves for host memory as the backward produces it (``offload_grads``), in fp32."""
+
+    def tapped(layer_and_sink, x):
+        return block_fn(offload_grads.tap_layer(*layer_and_sink, dtype), x)
+
+    return tapped
+
+
+def _from_files(block_fn, dtype, files, treedef):
+    """``block_fn`` of ``(layer index, gradient sink row)``: the layer's weights read from
+    ``files`` (``offload_nvme_params``), never saved for the backward (read again there)."""
+
+    def read(index_and_sink, x):
+        i, sink_row = index_and_sink
+        layer = offload_nvme_params.read(files, i, treedef)
+        layer = jax.tree.map(lambda w: checkpoint_name(w, FETCHED), layer)
+        return block_fn(offload_grads.tap_layer(layer, sink_row, dtype), x)
+
+    return read
+
+
 def master_blocks(plan) -> bool:
     """Whether the stacked blocks enter the layer loop as master weights: offloaded ones are
     cast per layer, pipelined ones per stage and loop trip (their per-replica gradients
-    then accumulate in fp32 across micro-batches)."""
-    return plan.offload.params or plan.pipeline_spec() is not None
+    then accumulate in fp32 across micro-batches), and so are those whose gradients leave
+    for host memory in the backward (``offload_grads``: fp32 gradients, as the update's)."""
+    return (
+        plan.offload.params
+        or plan.pipeline_spec() is not None
+        or offload_grads.leave_in_backward(plan)
+    )
 
 
 def layer_loop(plan, workload, dtype):
     """The function that runs the model's blocks, for GPipe/circular/no pipeline."""
     remat = plan.remat.spec(workload)
     offload = plan.offload.params
+    to_host = offload_grads.leave_in_backward(plan)
 
     def stage_layers(block_fn, blocks_state, x):
         if offload:
             block_fn = _fetch(block_fn, dtype)
-        if remat.mode == "full" and not offload and spec is None and not remat.segments:
+        files = offload_nvme_params.active() if to_host else None
+        if to_host:  # within value_and_grad: the weights' gradients go to host memory
+            blocks_state, sink = offload_grads.tapped_blocks(blocks_state)
+            if sink is None:  # evaluation, or a loss traced outside the gradient
+                block_fn = _cast(block_fn, dtype)
+            elif files is not None:  # the weights in files: each trip reads its layer
+                block_fn = _from_files(block_fn, dtype, files, jax.tree.structure(blocks_state))
+                blocks_state = (jnp.arange(jax.tree.leaves(sink)[0].shape[0]), sink)
+            else:
+                block_fn, blocks_state = _tapped(block_fn, dtype), (blocks_state, sink)
+        never_save = (FETCHED,) if offload or files is not None else ()
+        if remat.mode == "full" and not never_save and spec is None and not remat.segments:
             block_fn = partition_saved_inputs(block_fn)  # split over tensor where replicated
         else:
-            block_fn = remat_block(block_fn, remat, never_save=(FETCHED,) if offload else ())
+            block_fn = remat_block(block_fn, remat, never_save=never_save)
         if remat.segments:
             return scan_segments(block_fn, blocks_state, x, remat.segments)
         return scan_blocks(block_fn, blocks_state, x)

@@ -16,6 +16,10 @@ holds to the state's size). Scalars (step counts) stay in memory and are saved w
 files (``save``/``restore``: the files copied, the scalars in ``scalars.npz``), which is
 what an exact resume needs. The state must be whole on each device (no ZeRO split of the
 state: one device, or data parallelism with ``zero=0``): each file is the whole tensor.
+
+The stacked weights can live in files too (``offload_nvme_params``, ZeRO-Infinity's
+``offload_param.device: nvme``): ``update_files`` then reads each layer's weights with its
+state rows and writes both back (``train.nvme``: ``offload.nvme_params``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class NvmeOptimizerState:
         self.io = Io()
         self._update_layer = jax.jit(self._layer_call, donate_argnums=3)
         self._update_rest = jax.jit(self._rest_call)
+        self._update_file_layer = jax.jit(self._file_layer_call, donate_argnums=(1, 3))
         self._norm = jax.jit(lambda g: grad_norm(g, self.layers))
 
     @property
@@ -126,6 +131,21 @@ class NvmeOptimizerState:
         return blocks, [jax.device_put(r, jax.memory.Space.Host) if k == STACKED else None
                         for r, k in zip(new, self.kinds, strict=True)]  # fmt: skip
 
+    def _file_layer_call(self, i, rows, scalars, weights, grads, norm):
+        """Layer ``i`` with its weights a ``[1, ...]`` row read from files (host memory):
+        the new weights and state rows, back in host memory."""
+        clip = clipper(norm, self.clip_norm)
+        to_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731
+        rows = [None if r is None else to_device(r) for r in rows]
+        grads_row = jax.tree.map(lambda x: layer_row(x, i), grads[BLOCKS])
+        weights, new = layer_update(self.tx, self.treedef, self.kinds, self.leaves, rows,
+                                    scalars, (grads, grads_row), jax.tree.map(to_device, weights),
+                                    0, clip)  # fmt: skip
+        to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)  # noqa: E731
+        return jax.tree.map(to_host, weights), [
+            to_host(r) if k == STACKED else None for r, k in zip(new, self.kinds, strict=True)
+        ]
+
     def _read(self, kind: str, i: int | None = None) -> list:
         """The ``kind`` tensors (layer ``i``'s rows), in pinned host buffers."""
         out = []
@@ -163,6 +183,30 @@ class NvmeOptimizerState:
         for f in self.files.values():
             f.flush()
         return {**new_params, BLOCKS: blocks}, norm
+
+    def update_files(self, grads: dict, rest: dict, weights) -> tuple[dict, jax.Array]:
+        """``(new_rest, grad_norm)``: ``update`` with the stacked weights in ``weights``'s
+        files (``offload_nvme_params.NvmeParams``): each layer's weights read into pinned
+        host memory with its state rows, updated on the device, and written back."""
+        norm = self._norm(grads)
+        stand_in = {**rest, BLOCKS: grads[BLOCKS]}  # (shapes only: no block is read)
+        new_rest, state_rest, scalars = self._update_rest(
+            self._read(REST), self.scalars, grads, stand_in, norm
+        )
+        for i in range(self.layers):
+            row = [jax.device_put(r, self.host) for r in weights.read_rows(i)]
+            row = jax.tree.unflatten(weights.treedef, row)
+            new_row, new_state = self._update_file_layer(
+                i, self._read(STACKED, i), self.scalars, row, grads, norm
+            )
+            weights.write_rows(i, jax.tree.leaves(new_row))
+            self._write(new_state, i)
+        self._write(state_rest)
+        self.scalars = scalars
+        for f in self.files.values():
+            f.flush()
+        weights.flush()
+        return {k: v for k, v in new_rest.items() if k != BLOCKS}, norm
 
     def tree(self):
         """The state as optax's pytree, its parameter-shaped leaves the files themselves

@@ -118,7 +118,7 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     pred = estimate(fp32, plan, backend="cpu")
     host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     # and what the CPU backend elides: host temporaries out, device copies of host data in
-    jaxpr = setup.train_step.trace(state, batch).jaxpr.jaxpr
+    jaxpr = memory_kinds.live(setup.train_step.trace(state, batch).jaxpr.jaxpr)
     kinds = memory_kinds.host_temp_bytes(jaxpr), memory_kinds.staged_bytes(jaxpr)
     return Check(
         plan=plan,

@@ -139,6 +139,7 @@ class TrainSetup(StateLayout):
             grad_shardings=self.grad_shardings,
             batch_spec=self.batch_spec,
             batch_names=self.batch_names,
+            stacked_layers=self.stacked_layers,
         )
 
     @property
@@ -225,6 +226,11 @@ class TrainSetup(StateLayout):
             from shardlib.train.nvme import nvme_state
 
             state["opt_state"] = nvme_state(self, state["params"])
+            if self.plan.offload.nvme_params:  # and the stacked weights, layer by layer
+                from shardlib.train.nvme import nvme_weights
+
+                blocks = nvme_weights(self, state["params"]["blocks"])
+                state["params"] = {**state["params"], "blocks": blocks}
         return state
 
     def saved_form(self, state: dict) -> dict:

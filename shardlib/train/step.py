@@ -23,7 +23,7 @@ from shardlib.core.layout import constrain, use_layout
 from shardlib.core.model import embed_takes_positions
 from shardlib.core.ops import Packed, run_blocks, use_matmul
 from shardlib.dataset.tokens import BATCH_NAMES
-from shardlib.parallel import gradients
+from shardlib.parallel import gradients, offload_grads
 from shardlib.parallel import state as layouts
 from shardlib.parallel.gradients import accumulate
 from shardlib.parallel.layer_loop import cast_params, master_blocks, on_device
@@ -279,6 +279,18 @@ def build_train_step(setup: TrainSetup):
     return build_step(setup, loss_fn, prepare)
 
 
+def _on_device_in_layout(plan, grads, update_shardings):
+    """The gradients pinned to the update's layout; those the backward already wrote to
+    host memory (``offload_grads``) stay there: the streamed update reads them per layer."""
+    if not offload_grads.leave_in_backward(plan):
+        return jax.lax.with_sharding_constraint(grads, update_shardings)
+    rest = [k for k in grads if k != offload_grads.BLOCKS]
+    pinned = jax.lax.with_sharding_constraint(
+        {k: grads[k] for k in rest}, {k: update_shardings[k] for k in rest}
+    )
+    return {**grads, **pinned}
+
+
 def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated, for any
     ``loss_fn(params, batch) -> (loss, metrics)``: the decoder's (``build_train_step``) or a
@@ -341,7 +353,7 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             finite = None
             if stream:  # offloaded state and weights visit the device one layer at a time
                 if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
-                    grads = jax.lax.with_sharding_constraint(grads, setup.update_shardings)
+                    grads = _on_device_in_layout(plan, grads, setup.update_shardings)
                 grad_norm = streamed_grad_norm(grads, setup.workload.blocks)
                 if scaled:  # offloaded gradients are in host memory: finite iff the norm is
                     finite = jnp.isfinite(grad_norm)

@@ -355,3 +355,7 @@ def test_nvme_optimizer_offload_maps_to_the_nvme_tier():
     s = from_deepspeed(config, devices=8).settings
     assert s["parallel.offload.optimizer"] is True
     assert s["parallel.offload.nvme_path"] == "/nvme_data"
+    both = {**config["zero_optimization"], "offload_param": {"device": "nvme"}}
+    s = from_deepspeed({**config, "zero_optimization": both}, devices=8).settings
+    assert s["parallel.offload.nvme_params"] is True  # the weights next to the state
+    assert s["parallel.offload.nvme_path"] == "/nvme_data"

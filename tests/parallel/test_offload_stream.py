@@ -7,8 +7,9 @@
 * device bytes of the compiled step, by memory kind (``analysis.memory_kinds``: the CPU
   backend reports every kind together, so host bytes come from the ``S(5)`` entry layouts
   and the staged copies from the jaxpr): optimizer offload frees at least 90% of the
-  optimizer state's bytes; parameter offload stages one layer's weights per trip of the
-  forward and backward loops.
+  optimizer state's bytes and all but two layers' worth of the blocks' gradients (sent to
+  host memory by the backward); parameter offload stages one layer's weights per trip of
+  the forward and backward loops.
 """
 
 import jax
@@ -73,8 +74,11 @@ def test_a_streamed_update_refuses_optimizers_that_are_not_elementwise():
 # Optimizer offload alone is ``streamed_update`` with the weights on the device: the unit
 # test above; here the weights and their gradients stream too (host-memory rows).
 @pytest.mark.slow
-def test_offloaded_training_matches_the_one_device_run():
-    offload = {"offload_optimizer": True, "offload_params": True}
+@pytest.mark.parametrize("params", [True, False], ids=["weights", "gradients-in-backward"])
+def test_offloaded_training_matches_the_one_device_run(params):
+    """Weights offloaded (their gradients host memory as the transpose of the fetch), or on
+    the device with their gradients sent to host memory by the backward (``offload_grads``)."""
+    offload = {"offload_optimizer": True, "offload_params": params}
     setup = make_setup(override(CFG, offload), single_device_mesh())
     got = parity.trace(setup, parity.random_state(setup), grads=False, params=True)
     result = parity.compare_traces(got, parity.one_device(CFG))
@@ -100,7 +104,13 @@ def test_offload_frees_device_memory_by_kind():
     print("no offload:", plain.formula())
     print("optimizer offload:", offloaded.formula(), f"(optimizer state {state_bytes:,})")
     assert offloaded.host_bytes == state_bytes  # all of it lives in host memory
-    assert plain.device_bytes - offloaded.device_bytes >= 0.9 * state_bytes
+    # and the blocks' gradients, which the backward writes to host memory layer by layer
+    # (``offload_grads``): the device holds one layer's instead of 32
+    grads = _nbytes(state["params"]["blocks"])
+    print(f"blocks' gradients {grads:,}, in host memory {offloaded.host_temp_bytes:,}")
+    assert offloaded.host_temp_bytes == grads
+    freed = plain.device_bytes - offloaded.device_bytes
+    assert freed >= 0.9 * state_bytes + grads * (1 - 2 / 32)  # a layer's in backward and update
 
     # parameter offload, from the program (traced, not compiled: benchmarks/offload_tiers.py
     # prints its compiled bytes): each trip of the forward and the backward layer loop

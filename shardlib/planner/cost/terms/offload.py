@@ -12,6 +12,15 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
 * NVMe (``offload.nvme_path``): the state lives in files; each step reads and writes it
   once at the disk's rate, layer by layer through host buffers (the next layer's read
   overlaps the current update, so the slower of disk and host link sets the time);
+* gradients (``offload.grads``, with the streamed optimizer and the weights on the device):
+  the backward writes each layer's fp32 gradient to host memory as it produces it
+  (``offload_grads``); the device holds one layer's instead of the stacked layers' (compiled,
+  llama-tiny x 8 layers: (8 - 1) x a layer's gradient freed, to 0.1%). The way out (4 bytes a
+  parameter) is assumed hidden behind the backward, the update's reads (4) are not;
+* weights on NVMe (``offload.nvme_params``, with the state's files): the device holds the
+  layer being computed (compiled, llama-tiny x 8 layers, remat=full: the gradient
+  program's bytes fell by 7.998 layers' weights); each step reads the weights three times
+  (forward, backward, update) and writes them once, at the disk's rate;
 * weights (``offload.params``): the stacked layers' fp32 weights and their gradients live in
   host memory; the device holds the layer being computed and the next (prefetched), in the
   forward and the backward pass (2 x a layer's weights), and one layer's gradient; the
@@ -23,6 +32,7 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
 
 from __future__ import annotations
 
+from shardlib.parallel.offload_grads import leave_in_backward
 from shardlib.planner.cost.terms.base import (
     ADAM_BYTES,
     MASTER_BYTES,
@@ -62,9 +72,21 @@ def offload(step: Step) -> Contribution:
             memory["nvme: optimizer"] = moved
             seconds += 2 * moved / min(nvme_bw, host_bw)
             notes.append(f"optimizer state on NVMe: {2 * moved / nvme_bw:.3f} s of disk I/O")
+            if settings.nvme_params:  # the layer loop reads one layer from the files a trip
+                stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
+                memory["params"] = step.layer_elements * MASTER_BYTES - stacked
+                memory["nvme: params"] = stacked
+                seconds += 4 * stacked / min(nvme_bw, host_bw)  # read 3 times, written once
+                notes.append(f"weights on NVMe: {4 * stacked / nvme_bw:.3f} s of disk I/O")
         else:
             memory["host: optimizer"] = moved
             seconds += 2 * moved / host_bw
+    if leave_in_backward(step.view.plan):
+        stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
+        memory["grads"] = step.layer_elements * MASTER_BYTES - stacked
+        memory["host: grads"] = stacked / (step.view["data"] if step.view.zero >= 2 else 1)
+        seconds += memory["host: grads"] / host_bw  # the update reads them back, a layer a trip
+        notes.append(f"gradients' way out assumed hidden: {stacked / host_bw:.3f} s")
     if settings.params:
         stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
         layer = step.layer_elements * MASTER_BYTES
