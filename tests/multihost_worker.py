@@ -1,11 +1,16 @@
 """One of two processes of a multi-host run on loopback (started by test_multihost.py).
 
-``python multihost_worker.py COORDINATOR PROCESS_ID OUT_DIR SETTINGS...`` trains three times
+``python multihost_worker.py COORDINATOR PROCESS_ID OUT_DIR SETTINGS...`` trains four times
 through the unchanged command line, each on 2 processes x 4 simulated CPU devices: data
-parallel (cpu-8-dp), FSDP (cpu-8-fsdp) and data x fsdp x tensor = 2x2x2 (cpu-8-3d, with
-checkpoints). Process 1, which prints nothing, plays the scheduler: once process 0 has
-logged a few steps of a phase it sends itself SIGTERM, so every phase also tests that both
-processes agree on the step at which they stop.
+parallel (cpu-8-dp), FSDP (cpu-8-fsdp, with checkpoints), FSDP resumed from them, and data x
+fsdp x tensor = 2x2x2 (cpu-8-3d, with checkpoints). Process 1, which prints nothing, plays
+the scheduler: once process 0 has logged a few steps of a phase it sends itself SIGTERM, so
+every phase also tests that both processes agree on the step at which they stop. Before the
+resumed phase it also truncates the largest data file of its own shards of the newest FSDP
+step (a file only it reads: FSDP shards every tensor over both processes), so that the
+processes fall back to the previous step together; that phase asks for as many steps as
+the step it falls back to holds, so it restores and ends (nothing to compile). Process 0
+prints each phase's seconds.
 """
 
 import os
@@ -15,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-PHASES = {"dp": "cpu-8-dp", "fsdp": "cpu-8-fsdp", "3d": "cpu-8-3d"}
+PHASES = {"dp": "cpu-8-dp", "fsdp": "cpu-8-fsdp", "fsdp-resumed": "cpu-8-fsdp", "3d": "cpu-8-3d"}
 PREEMPT_AFTER_RECORDS = 3
 
 
@@ -30,15 +35,34 @@ def preempt_when_logged(metrics: Path, records: int) -> threading.Thread:
     return thread
 
 
+def damage_own_shards(directory: Path, step: int) -> None:
+    """Truncate the largest file of this process's (1's) shards of ``step``, once complete."""
+    from shardlib.checkpoint.store import complete_steps
+
+    deadline = time.monotonic() + 60  # process 0 commits the step
+    while step not in complete_steps(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    files = (directory / str(step) / "state").glob("ocdbt.process_1/d/*")
+    max(files, key=lambda f: f.stat().st_size).write_bytes(b"")
+
+
 def main() -> int:
     coordinator, process_id, out, *settings = sys.argv[1:]
     out = Path(out)
     from shardlib.tools.cli import main as cli
 
     for name, mesh in PHASES.items():
-        metrics = out / f"{name}.jsonl"
-        watcher = preempt_when_logged(metrics, PREEMPT_AFTER_RECORDS) if process_id == "1" else None
+        metrics, t0, watcher = out / f"{name}.jsonl", time.monotonic(), None
         extra = [f"checkpoint_dir={out / 'ckpt'}", "checkpoint_every=2", "keep=0"]
+        if name.startswith("fsdp"):
+            extra = [f"checkpoint_dir={out / 'ckpt-fsdp'}", "checkpoint_every=2"]
+        if name == "fsdp-resumed":  # the fsdp phase saved every 2 steps and where it stopped
+            stopped = len((out / "fsdp.jsonl").read_text().splitlines())
+            extra += [f"steps={2 * ((stopped - 1) // 2)}", "schedule_steps=40"]  # tiny_runs'
+            if process_id == "1":
+                damage_own_shards(out / "ckpt-fsdp", stopped)
+        elif process_id == "1":
+            watcher = preempt_when_logged(metrics, PREEMPT_AFTER_RECORDS)
         code = cli(
             [
                 "train",
@@ -54,11 +78,13 @@ def main() -> int:
                 process_id,
                 *settings,
                 f"metrics={metrics}",
-                *(extra if name == "3d" else []),
+                *(extra if name != "dp" else []),
             ]
         )
         if code:
             return code
+        if process_id == "0":
+            print(f"phase {name}: {time.monotonic() - t0:.1f} s", flush=True)
         if watcher is not None:
             watcher.join(timeout=60)
     # Which process holds each position of the 2x2x2 mesh (data, fsdp, tensor)?

@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
 
 import jax
 
+from shardlib.checkpoint.agreement import any_process
+from shardlib.checkpoint.quiet import quiet_closed_loop
 from shardlib.checkpoint.store import (
     CheckpointError,
-    any_process,
     build_meta,
     complete_steps,
     error_summary,
@@ -61,30 +61,6 @@ class _OrbaxSaveErrors(logging.Filter):
 
 
 _ORBAX_ERRORS = _OrbaxSaveErrors()
-
-
-def _quiet_writes_after_a_failed_save() -> None:
-    """Drop the ``RuntimeError: Event loop is closed`` of writes a failed save left behind.
-
-    When one write of a save fails (a full disk: tensorstore's ``RESOURCE_EXHAUSTED``),
-    orbax ends the save and closes its event loop while tensorstore's other writes are still
-    in flight; each of them, on completing, calls back into the closed loop, and tensorstore
-    reports that through ``sys.unraisablehook`` as a bare traceback (about 20 of them,
-    measured on a 64 KiB tmpfs), before the run's one line naming the failed save. So each
-    saver installs this filter; only that error is dropped, every other one reaches the
-    previous hook."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_drops_closed_loop", False):
-        return
-
-    def hook(unraisable) -> None:
-        err = unraisable.exc_value
-        if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    hook._drops_closed_loop = True
-    sys.unraisablehook = hook
 
 
 def _per_process_manager(options: dict, directory: Path) -> tuple[dict, dict]:
@@ -163,7 +139,7 @@ class Saver:
     ) -> None:
         ocp = load_orbax()
         logging.getLogger("absl").addFilter(_ORBAX_ERRORS)  # once: the same object
-        _quiet_writes_after_a_failed_save()  # before: they come before the failure is seen
+        quiet_closed_loop()  # before: they come before the failure is seen
         self.directory = Path(directory)
         if not _ORBAX_ERRORS.directories:  # the run's first saver: no earlier run's errors
             _ORBAX_ERRORS.errors.clear()

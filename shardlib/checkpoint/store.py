@@ -24,11 +24,7 @@ are a pure function of (seed, step), so the step *is* the data position. Writing
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
-import logging
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardlib.checkpoint.agreement import first_said, on_this_process
+from shardlib.checkpoint.quiet import dropping_failed_reads, quiet_closed_loop, quiet_reads_alone
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.storage import LayerOrder
 
@@ -279,28 +277,17 @@ def error_summary(err: Exception) -> str:
     return (text.splitlines() or [""])[0][:300]
 
 
-@contextmanager
-def _dropping_failed_reads():
-    """Collect the reads orbax leaves pending when one array of a restore fails, quietly, on
-    leaving: collected later, each prints a page ("Exception ignored in: <coroutine ...>",
-    asyncio's "exception was never retrieved") under the one line that reports the damage."""
-    hook, log = sys.unraisablehook, logging.getLogger("asyncio")
-    sys.unraisablehook, was_disabled, log.disabled = (lambda _: None), log.disabled, True
-    try:
-        yield
-        gc.collect()
-    finally:
-        sys.unraisablehook, log.disabled = hook, was_disabled
-
-
-def _reader(own_copy: bool):
-    """An orbax reader; ``own_copy`` (each process reads its own copy: the local tier of a
-    multi-process run): one that meets no other process at orbax's barriers, so that a
-    process whose copy fails to read cannot leave the others waiting in one. The processes
-    agree on the outcome afterwards (``any_process``)."""
+def _reader():
+    """An orbax reader; with several processes one that meets no other process at orbax's
+    barriers, each process reading the shards it needs (of its own copy, in the local tier;
+    of the shared step, in the persistent one). Orbax's own multi-process restore has
+    barriers that a process whose read failed never reaches: the others waited there, or met
+    that process's next barrier instead and then read another step's verdict. The processes
+    agree on the outcome afterwards (``checkpoint.agreement``)."""
     ocp = load_orbax()
-    if not own_copy:
+    if jax.process_count() == 1:
         return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    quiet_reads_alone()
     alone = ocp.options.MultiprocessingOptions(
         primary_host=None, active_processes={jax.process_index()}, barrier_sync_key_prefix="own"
     )
@@ -308,13 +295,13 @@ def _reader(own_copy: bool):
     return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
-def _unreadable(state_dir: Path, target, own_copy: bool = False) -> str:
+def _unreadable(state_dir: Path, target) -> str:
     """Which tensors of a step that failed to read cannot be read, each read on its own
     (orbax's partial restore; one damaged data file can hold many tensors)."""
     ocp = load_orbax()
     leaves, treedef = jax.tree.flatten(target)
     bad = []
-    reader = _reader(own_copy)
+    reader = _reader()
     for i, name in enumerate(tensor_names(target)):
         one = jax.tree.unflatten(treedef, [x if j == i else None for j, x in enumerate(leaves)])
         try:
@@ -328,17 +315,6 @@ def _unreadable(state_dir: Path, target, own_copy: bool = False) -> str:
     return f"tensor {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
-def any_process(flag: bool) -> bool:
-    """``flag`` of any process (all call this): how processes that each read their own
-    copy of a step (the local tier) take the same branch when one copy is damaged."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.asarray([flag], np.int32))  # [processes, 1]
-    return bool(np.asarray(flags).any())
-
-
 @dataclass(frozen=True)
 class Restored:
     """A state read back onto the target mesh, with the metadata it was saved with."""
@@ -350,13 +326,12 @@ class Restored:
     meta: dict
 
 
-def restore(
-    directory: str | Path, setup, step: int | None = None, *, own_copy: bool = False
-) -> Restored:
+def restore(directory: str | Path, setup, step: int | None = None) -> Restored:
     """Read ``step`` (default: latest complete) straight into ``setup``'s shardings.
 
-    Read-only: a failure here changes nothing on disk. ``own_copy``: every process reads
-    its own copy of the step (the local tier of a multi-process run, ``_reader``).
+    Read-only: a failure here changes nothing on disk. With several processes each reads
+    the shards it needs without orbax's barriers (``_reader``), and a tensor that one of
+    them cannot read makes every process raise ``DamagedCheckpoint`` naming it.
     """
     step, meta = read_meta(directory, step)
     path = Path(directory)
@@ -366,19 +341,21 @@ def restore(
     ocp = load_orbax()
     failure = None
     try:
-        with _reader(own_copy) as reader:
+        with _reader() as reader:
             state = reader.restore(
                 (path / str(step) / "state").absolute(), ocp.args.StandardRestore(target)
             )
     except Exception as err:  # orbax/tensorstore raise many types; all mean "unreadable"
         failure = f"{type(err).__name__}: {error_summary(err)}"
-    here = failure is not None
-    if any_process(here):  # outside the handler: the error's frames can be collected
-        if here:
-            with _dropping_failed_reads():
-                what = _unreadable(path / str(step) / "state", target, own_copy)
-        else:  # own_copy: this process's copy read fine
-            what, failure = "another process's copy", "it read back here"
+    said = ""  # what this process could not read, and why
+    if failure is not None:  # outside the handler: the error's frames can be collected
+        quiet_closed_loop()
+        with dropping_failed_reads():
+            said = f"{_unreadable(path / str(step) / 'state', target)}{on_this_process()}"
+        said += f"\n{failure}"
+    said = first_said(said)  # every process: the first failed process's words, or ""
+    if said:
+        what, failure = said.split("\n", 1)
         raise DamagedCheckpoint(
             f"checkpoint {where} is damaged or incomplete and cannot be read: {what} "
             f"({failure}). Fix: restore an earlier step (complete steps: "

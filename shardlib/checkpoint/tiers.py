@@ -21,8 +21,10 @@ processes apart where hosts share a path, and a run of another process count awa
 steps it cannot read), every shard it holds, replicated ones included
 (``saver._per_process_manager``), so that it restores from its own disk alone. A step counts
 only where it is complete on every process (``agreed_steps``: the steps all processes list),
-and the processes agree on each candidate's fate before moving on (``store.any_process``):
-a step damaged on one host is skipped by all.
+and the processes agree on each candidate's fate before moving on (``agreement``): a step
+damaged on one host is skipped by all, named by what that host could not read. The
+persistent tier's steps, shared by all processes, are read the same way: each process its
+own shards, and any one's failure is every one's.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from shardlib.checkpoint.agreement import any_process, first_said, on_this_process
 from shardlib.checkpoint.store import (
     DamagedCheckpoint,
     Restored,
-    any_process,
     complete_steps,
     read_meta,
 )
@@ -175,15 +177,18 @@ def restore_newest(
                 damaged = None
             except DamagedCheckpoint as err:
                 damaged = err
-            if any_process(damaged is not None):
-                raise damaged or DamagedCheckpoint(
-                    f"checkpoint {candidate.path}: damaged on another process",
+            what = first_said(f"{damaged.what}{on_this_process()}" if damaged else "")
+            if what:  # on this process or another: every process skips the step
+                damaged = damaged or DamagedCheckpoint(
+                    f"checkpoint {candidate.path}: {what} is damaged. Fix: restore an earlier "
+                    "step, or delete this step directory.",
                     step=candidate.step,
-                    what="another process's copy",
+                    what=what,
                 )
+                damaged.what = what  # the first process's words, on every process
+                raise damaged
             accept(meta)
-            own_copy = candidate.tier == "local" and jax.process_count() > 1
-            restored = restore_step(candidate.directory, setup, candidate.step, own_copy=own_copy)
+            restored = restore_step(candidate.directory, setup, candidate.step)
             return restored, skipped
         except DamagedCheckpoint as err:
             if i + 1 == len(found):

@@ -131,12 +131,15 @@ needs to finish its step and write a checkpoint."""
 def launcher_grace_note() -> str | None:
     """Under ``mpirun``: how long the ranks live after a preemption, when that is short.
 
-    A scheduler preempts an MPI job by sending TERM to ``mpirun``. Open MPI 4.1 then sends
-    the ranks CONT at once (the run's preemption notice under mpirun: ``preempt.watched``),
-    TERM ``odls_base_sigkill_timeout`` seconds later and KILL as long after that (default 1
-    s each). The ranks stop at the next step boundary with a checkpoint, which a small run
-    does in a second and a large one does not, so the run says at start which setting gives
-    it room (mpirun passes ``--mca`` settings to the ranks as ``OMPI_MCA_*``)."""
+    A scheduler preempts an MPI job by sending TERM to its command. Sent to ``mpirun``
+    itself, Open MPI 4.1 sends the ranks CONT at once (the run's preemption notice under
+    mpirun: ``preempt.watched``), TERM ``odls_base_sigkill_timeout`` seconds later and KILL
+    as long after that (default 1 s each), and exits 1. The ranks stop at the next step
+    boundary with a checkpoint, which a small run does in a second and a large one does not,
+    so the run says at start how to give it room: ``shardlib launch mpirun ...``
+    (``relay``: the TERM reaches the ranks as USR1, mpirun keeps running and exits 0; it
+    sets the timeout to ``MPIRUN_GRACE_S`` for a second TERM), or the setting itself
+    (mpirun passes ``--mca`` settings to the ranks as ``OMPI_MCA_*``)."""
     if detected_launcher() != "openmpi":
         return None
     raw = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")
@@ -146,7 +149,7 @@ def launcher_grace_note() -> str | None:
     return (
         f"mpirun kills the ranks {grace} s after it is sent a TERM (twice "
         "odls_base_sigkill_timeout): a preempted run stops at the next step with a "
-        "checkpoint only if the step and the save fit in that. Fix: mpirun --mca "
-        f"odls_base_sigkill_timeout {MPIRUN_GRACE_S} (or "
-        f"OMPI_MCA_odls_base_sigkill_timeout={MPIRUN_GRACE_S} in the environment)."
+        "checkpoint only if the step and the save fit in that. Fix: start it as shardlib "
+        "launch mpirun ... (a TERM to that reaches the ranks as USR1 and mpirun exits 0), "
+        f"or pass mpirun --mca odls_base_sigkill_timeout {MPIRUN_GRACE_S}."
     )

@@ -36,12 +36,14 @@ MPIRUN_NOTICE = "TERM to mpirun"
 
 
 def watched() -> tuple[int, ...]:
-    """TERM and INT; under ``mpirun`` CONT too. Given a TERM, Open MPI's ``mpirun`` (4.1,
-    measured) sends its ranks CONT at once, TERM ``odls_base_sigkill_timeout`` seconds later
-    and KILL as long after that: CONT is the only prompt notice a rank gets, so under mpirun
-    it counts as the preemption (a job suspended and resumed by hand stops too)."""
+    """TERM and INT; under ``mpirun`` USR1 and CONT too. ``mpirun`` (Open MPI 4.1) forwards
+    USR1 to every rank and carries on: ``shardlib launch`` (``relay``) turns a TERM to the
+    launcher command into it. Given a TERM itself, ``mpirun`` sends its ranks CONT at once,
+    TERM ``odls_base_sigkill_timeout`` seconds later and KILL as long after that: CONT is the
+    only prompt notice a rank gets, so under mpirun it counts as the preemption (a job
+    suspended and resumed by hand stops too)."""
     if "OMPI_COMM_WORLD_SIZE" in os.environ:
-        return (*SIGNALS, signal.SIGCONT)
+        return (*SIGNALS, signal.SIGUSR1, signal.SIGCONT)
     return SIGNALS
 
 

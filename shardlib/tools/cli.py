@@ -1,5 +1,5 @@
 """``shardlib`` command line: train, explain, parity, export, generate, plan, estimate,
-data prepare.
+data prepare, launch.
 
 Settings are ``NAME=VALUE`` words after the options (``steps=50 model.layers=4``); the mesh
 is a preset file or name. For presets marked ``platform = "cpu"`` the CLI simulates as many
@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
         default="shardlib",
         help="hf: a Hugging Face Llama directory (per-layer names, LoRA merged)",
     )
+    launch = sub.add_parser(
+        "launch",
+        help="run a launcher (shardlib launch mpirun -n N ... shardlib train ...): a TERM "
+        "to this stops the run at a step with a checkpoint, and it exits 0",
+    )
+    launch.add_argument("launcher", nargs=argparse.REMAINDER, help="the launcher command")
     d = sub.add_parser("data", help="prepare token datasets (docs/data.md)")
     prep = d.add_subparsers(dest="data_command", required=True).add_parser(
         "prepare", help="tokenize text / JSON lines / a saved HF dataset into token shards"
@@ -308,6 +314,13 @@ def cmd_export(args, console: Console) -> int:
     return 0
 
 
+def cmd_launch(args, console: Console) -> int:
+    """``shardlib launch`` (``tools.entry`` runs it before JAX loads; this is the same)."""
+    from shardlib.distributed.relay import main
+
+    return main(args.launcher)
+
+
 def cmd_data(args, console: Console) -> int:
     from shardlib.dataset.prepare import prepare
 
@@ -362,6 +375,7 @@ def _main(argv: list[str] | None, early: Sequence[str] = (), originals=None) -> 
         "plan": cmd_plan,
         "estimate": cmd_estimate,
         "data": cmd_data,
+        "launch": cmd_launch,
     }[args.command]
     try:
         return handler(args, console)

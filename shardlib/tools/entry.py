@@ -8,7 +8,9 @@ lazy), keeps any signal that arrives while the rest loads, and hands it on: ``sh
 train`` treats it as if it had come after start-up (the run stops after its first step,
 with a checkpoint where it has a directory, and exits 0: ``distributed.preempt``); any
 other command stops before it starts with one line. The same signal twice while loading
-ends the process at once, with one line.
+ends the process at once, with one line. Under ``mpirun`` USR1 is kept too (the preemption
+notice ``shardlib launch`` sends: ``distributed.relay``), whose default action would end the
+rank. ``shardlib launch`` itself loads no JAX: it only runs and signals the launcher.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import signal
 import sys
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+if "OMPI_COMM_WORLD_SIZE" in os.environ:  # a rank of mpirun: as ``preempt.watched``
+    SIGNALS += (signal.SIGUSR1,)
 _SEEN: list[str] = []
 
 
@@ -31,9 +35,13 @@ def _keep(signum: int, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, _keep) for sig in SIGNALS}
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["launch"]:  # runs the launcher and signals it: nothing more to load
+        from shardlib.distributed.relay import main as launch
+
+        return launch(args[1:], seen=_SEEN, originals=previous)
     from shardlib.tools import cli  # JAX and the rest load here
 
-    args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["train"]:  # the run takes the handlers over, and what they kept
         code = cli.main(argv, early=_SEEN, originals=previous)  # read once JAX has loaded
         return _leave(code)

@@ -6,6 +6,7 @@ timeout and is killed in ``finally``.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,45 +37,61 @@ def test_under_mpirun_the_run_names_the_grace_setting_it_needs(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     note = launcher_grace_note()
     assert "2 s after it is sent a TERM" in note and "odls_base_sigkill_timeout 30" in note
+    assert "start it as shardlib launch mpirun" in note
     monkeypatch.setenv("OMPI_MCA_odls_base_sigkill_timeout", "30")
     assert launcher_grace_note() is None
 
 
+def test_launch_passes_a_first_term_on_as_usr1_and_a_second_as_term(tmp_path):
+    """``shardlib launch`` with a stand-in launcher that says which signal it got."""
+    script = 'trap "echo USR1" USR1; trap "echo TERM; exit 7" TERM; echo up; '
+    script += "while :; do sleep 0.02; done"
+    command = [sys.executable, "-m", "shardlib.tools.entry", "launch", "bash", "-c", script]
+    env = child_env(tmp_path / "cache")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "USR1\n" and proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "TERM\n" and proc.wait(timeout=10) == 7
+    finally:
+        proc.kill()
+
+
 @pytest.mark.slow
-def test_term_to_mpirun_stops_both_ranks_at_a_step_with_a_checkpoint(tmp_path):
-    """A scheduler preempts an MPI job with TERM to ``mpirun``, which sends the ranks CONT at
-    once and TERM only ``odls_base_sigkill_timeout`` (30 s here) later: the ranks take the
-    CONT as the notice, finish their step and save it within the 25 s waited here, long
-    before mpirun's own TERM; the checkpoint is the last step trained. (mpirun stops
-    relaying the ranks' output once it is killing the job, so their closing line is not
-    shown; it then waits out its timers and reports 1.)"""
+def test_term_to_shardlib_launch_mpirun_ends_with_a_checkpoint_and_exit_0(tmp_path):
+    """A scheduler preempts an MPI job with TERM to its command: here ``shardlib launch
+    mpirun ...``, which passes it to mpirun as USR1, a signal mpirun forwards to every rank
+    and does not take as its own failure (a TERM to mpirun itself: ranks 0 with a
+    checkpoint, mpirun 1 and silent after its timers). The ranks finish their step, save it
+    and exit 0; mpirun relays their closing line and exits 0, and so does the command."""
     from shardlib.checkpoint.store import complete_steps
 
     mesh, metrics, directory = tmp_path / "two.toml", tmp_path / "m.jsonl", tmp_path / "run"
     mesh.write_text('# Use this when: two processes\nplatform = "cpu"\n[mesh]\ndata = 2\n')
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    command = [mpirun(), "-n", "2", "--oversubscribe", *root, "--mca", "btl_tcp_if_include", "lo"]
-    command += ["--mca", "odls_base_sigkill_timeout", "30"]
-    command += ["--output-filename", str(tmp_path / "out"), sys.executable, "-m"]
-    command += ["shardlib.tools.entry", "train", "--mesh", str(mesh), "--cpu-devices", "1"]
+    command = [sys.executable, "-m", "shardlib.tools.entry", "launch", mpirun(), "-n", "2"]
+    command += ["--oversubscribe", *root, "--mca", "btl_tcp_if_include", "lo", sys.executable]
+    command += ["-m", "shardlib.tools.entry", "train", "--mesh", str(mesh), "--cpu-devices", "1"]
     command += [*TINY, "steps=100000", f"checkpoint_dir={directory}", f"metrics={metrics}"]
-    log = (tmp_path / "mpirun.log").open("w")
+    log = tmp_path / "launch.log"
     env = child_env(tmp_path / "cache")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    env.pop("OMPI_MCA_odls_base_sigkill_timeout", None)  # launch's own default applies
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     try:
-        wait_for(lambda: len(records_of(metrics)) >= 5, [proc], 150, 0.05)
+        wait_for(lambda: len(records_of(metrics)) >= 5, [proc], 150, 0.05, log.read_text)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: complete_steps(directory), [], 25, 0.1)
+        code = proc.wait(timeout=25)
         seconds = time.monotonic() - t0
-        time.sleep(1)  # a second save would show here
     finally:
-        proc.kill()  # mpirun waits out its own TERM and KILL timers after the ranks end
-    text = (tmp_path / "mpirun.log").read_text()
-    text += "".join(p.read_text() for p in sorted((tmp_path / "out").rglob("std*")))
-    steps = complete_steps(directory)
-    assert len(steps) == 1 and steps[0] == records_of(metrics)[-1]["step"], (steps, text)
+        proc.kill()
+    text = log.read_text()
+    steps, last = complete_steps(directory), records_of(metrics)[-1]["step"]
+    assert code == 0 and steps == [last], (code, steps, text)
+    stops = [line for line in text.splitlines() if "stopped by" in line]
+    said = rf"stopped by SIGUSR1 on process \d after step {last}: checkpoint saved to {directory}"
+    assert len(stops) == 1 and re.match(said, stops[0]), text
     assert "Traceback" not in text and "odls_base_sigkill_timeout" not in text, text
-    print(
-        f"\nTERM to mpirun: the ranks stop after step {steps[0]} with a checkpoint, {seconds:.1f} s"
-    )
+    print(f"\nTERM to shardlib launch mpirun: step {last} saved, exit 0 in {seconds:.1f} s")

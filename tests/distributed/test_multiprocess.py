@@ -8,6 +8,7 @@ trains data parallel, FSDP and 2x2x2 in turn. They are marked slow but run in th
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -126,7 +127,12 @@ def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one(tmp_p
     """2 processes x 4 CPU devices (gloo over loopback) vs 1 x 8 devices and one device.
 
     Process 1 sends itself SIGTERM a few steps into each phase: both processes must stop
-    after the same step (else the run would hang), and the 2x2x2 phase saves there.
+    after the same step (else the run would hang), and the FSDP and 2x2x2 phases save
+    there. Then process 1 truncates a data file of its own shards of the newest FSDP step:
+    the resumed phase (each process reads its shards without orbax's barriers, where one
+    whose read failed left the other waiting or out of step) skips that step on both
+    processes, naming the tensor and process 1, and restores the step before it (its
+    fingerprints verified on read).
     """
     coordinator = f"127.0.0.1:{_free_port()}"
     worker = ROOT / "tests" / "multihost_worker.py"
@@ -163,6 +169,17 @@ def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one(tmp_p
         got = got[:COMPARED]
         errors[phase] = (_max_rel_err(got, on8), _max_rel_err(got, losses(ONE)))
         assert max(errors[phase]) <= 1e-5, (phase, errors[phase])
+    damaged = len(_records(tmp_path / "fsdp.jsonl"))
+    older = 2 * ((damaged - 1) // 2)  # the fsdp phase saved every 2 steps and at the stop
+    skipped = [line for line in text[0].splitlines() if line.startswith("checkpoint: skip")]
+    assert len(skipped) == 1 and re.match(
+        rf"checkpoint: skipped step {damaged} \(persistent, \S+/ckpt-fsdp/{damaged}\): tensor "
+        rf"\S+( \(and \d+ more\))? on process 1 is damaged; falling back to step {older} ",
+        skipped[0],
+    ), text[0]
+    assert f"resumed from {tmp_path / 'ckpt-fsdp' / str(older)} (step {older})" in text[0]
+    assert f"nothing to do: the checkpoint is already at step {older}" in text[0]
+    assert not any("Traceback" in t for t in text), text
     # The 2x2x2 phase saved every 2 steps and at the stop; one process reads them back.
     directory, stopped = tmp_path / "ckpt", len(_records(tmp_path / "3d.jsonl"))
     assert complete_steps(directory)[-1] == stopped
@@ -179,3 +196,5 @@ def test_two_processes_train_like_one_and_their_checkpoints_restore_in_one(tmp_p
     end = restore(directory, setup(ONE), step=stopped)
     assert int(end.state["step"]) == stopped
     print(f"\nmax relative loss error 2 processes vs (1 x 8, 1 device): {errors}")
+    phases = ", ".join(re.findall(r"phase .*", text[0]))
+    print(f"{skipped[0]}\n{phases}")
