@@ -138,4 +138,7 @@ def for_block(calib: dict, kind: str) -> dict:
 # (terms.model.attention_backward_bytes), so that probe is a known miss, not refitted.
 # layers=1 at 7B width reads 1.21 (no layer loop: the one layer's temporaries overlap).
 # benchmarks/planner_validation.py --devices 8: 28 of 28 within 10%, worst 7.0% (the ring
-# attention row above: 1.102 -> 0.956). Not booked under 1F1B (terms.model).
+# attention row above: 1.102 -> 0.956). Not booked under 1F1B (terms.model). Under TeraPipe
+# a score set is a slice's L/s queries against the whole sequence's keys, and each trip's
+# causal mask is saved (terms.terapipe): data 2 x stage 4, s = 4 reads 1.034 (0.861 when
+# the sets were booked as (L/s)² and the masks not at all).

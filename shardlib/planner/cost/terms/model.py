@@ -167,9 +167,15 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     Not booked under a fused pipeline schedule (1F1B), whose stage backward re-runs each
     layer's forward from its saved input (``parallel.pipeline.stage_work``) at a point of
     the schedule that is not its peak: llama-1b, 8 layers, stage 4, m=8
-    (benchmarks/planner_validation.py --devices 8) reads 1.103 with it, 0.945 without."""
-    w, t = step.workload, step.view["tensor"]
-    scores = micro_batch * step.local_seq * w.heads * step.local_seq / t
+    (benchmarks/planner_validation.py --devices 8) reads 1.103 with it, 0.945 without.
+    A score set is the layer's queries against all its keys: under TeraPipe a slice's L/s
+    queries against the whole sequence's keys (its K/V buffer), not (L/s)², as the saved
+    scores' count is (``_layer_parts``): TeraPipe's data 2 x stage 4 plan (llama-tiny,
+    seq 256, s = 4) holds three f32[16 heads, 64, 256] buffers of 1 MiB each at once in
+    its backward, where (L/s)² booked 0.81 MiB in all."""
+    w, view = step.workload, step.view
+    keys = w.seq // view.ways("seq")  # the whole sequence: a TeraPipe slice's too
+    scores = micro_batch * step.local_seq * w.heads * keys / view["tensor"]
     return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
 
 
