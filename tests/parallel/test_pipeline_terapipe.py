@@ -136,12 +136,18 @@ def test_terapipe_bubble_from_flops():
 def test_planner_books_kv_buffers_and_the_slice_bubble():
     """batch 2, seq 256, s = 4 on stage 2 x data 2 x tensor 2: the loop carries the whole
     per-replica batch (1 sequence) in slices of 64 tokens, the K/V buffers are (trips + 1)
-    copies of [L/p, b, seq, kv/t, head_dim] x 2, the bubble (p-1)/s; the CLI takes it."""
+    copies of [L/p, b, seq, kv/t, head_dim] x 2, one causal mask per trip (a byte per score
+    of a slice's queries against the whole sequence, for the stage's 2 layers at once), the
+    bubble (p-1)/s; the CLI takes it."""
     workload = Workload.from_preset("llama-tiny", 2, 256, "fp32", layers=4)
     plan = candidate(stage=2, data=2, tensor=2, microbatches=4, schedule="terapipe")
     est = estimate(workload, plan, backend="cpu")
     kv_per_layer = 1 * 256 * (8 / 2) * 8 * 4  # b, seq, kv_heads / t, head_dim, fp32
     assert est.memory["terapipe K/V buffers"] == pytest.approx((5 + 1) * 2 * 2 * kv_per_layer)
+    assert est.memory["terapipe masks"] == 5 * 1 * 64 * (16 / 2) * 256  # trips, b, L/s, a/t, seq
+    kw = dict(stage=2, data=2, tensor=2, microbatches=4, schedule="terapipe", remat="full")
+    full = estimate(workload, candidate(**kw), backend="cpu")
+    assert "terapipe masks" not in full.memory  # remat recomputes the mask with the layer
     assert bubble_fraction("terapipe", 2, 4, 1) == (2 - 1) / 4
     assert parse_settings(["stage=2,schedule=terapipe"], "--set")["schedule"] == "terapipe"
 

@@ -2,8 +2,8 @@
 forward counted, and the booked fall in memory set against the compiled one.
 
 Compiled on one CPU device (jax 0.10.2, fp32, llama-tiny with vocab 32768, 2 layers, batch
-4 x seq 512, loss_chunk=64): predicted/compiled 641.1/866.7 MiB (0.74) whole, 457.8/559.0
-MiB (0.82) chunked; the booked fall (183.2 MiB) is 0.60 of the compiled one (307.7 MiB).
+4 x seq 512, loss_chunk=64): predicted/compiled 770.7/866.7 MiB (0.89) whole, 587.5/559.0
+MiB (1.05) chunked; the booked fall (183.2 MiB) is 0.60 of the compiled one (307.7 MiB).
 The unchunked head is under-booked on such logits-heavy models (``coefficients``: the fit
 books 0.8 fp32 logits-sized buffers where these probes keep two), so the booked fall, a
 share of that booking, is short by the same factor.

@@ -20,6 +20,10 @@ COEFFICIENTS: dict[str, float] = {
     # terms.remat.KEPT (2h, q/k/v, 2 x mlp); 0: XLA keeps what the policy says, no more
     "selective_qkv": 0.0,  # ... of the q/k/v width
     "selective_mlp": 0.0,  # ... of the MLP width
+    "cpu_scores": 2.0,  # remat=none on the CPU backend: score-sized buffers saved per layer
+    # (q·kᵀ and its softmax, both fp32: buffer assignment, terms.remat.by_definition)
+    "layer_live_scores": 3.25,  # remat=none on the CPU backend: score-sized buffers live once
+    # (one layer's attention backward: terms.model.attention_backward_bytes)
     "remat_scores": 1.685,  # remat: heads x seq elements per token of the layer recomputed
     "full_layer_live": 0.0,  # remat=full: share of one layer's none-policy residuals live
     "update_live": 0.148,  # fp32 parameter-sized temporaries of the update, per optimizer shard
@@ -39,6 +43,7 @@ COEFFICIENTS: dict[str, float] = {
     "gpt_layer_live_h": 39.024,  # remat=none: elements of width h live once (one layer's
     # backward: fp32 LayerNorm and tanh-GELU temporaries); Llama's is 0 (absent)
     "gpt_layer_live_mlp": 0.0,  # ... of width mlp
+    "gpt_layer_live_scores": 0.0,  # fitted without it (its live_h holds the layer's working set)
     "gpt_selective_h": 0.0,
     "gpt_selective_mlp": 0.518,
 }
@@ -118,3 +123,22 @@ def for_block(calib: dict, kind: str) -> dict:
 # dense-attention counts', which the non-negative ring_saved_qkv cannot lower).
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
+# remat=none on the CPU backend (2026-11-27): the Llama block is booked by definition
+# (``terms.remat.by_definition``: KEPT["none"], and ``cpu_scores`` 2 score sets, q·kᵀ and its
+# softmax), plus one layer's attention backward live once (``layer_live_scores`` 3.25: the
+# gradients of probabilities and scores, their product, a byte-per-score mask), both read
+# off the buffer assignment of llama-7b (4 layers, fsdp 8, 8x2048 tokens per device). The
+# fitted ``layer_*`` counts (now read by no Llama workload; GPT's own replace them) put the
+# scores' bytes into the per-layer q/k/v count at seq 128 and over-booked the 7B pick
+# (fsdp 64, 32 layers) by 24%: 502.1 -> 405.5 GiB against 403.5 compiled (1.005). The 68
+# small remat=none probes measured again move by -8.3 to +9.6 points; worst 1.137 (was
+# 1.041): fsdp 2 x tensor 4, seq 256, vocab 8192 at h 256, where the head's booked logits
+# (36 MiB) and the attention backward's (13 MiB) add though XLA reuses one's buffers for
+# the other (as at 7B); booking the larger of the two hides a chunked loss's fall
+# (terms.model.attention_backward_bytes), so that probe is a known miss, not refitted.
+# layers=1 at 7B width reads 1.21 (no layer loop: the one layer's temporaries overlap).
+# benchmarks/planner_validation.py --devices 8: 28 of 28 within 10%, worst 7.0% (the ring
+# attention row above: 1.102 -> 0.956). Not booked under 1F1B (terms.model). Under TeraPipe
+# a score set is a slice's L/s queries against the whole sequence's keys, and each trip's
+# causal mask is saved (terms.terapipe): data 2 x stage 4, s = 4 reads 1.034 (0.861 when
+# the sets were booked as (L/s)² and the masks not at all).

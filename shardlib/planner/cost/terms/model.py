@@ -5,9 +5,11 @@ every axis that splits tokens (the batch and sequence splits the axes declare) o
 (tensor), plus the forward that rematerialisation repeats. Saved activations follow
 Korthikanti et al. 2022: per layer, per token, some elements of width h (norm inputs,
 residual: not split by tensor parallelism), some of the q/k/v and MLP widths (split by
-tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend the
-element counts are fitted to compiled programs (``calibrate.fit``) instead of assumed,
-because XLA:CPU's fusion (and its fp32 upcasts of bf16 products) decides what is saved. For
+tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend a
+block with counts of its own (GPT's) has them fitted to compiled programs (``calibrate.fit``)
+because XLA:CPU's fusion decides what it saves; Llama's block saves its definition there
+(``terms.remat.by_definition``), with two fp32 score sets and one layer's attention backward
+live once (``attention_backward_bytes``). For
 a GPU or TPU program remat=none is booked by definition (``terms.remat.KEPT["none"]``: what
 the block's backward needs, each buffer once, as fused kernels keep it; ~32 bytes per token
 per h per layer at Llama 7B in bf16, Korthikanti et al.'s 34), the scores' count still
@@ -24,10 +26,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
     by_definition,
+    on_cpu,
     per_layer,
     recompute_flops,
     saved_coefficients,
@@ -57,7 +61,11 @@ def _layer_parts(
     tokens = micro_batch * step.local_seq
     policy = per_layer(view.remat) if policy is None else policy
     k = saved_coefficients(
-        policy, step.calib, defined=by_definition(step), mlp_matrices=w.mlp_matrices
+        policy,
+        step.calib,
+        defined=by_definition(step),
+        mlp_matrices=w.mlp_matrices,
+        cpu=on_cpu(step),
     )
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
@@ -138,8 +146,37 @@ def activations(step: Step) -> dict[str, float]:
         working += live_elems * b * step.local_seq * w.compute_bytes
     working += sum(live(step, b) for live in step.hooks("working"))
     batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
-    head_batch = batches[0] if batches else b
-    return {"activations": saved + working, "logits": head_activation_bytes(step, head_batch)}
+    head = head_activation_bytes(step, batches[0] if batches else b)
+    fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
+    if policy == "none" and on_cpu(step) and "attention" not in replaced and not fused:
+        working += attention_backward_bytes(step, b)  # dense attention's, once
+    return {"activations": saved + working, "logits": head}
+
+
+def attention_backward_bytes(step: Step, micro_batch: int) -> float:
+    """Dense attention's backward under remat=none on the CPU backend: score-sized
+    temporaries of one layer live once (``layer_live_scores``: the gradients of the
+    probabilities and of the scores and their product, fp32, and the causal mask, a byte
+    per score: 3.25 fp32 sets in llama-7b's buffer assignment at 8x2048 tokens per
+    device). Booked beside the loss head's buffers, as every working set is: XLA reuses
+    the head's freed logits buffers for them there (same offsets), but booking the larger
+    of the two hides a chunked loss's fall where the head is under-booked (vocab-heavy
+    models: ``coefficients``), as the refits that took the larger did. The seq-128 probes
+    the ``layer_*`` counts were fitted on cannot show these buffers (scores are 1/16 of
+    seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them).
+    Not booked under a fused pipeline schedule (1F1B), whose stage backward re-runs each
+    layer's forward from its saved input (``parallel.pipeline.stage_work``) at a point of
+    the schedule that is not its peak: llama-1b, 8 layers, stage 4, m=8
+    (benchmarks/planner_validation.py --devices 8) reads 1.103 with it, 0.945 without.
+    A score set is the layer's queries against all its keys: under TeraPipe a slice's L/s
+    queries against the whole sequence's keys (its K/V buffer), not (L/s)², as the saved
+    scores' count is (``_layer_parts``): TeraPipe's data 2 x stage 4 plan (llama-tiny,
+    seq 256, s = 4) holds three f32[16 heads, 64, 256] buffers of 1 MiB each at once in
+    its backward, where (L/s)² booked 0.81 MiB in all."""
+    w, view = step.workload, step.view
+    keys = w.seq // view.ways("seq")  # the whole sequence: a TeraPipe slice's too
+    scores = micro_batch * step.local_seq * w.heads * keys / view["tensor"]
+    return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
 
 
 def model(step: Step) -> Contribution:

@@ -61,8 +61,9 @@ KEPT: dict[str, dict[str, float]] = {
 }
 """Elements per token per layer a policy keeps by definition, by width (see the docstring):
 ``h`` the model width, ``q`` the attention output's (heads x head_dim), ``qkv`` the q/k/v
-projection's, ``mlp`` the MLP's. ``none`` is booked by definition only where the program runs
-on a GPU/TPU (``by_definition``); the CPU backend's is fitted (``layer_*`` coefficients)."""
+projection's, ``mlp`` the MLP's. ``none`` is booked by definition on a GPU/TPU and for the
+Llama block on the CPU backend too (``by_definition``); a block with counts of its own (GPT's)
+is fitted on the CPU backend (``gpt_layer_*`` coefficients)."""
 
 WIDTHS = ("h", "q", "qkv", "mlp", "scores")
 """The widths the saved counts are given in (``terms.model``)."""
@@ -117,21 +118,38 @@ def _unmodelled(view) -> str:
     return ""
 
 
-def by_definition(step: Step) -> bool:
-    """Whether remat=none's saved set is booked as ``KEPT["none"]`` (a GPU or TPU program)
-    rather than fitted: the CPU backend (``backend="cpu"``, what compiled validation
-    measures, or a cluster of simulated CPU devices) keeps more than the definition, fp32
-    upcasts of bf16 products among it (benchmarks/activation_bytes.py), and is what the
-    ``layer_*`` coefficients were fitted on."""
+def on_cpu(step: Step) -> bool:
+    """Whether the program is XLA:CPU's (``backend="cpu"``, what compiled validation
+    measures, or a cluster of simulated CPU devices)."""
     cpu_cluster = step.cluster is not None and step.cluster.platform == "cpu"
-    return step.backend != "cpu" and not cpu_cluster
+    return step.backend == "cpu" or cpu_cluster
+
+
+def by_definition(step: Step) -> bool:
+    """Whether remat=none's saved set is booked as ``KEPT["none"]`` rather than fitted: on a
+    GPU or TPU, and on the CPU backend for the Llama block too (no counts of its own:
+    ``coefficients.BLOCK_KINDS``). Its compiled fp32 program keeps exactly ``KEPT["none"]``
+    per layer since RMSNorm keeps its input only and SwiGLU's VJP gate and up (llama-7b,
+    4 layers, 8x2048 tokens per device: eight h-wide and three mlp-wide stacked buffers,
+    and two score-sized ones, ``CPU_SCORES``); the fitted ``layer_*`` counts, which
+    seq-128 probes could not tell from the scores, over-booked it by 24% at 32 layers.
+    A block with counts of its own (GPT's: fp32 LayerNorm and GELU temporaries) keeps
+    them on the CPU backend."""
+    return not on_cpu(step) or not step.workload.block_kind
 
 
 def saved_coefficients(
-    policy: str, calib: dict, *, defined: bool = False, mlp_matrices: int = 3
+    policy: str,
+    calib: dict,
+    *,
+    defined: bool = False,
+    mlp_matrices: int = 3,
+    cpu: bool = False,
 ) -> dict[str, float]:
     """Elements saved per token per layer, by width (``WIDTHS``; see ``terms.model``).
-    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted.
+    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted
+    (``cpu``: the CPU backend's, ``cpu_scores``: XLA:CPU saves q·kᵀ and its softmax, both
+    fp32, where a GPU's fitted count is ``layer_scores``).
     ``mlp_matrices``: ``KEPT`` counts SwiGLU's three; a two-matrix (GELU) MLP keeps one
     mlp-wide buffer fewer (its fc output and activation under none, the fc output alone
     under selective, where SwiGLU keeps gate, up and their product, or gate and up)."""
@@ -144,7 +162,7 @@ def saved_coefficients(
             kept["mlp"] += mlp_matrices - 3
         out = {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
         if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
-            out["scores"] = fitted["scores"]
+            out["scores"] = calib.get("cpu_scores", fitted["scores"]) if cpu else fitted["scores"]
         return out
     raise ValueError(f"unknown remat policy {policy!r}")
 
