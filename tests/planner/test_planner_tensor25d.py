@@ -84,7 +84,7 @@ def _plan3d(**axes: int) -> ParallelPlan:
     return ParallelPlan(mesh=MeshSpec(tuple(axes.items())))
 
 
-# --- the search (behind an option) ---------------------------------------------------------------
+# --- the search (grids by default) ---------------------------------------------------------------
 
 
 def _grid_depth(est) -> int:
