@@ -4,42 +4,42 @@
     python benchmarks/tensor25d_scale.py --rows 0,1 # some of them
 
 The tests check the term on llama-small (``tests/planner/test_planner_tensor25d.py``); the
-search tries grids only behind ``--tensor-grid``, so this says how far the term holds at
-the widths the search would propose them for. Each plan is compiled from abstract shapes
-on simulated CPU devices (``planner.validate``: nothing is allocated, fp32) and compared
-with ``estimate(..., backend="cpu")``. Few layers keep the compile short: every layer is
-the same program, so the per-layer share is the same at full depth. Target: memory within
-10%; wire bytes are printed beside it.
+default search tries grids beside data, so this says how far the term holds at the widths
+the search proposes them for. Each plan is compiled from abstract shapes on simulated CPU
+devices (``planner.validate``: nothing is allocated, fp32) and compared with
+``estimate(..., backend="cpu")``. Few layers keep the compile short: every layer is the same
+program, so the per-layer share is the same at full depth. Target: memory within 10%; wire
+bytes are printed beside it.
 
-Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 15-25 s a row):
+Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 25-36 s a row):
 
 | row | model, layers | mesh (grid d, knobs) | memory pred. / compiled GiB | wire |
 | --- | --- | --- | --- | --- |
-| 0 | llama-7b, 8 | data=4 x 4 x 4 (d=1) | 8.395 / 7.945 = 1.057 | 1.031 |
-| 1 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2) | 8.395 / 7.945 = 1.057 | 1.016 |
-| 2 | llama-7b, 8 | 4 x 4 x 4 (d=4) | 8.395 / 7.945 = 1.057 | 0.996 |
-| 3 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=selective) | 4.610 / 4.005 = 1.151 | 0.963 |
-| 4 | llama-7b, 8 | 4 x 4 x 4 (d=4, m=2, remat=full) | 3.293 / 3.318 = 0.993 | 0.993 |
-| 5 | llama2-13b, 4 | data=4 x 4 x 4 x 4 (d=4; 256 devices) | 3.249 / 3.326 = 0.977 | 1.041 |
-| 6 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero1) | 7.690 / 7.090 = 1.085 | 1.020 |
-| 7 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero2, remat=full) | 2.732 / 2.215 = 1.234 | 1.038 |
-| 8 | llama-small, 3 (8 devices) | 2 x 2 x 2 (d=2, remat=full) | 0.042 / 0.040 = 1.051 | 0.959 |
-| 9 | llama-small, 3 (8 devices) | 3D 2 x 2 x 2 | 0.032 / 0.032 = 0.984 | 0.998 |
-| 10 | llama-7b, 8 | 3D 4 x 4 x 4 | 7.033 / 6.543 = 1.075 | 0.974 |
-| 11 | llama-7b, 8 | 3D data=4 x 2 x 2 x tensor=4 (remat=full) | 3.438 / 3.042 = 1.130 | 1.017 |
-| 12 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=full) | 3.438 / 3.042 = 1.130 | 1.048 |
+| 0 | llama-7b, 8 | data=4 x 4 x 4 (d=1) | 7.848 / 7.945 = 0.988 | 1.031 |
+| 1 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2) | 7.848 / 7.945 = 0.988 | 1.016 |
+| 2 | llama-7b, 8 | 4 x 4 x 4 (d=4) | 7.848 / 7.945 = 0.988 | 0.996 |
+| 3 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=selective) | 4.062 / 4.005 = 1.014 | 0.963 |
+| 4 | llama-7b, 8 | 4 x 4 x 4 (d=4, m=2, remat=full) | 3.019 / 3.318 = 0.910 | 0.993 |
+| 5 | llama2-13b, 4 | data=4 x 4 x 4 x 4 (d=4; 256 devices) | 3.078 / 3.326 = 0.925 | 1.041 |
+| 6 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero1) | 7.142 / 7.090 = 1.007 | 1.020 |
+| 7 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero2, remat=full) | 2.185 / 2.215 = 0.986 | 1.038 |
+| 8 | llama-small, 3 (8 devices) | 2 x 2 x 2 (d=2, remat=full) | 0.041 / 0.040 = 1.033 | 0.959 |
+| 9 | llama-small, 3 (8 devices) | 3D 2 x 2 x 2 | 0.031 / 0.032 = 0.962 | 0.998 |
+| 10 | llama-7b, 8 | 3D 4 x 4 x 4 | 6.485 / 6.543 = 0.991 | 0.974 |
+| 11 | llama-7b, 8 | 3D data=4 x 2 x 2 x tensor=4 (remat=full) | 2.890 / 3.042 = 0.950 | 1.017 |
+| 12 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=full) | 2.890 / 3.042 = 0.950 | 1.048 |
 
 (batch 64 x seq 1024; rows 8 and 9 16 x 32; grids written tensor_depth x tensor2 x tensor.)
-Nine of thirteen within 10%; the search leaves ZeRO-2 beside a grid out (row 7). Left:
-``selective`` over-books by about 0.6 GiB outside the layers (per layer it is 366 / 361 MiB
-predicted / compiled, from two depths): the working set of the recomputed scores and the
-head, as fitted on 1D programs; the same plan in 1D (data=4 x tensor=16) reads 1.040.
-``full`` beside data over-books memory by 13% in 2.5D and 3D alike (rows 11 and 12; full
-without data, row 4, reads 0.993): conservative, so the search may pass over such a plan
-but never proposes one that does not fit. ``remat=full``'s recomputed forward is booked
-(``RECOMPUTED_GATHERS``, the column weights' second gather): rows 4 and 7 read 0.834 and
-0.864 on wire bytes without it. 3D rows are written tensor3 x tensor2 x tensor where the
-sizes differ.
+All thirteen within 10%. Rows 3 and 12 read 1.151 and 1.130 (and row 7 1.234) while the
+head's ``head_h`` fp32 h-wide buffers (11.7 per token, fitted on 1D programs) were booked
+whole: a grid keeps the residual stream split over ``tensor``, and XLA's buffers at those
+plans' peaks (``--xla_dump_to``: the live-range dump) hold no whole-width head buffer but
+the lookup's two outputs; booked h/q wide (``terms.tensor25d._head_split``) they read 1.014
+and 0.950. The lowest, row 4 (0.910), allocates 3.318 GiB for a 2.604 GiB live peak (the
+CPU backend's buffer assignment packs its heap loosely there), which no term books.
+``remat=full``'s recomputed forward is booked (``RECOMPUTED_GATHERS``, the column weights'
+second gather): rows 4 and 7 read 0.834 and 0.864 on wire bytes without it. 3D rows are
+written tensor3 x tensor2 x tensor where the sizes differ.
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@ the paper's 256K SentencePiece vocabulary, and a tiny one for the tests.
 
 Named as the paper names them: ``glam-<dense size>-<E>e``, the dense model whose every
 other MLP became E experts. Parameter counts (``GlamConfig.param_count`` /
-``active_param_count``) are checked against the paper's in ``tests/models/test_glam.py``.
+``active_param_count``) are checked against the paper's Table 4 in
+``tests/models/test_glam.py``. Every preset has the table's shapes and the stated 256K
+vocabulary; the table itself counts only 64B/64E with that embedding, the 1.7B and 8B rows
+with a 32,000-row one (so those presets hold 224,000 x M more parameters than printed:
+0.46B at 1.7B, 0.92B at 8B), and 0.1B/64E's activated 145M fits no embedding size.
 """
 
 from __future__ import annotations
@@ -40,6 +44,6 @@ PRESETS: dict[str, GlamConfig] = {
     "glam-1.7b-64e": _glam(24, 2048, 8192, 16, 128, 64),
     "glam-1.7b-256e": _glam(24, 2048, 8192, 16, 128, 256),
     "glam-8b-64e": _glam(32, 4096, 16384, 32, 128, 64),
-    # the largest: 1.2T parameters, 96.6B activated per token
+    # the largest: 1.162T parameters (printed 1.2T), 96.6B activated per token
     "glam-64b-64e": _glam(64, 8192, 32768, 128, 128, 64),
 }

@@ -288,10 +288,12 @@ def _carry_key(plan: ParallelPlan, mesh: Mapping[str, int]) -> tuple:
     """The groups whose pruning carries over: without stages a step is no faster with more
     micro-batches (smaller matmuls, a reduction per micro-batch), so what fits or is too
     slow at m rules out heavier plans at every larger m too (groups come in ascending m
-    per ZeRO stage); with stages each (ZeRO stage, schedule, v, m) stands alone."""
+    per ZeRO stage and grid depth: a 2.5D grid is another layout of the tensor devices, not
+    a heavier plan, and what fits in 1D says nothing of it); with stages each (ZeRO stage,
+    schedule, v, m) stands alone."""
     view = PlanView(plan)
     if mesh["stage"] == 1:
-        return (view.zero,)
+        return (view.zero, view.settings["grid_depth"])
     return (view.zero, view.schedule, view.virtual, view.microbatches)
 
 

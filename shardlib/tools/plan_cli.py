@@ -28,7 +28,6 @@ from shardlib.core.workload import Workload
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
 from shardlib.planner.cost.terms import SEARCH_AXES
 from shardlib.planner.cost.terms.remat import modelled_segments
-from shardlib.planner.cost.terms.tensor25d import GRID_DEPTHS
 from shardlib.planner.inputs.cluster import Cluster, load_cluster
 from shardlib.planner.search import Space, meshes, search
 
@@ -65,10 +64,10 @@ def add_plan_command(sub) -> argparse.ArgumentParser:
         help="settings every plan keeps, e.g. tensor=8,stage=8,schedule=1f1b (rest searched)",
     )
     c.add_argument(
-        "--tensor-grid",
+        "--no-tensor-grid",
         action="store_true",
-        help="also try each tensor size t as a 2D/2.5D (Tesseract) grid d x q x q, "
-        "beside data only (off by default: validated at fewer sizes than 1D)",
+        help="try each tensor size t as Megatron's 1D only, not also as a 2D/2.5D "
+        "(Tesseract) grid d x q x q beside data",
     )
     c.add_argument(
         "--validate",
@@ -214,7 +213,7 @@ def cmd_plan(args, console: Console) -> int:
 
     cluster = _cluster(args)
     workload = _workload(args)
-    space = Space(grid_depth=GRID_DEPTHS) if args.tensor_grid else Space()
+    space = Space(grid_depth=(0,)) if args.no_tensor_grid else Space()
     space = space.fixing(parse_settings(args.fix, "--fix"))
     _check_fixed(workload, cluster, space)
     start = time.perf_counter()

@@ -11,7 +11,7 @@ COEFFICIENTS: dict[str, float] = {
     "layer_mlp": 2.152,  # ... of width mlp, split by tensor
     "layer_scores": 2.568,  # ... of width heads x seq (scores, probabilities)
     "head_vocab": 0.818,  # fp32 logits-sized buffers of the loss (logits, softmax, gradient)
-    "head_h": 11.686,  # fp32 h-sized buffers around the head
+    "head_h": 11.686,  # fp32 h-sized buffers around the head (as wide as the residual stream)
     "fsdp_layers_live": 0.059,  # gathered layers live at once under FSDP (beyond the grads')
     "fsdp_outer_live": 1.119,  # gathered embedding/head copies live at once
     "grad_layers_live": 0.904,  # a layer's unreduced gradient in flight

@@ -295,6 +295,10 @@ class Term:
     residual_split: Callable[[Step, str], tuple[float, int]] | None = None
     """``residual_split(step, policy)``: (h-wide elements per token of ``KEPT[policy]`` that
     its layout keeps split, the ways): 2.5D keeps the residual stream split over ``tensor``."""
+    head_split: Callable[[Step], int] | None = None
+    """Ways its layout splits the width of the h-wide fp32 buffers ``head_h`` books
+    (``terms.model.head_activation_bytes``): 2.5D keeps the residual stream split over
+    ``tensor`` outside the layers too; 1 where no term says."""
     scales_saved: Callable[[Step], float] | None = None
     """How many sets of its layers' saved activations a device keeps (a pipeline's trips)."""
     head_batch: Callable[[Step], int] | None = None

@@ -105,11 +105,13 @@ def logits_share(step: Step) -> float:
 
 def head_activation_bytes(step: Step, micro_batch: int) -> float:
     """Logits (fp32: the model casts them up), their softmax and gradient (of the tokens
-    whose logits are live at once: ``logits_share``), and the embedding."""
+    whose logits are live at once: ``logits_share``), and the embedding. The h-wide
+    buffers are as wide as the layout leaves the residual stream (``Term.head_split``)."""
     w, view, c = step.workload, step.view, step.calib
     tokens = micro_batch * step.local_seq
     logits = c["head_vocab"] * w.vocab / view["tensor"] * 4 * logits_share(step)
-    return tokens * (logits + c["head_h"] * w.embed * 4)
+    width = w.embed / math.prod(split(step) for split in step.hooks("head_split"))
+    return tokens * (logits + c["head_h"] * width * 4)
 
 
 def activations(step: Step) -> dict[str, float]:
