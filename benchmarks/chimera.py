@@ -1,12 +1,24 @@
 """Chimera (Li and Hoefler, SC21) against 1F1B: the planner next to the compiled train step.
 
-Run:  python benchmarks/chimera.py
+Run:  python benchmarks/chimera.py            # eight tiny plans, 8 simulated devices
+      python benchmarks/chimera.py --scale    # Megatron's 39B layout, 512 simulated devices
 
 For each tiny plan (8 simulated CPU devices, fp32, compiled from abstract shapes; nothing
 runs) under ``pipeline_schedule=1f1b`` and ``chimera``: per-device memory, the planner's
 and the compiled step's (``planner.validate``), and the ``stage`` axis's wire bytes. The
 compiled difference chimera - 1f1b is printed in units of W, one stage's fp32 block bytes
-on a device (``planner/cost/terms/chimera.stage_weight_bytes``), which the term books 3 of.
+on a device (``planner/cost/terms/chimera.stage_weight_bytes``), which the term books 1 of.
+
+``--scale``: the gpt-39b layout of ``planner_scale_validation`` (tensor 8 x stage 2 x data
+32, m = 16 micro-batches of b = 3, full recompute) under both schedules: memory as above,
+and the per-device activation memory against each paper's count. Activation memory is
+measured as what grows with the micro-batch: the compiled step at b and at b - 1 (the
+global batch cut to match), (M(b) - M(b-1)) x b; everything else (weights, gradients,
+Adam) is the same in both. The papers count Ma, one micro-batch's activations of one
+stage; under full recompute the stage keeps each layer's input, k = L/p of b·s·h (fp32
+here). Narayanan et al. 2021 (1F1B, PipeDream-Flush) keep at most p of them in flight,
+Li and Hoefler's Table 2 (Chimera) between (p/2 + 1) and p; the lockstep loop's ring holds
+2p - 1 slots (``stage_work``).
 
 The bubble from compiled FLOPs is ``tests/parallel/test_pipeline_chimera.py``'s
 (``pytest -s -k bubble`` prints it beside the paper's).
@@ -21,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from shardlib import simulate_cpu_devices  # noqa: E402
 
-simulate_cpu_devices(8)
+SCALE = "--scale" in sys.argv[1:]
+simulate_cpu_devices(512 if SCALE else 8)
 
 PLANS = (  # model, batch, seq, layers, mesh axes and micro-batches
     ("llama-tiny", 16, 128, 8, dict(stage=4, tensor=2, microbatches=4)),
@@ -60,8 +73,40 @@ def main() -> None:
                   f" = {stage[0] / stage[1]:.3f}", flush=True)  # fmt: skip
         step = Step(w, plan, "cpu", PlanView(plan), TERMS, COEFFICIENTS)
         extra = (compiled["chimera"] - compiled["1f1b"]) / stage_weight_bytes(step)
-        print(f"    compiled chimera - 1f1b = {extra:.2f} W (booked: 3 W)")
+        print(f"    compiled chimera - 1f1b = {extra:.2f} W (booked: 1 W)")
+
+
+def scale() -> None:
+    """The gpt-39b rows: memory, planner against compiled, and activations against the papers."""
+    import dataclasses
+
+    from planner_scale_validation import SCALES
+
+    from shardlib.core.workload import Workload
+    from shardlib.planner import candidate
+    from shardlib.planner.cost.total import estimate
+    from shardlib.planner.validate import validate
+
+    devices, model, overrides, batch, seq, layouts = SCALES["gpt-39b"]
+    w = Workload.from_preset(model, batch, seq, "fp32", **overrides)
+    gib = 2**30
+    print(f"gpt-39b on {devices} simulated devices, fp32, per device (GiB)")
+    for axes in layouts:
+        plan = candidate(**axes)
+        p, m = axes["stage"], axes["microbatches"]
+        b = batch // (axes["data"] * m)
+        smaller = dataclasses.replace(w, global_batch=batch * (b - 1) // b)
+        at_b, at_less = validate(w, plan), validate(smaller, plan)
+        grows = (at_b.compiled_memory - at_less.compiled_memory) * b
+        booked = (at_b.predicted_memory - estimate(smaller, plan, backend="cpu").memory_bytes) * b
+        ma = w.layers // p * b * seq * w.embed * 4  # one micro-batch's saved inputs, one stage
+        paper = f"{p} Ma" if axes["schedule"] == "1f1b" else f"{p // 2 + 1}-{p} Ma"
+        print(f"{axes['schedule']}: memory planner {at_b.predicted_memory / gib:.1f} / compiled "
+              f"{at_b.compiled_memory / gib:.1f} = {at_b.memory_ratio:.3f}; activations "
+              f"(grow with b = {b}) compiled {grows / gib:.2f}, planner {booked / gib:.2f}; "
+              f"Ma = {ma / gib:.2f}: paper {paper} = {p * ma / gib:.2f}, "
+              f"ring {2 * p - 1} Ma = {(2 * p - 1) * ma / gib:.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    scale() if SCALE else main()

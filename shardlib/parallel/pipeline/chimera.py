@@ -6,7 +6,13 @@ other way round over the same devices, so one pipeline's busy devices are the ot
 idle ones. Device s holds two chunks: the *down* pipeline's stage s and the *up*
 pipeline's stage p-1-s, i.e. each stage's weights twice over the stage axis (the paper's
 doubled weights: here the stored [p, k, ...] rows and their flip over ``stage``, one
-collective permute per step). Half the micro-batches go down, half up.
+collective permute per step). Half the micro-batches go down, half up. In a trip a
+device's forward and backward run the same chunk (``ChimeraSchedule.direction``), and its
+layer scans read that chunk's layers one at a time from the two stacks
+(``stage_work._layer_scan``), so no copy of the chunk is made per trip. Picking the chunk
+whole from a [p, 2, k] stack kept, beside the stored rows, the stack (2 W, W one stage's
+fp32 blocks), a picked chunk per forward and per backward and a layout copy: 108.4 GiB per
+device on Megatron's 39B layout, 73.2 GiB read a layer at a time.
 
 As in ``one_f_one_b`` forward and backward are written into one loop (the same stage
 work: ``stage_work``, the same ring of saved layer inputs, the same lean hand-overs, the
@@ -22,7 +28,8 @@ the replicas stay identical, as the paper's gradient all-reduce between them doe
 
 Each device executes m + p - 2 chunk forwards and backwards for m useful ones (1F1B:
 m + p - 1); live saved inputs are 1F1B's ring of 2p - 1 slots; the weights (and their
-fp32 gradient accumulator) are doubled. Needs p and m even, v = 1 (``PipelineSpec.check``).
+fp32 gradient accumulator) are doubled, as in the paper (2 Mθ). Needs p and m even,
+v = 1 (``PipelineSpec.check``).
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ from shardlib.parallel.pipeline.views import (
 
 
 def doubled(w_pk: jax.Array) -> jax.Array:
-    """[p, k, ...] -> [p, 2, k, ...]: device s's down stage s and up stage p-1-s."""
+    """[p, k, ...] -> [p, 2, k, ...]: device s's down stage s and up stage p-1-s (the
+    uneven stages' keep mask, a few bytes: the weights stay two [p, k] stacks)."""
     return jnp.stack([w_pk, jnp.flip(w_pk, 0)], axis=1)
 
 
@@ -80,10 +88,15 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
         leaves, treedef = jax.tree.flatten(blocks_state)
         p2k_names = [staged_names(n) for n in names]  # [p, 2, k, ...]: v's place
         pk_names = [None if n is None else (n[0], *n[2:]) for n in p2k_names]
-        w_p2k = [
-            constrain_param(doubled(to_stages(w, n, p, 1)[:, 0]), nn, "doubled stage weights")
-            for w, n, nn in zip(leaves, names, p2k_names, strict=True)
+        w_down = [  # [p, k, ...]: device s's down stage s, the stored rows themselves
+            constrain_param(to_stages(w, n, p, 1)[:, 0], nn, "stage weights")
+            for w, n, nn in zip(leaves, names, pk_names, strict=True)
         ]
+        w_up = [  # [p, k, ...]: its up stage p-1-s, the paper's second weight copy
+            constrain_param(jnp.flip(w, 0), n, "up stage weights")
+            for w, n in zip(w_down, pk_names, strict=True)
+        ]
+        w_two = (w_down, w_up)
         axes = stage_axes()
 
         def pin(ws, ns, what):
@@ -92,21 +105,14 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
         def pin_rest(tree_P):
             return pin_rest_grads(tree_P, rest_shardings)
 
-        pick = jax.vmap(lambda a, j: jax.lax.dynamic_index_in_dim(a, j, 0, False))
-        put = jax.vmap(lambda a, x, j: jax.lax.dynamic_update_index_in_dim(a, x, j, 0))
-
-        def chunks(d_P):
-            """Each device's chunk d_P[s] (its direction) of [p, 2, k, ...] as [p, k, ...]."""
-            kp = None if keep_p2k is None else pick(keep_p2k, d_P)
-            return pin([pick(w, d_P) for w in w_p2k], pk_names, "stage weights"), kp
-
         split_saved = spec.split_saved_inputs
         seed = scale / m  # d(scaled mean loss) / d(one micro-batch's mean loss)
         fwd_one, bwd_one, head_one, embed_grad = device_work(
             block_fn, treedef, embed, head_loss, split_saved=split_saved, seed=seed
         )
 
-        fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
+        # each device reads layer by layer from its two chunks the one its direction says
+        fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None, 0), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
         head_all = jax.vmap(head_one, in_axes=(None, 0, 0), spmd_axis_name=axes)
         embed_all = jax.vmap(embed, in_axes=(None, 0), spmd_axis_name=axes)
@@ -117,7 +123,7 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
             for t_BL in split_tokens(tokens_BL1)
         )
         x_aval = jax.eval_shape(embed, rest, inputs_MBL[0])
-        k = w_p2k[0].shape[2]
+        k = w_down[0].shape[1]
         zeros_PBLD = handover(jnp.zeros((p, *x_aval.shape), x_aval.dtype), "stage hand-over")
 
         def saved(x, names):  # the layer inputs' layout while saved
@@ -139,14 +145,14 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
 
         def body(carry, t, *, fwd_on, bwd_on, head_on):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
+            d_P = sched.direction(t)  # [p]: the forward's and the backward's chunk
             if fwd_on:
                 fi = sched.forward(t)
                 starts = ends(fi, first=True).reshape(p, 1, 1, 1)
                 x0 = embed_all(rest, per_device(inputs_MBL, fi.micro))
                 x = constrain(jnp.where(starts, x0.astype(fwd.dtype), fwd), STATE_NAMES)
-                w_pk, keep_pk = chunks(fi.direction)
                 with jax.named_scope(STAGE_SCOPE):
-                    y, ring = fwd_all(w_pk, keep_pk, x, ring, t % sched.ring_slots)
+                    y, ring = fwd_all(w_two, keep_p2k, x, ring, t % sched.ring_slots, d_P)
                 y = constrain(y, STATE_NAMES)
                 ring = saved(ring, RING_NAMES)
                 sent = handover(y, "stage output")
@@ -165,15 +171,9 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
                 if head_on:  # the turn-around: the head's cotangent
                     dy = jnp.where(done.reshape(p, 1, 1, 1), dy_head, dy)
                 dy = constrain(jnp.where(bi.live.reshape(p, 1, 1, 1), dy, 0), STATE_NAMES)
-                w_pk, keep_pk = chunks(bi.direction)
                 with jax.named_scope(STAGE_SCOPE):
-                    acc = pin([pick(g, bi.direction) for g in g_w], pk_names, "chunk gradient")
-                    acc, dx = bwd_all(w_pk, keep_pk, ring, bi.slot, dy, acc)
-                g_w = pin(
-                    [put(a, b, bi.direction) for a, b in zip(g_w, acc, strict=True)],
-                    p2k_names,
-                    "stage gradient",
-                )
+                    g_w, dx = bwd_all(w_two, keep_p2k, ring, bi.slot, dy, g_w, d_P)
+                g_w = pin(g_w, p2k_names, "stage gradient")
                 to_embed = ends(bi, first=True)  # the pipelines' first stages: embedding
                 dx_embed = jnp.where(to_embed.reshape(p, 1, 1, 1), dx, 0)
                 g_embed_P = embed_grad_all(rest, dx_embed, per_device(inputs_MBL, bi.micro))
@@ -215,7 +215,11 @@ def chimera_value_and_grad(spec: PipelineSpec, *, block_fn, embed, head_loss, sp
             zeros_PBLD,
             zeros_PBLD,
             ring,
-            pin([jnp.zeros(w.shape, ACCUMULATE) for w in w_p2k], p2k_names, "stage gradient"),
+            pin(
+                [jnp.zeros((p, 2, *w.shape[1:]), ACCUMULATE) for w in w_down],
+                p2k_names,
+                "stage gradient",
+            ),
             pin_rest(jax.tree.map(lambda r: jnp.zeros((p, *r.shape), ACCUMULATE), rest)),
             jnp.zeros((p,), jnp.float32),
         )

@@ -78,6 +78,13 @@ class ChimeraSchedule(Phases):
         u = t - (self.p - 1)
         return u >= 0 and u % 2 == 0 and u // 2 < self.half
 
+    def direction(self, t, xp=jnp):
+        """[p]: the chunk every device runs in trip t, its forward's and its backward's alike
+        (DOWN where t - s is even): a down item's backward on device s comes 2(p-1-s) trips
+        after its forward there, an up item's 2s, both even, and the two directions'
+        parities differ (even p). So a trip reads one chunk of the two a device holds."""
+        return xp.where((t - xp.arange(self.p)) % 2 == 0, DOWN, UP)
+
     def _items(self, u_down, u_up, slot_down, slot_up, xp) -> Items:
         down = u_down % 2 == 0  # else the up item's parity (even p)
         u = xp.where(down, u_down, u_up)

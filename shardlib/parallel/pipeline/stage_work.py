@@ -91,56 +91,88 @@ def _slot_fn(block_fn, with_keep: bool):
     return slot
 
 
-def forward_saving_inputs(block_fn, w_k, keep_k, x_BLD, ring_RK, r, split_saved=False):
+def _layer_scan(w_k, keep_k, k: int, chunk):
+    """``(xs, read)``: what a chunk's layer scan runs over and how one trip of it gets its
+    layer ``(weights, keep, i)``. One chunk (``chunk`` None): ``w_k`` [k, ...] is the scan's
+    xs. A device holding two (Chimera's down and up stages): ``w_k`` is the pair of their
+    [k, ...] trees and ``keep_k`` [2, k]; trip i reads layer i of chunk ``chunk`` (0 or 1,
+    per device under the stage vmap) and nothing else, so no [k, ...] copy of the chunk a
+    trip runs is made beside the two stacks (one per trip at the 39B layout: 9 GiB)."""
+    if chunk is None:
+        return (w_k, keep_k, jnp.arange(k)), lambda xs: xs
+
+    def read(i):
+        down, up = w_k
+        at = lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False)  # noqa: E731
+        layer = jax.tree.map(lambda a, b: jnp.where(chunk == 0, at(a), at(b)), down, up)
+        keep = None if keep_k is None else keep_k[chunk, i]
+        return layer, keep, i
+
+    return jnp.arange(k), read
+
+
+def _add_layer(acc, g, i, chunk):
+    """``acc`` [k, ...] (one chunk) or [2, k, ...] (two, ``chunk`` picks) with ``g`` added
+    to layer i, in place: no copy of the accumulator."""
+    idx = (i,) if chunk is None else (chunk, i)
+    start = (*idx, *(0,) * (acc.ndim - len(idx)))
+    size = (*(1,) * len(idx), *acc.shape[len(idx) :])
+    old = jax.lax.dynamic_slice(acc, start, size)
+    return jax.lax.dynamic_update_slice(acc, old + g.astype(acc.dtype).reshape(size), start)
+
+
+def forward_saving_inputs(block_fn, w_k, keep_k, x_BLD, ring_RK, r, split_saved=False, chunk=None):
     """``(y [b, seq, embed], ring [R, k, b, seq, embed])``: the chunk's k layers applied in
     order, the input each of them saw written into slot ``r`` of the ring as it is seen
-    (split over ``tensor`` with ``split_saved``; no [k, ...] stack beside the ring)."""
+    (split over ``tensor`` with ``split_saved``; no [k, ...] stack beside the ring).
+    ``chunk``: which of two chunks ``w_k`` holds (``_layer_scan``)."""
     slot = _slot_fn(block_fn, keep_k is not None)
-    layers = w_k if keep_k is None else (w_k, keep_k)
-    k = jax.tree.leaves(w_k)[0].shape[0]
+    xs, read = _layer_scan(w_k, keep_k, ring_RK.shape[1], chunk)
 
-    def body(carry, layer_i):
+    def body(carry, xs_i):
         x, ring = carry
-        layer, i = layer_i
+        layer, keep, i = read(xs_i)
         x = constrain(x, LAYER_NAMES)  # the hand-over's split must not leak into the loop
         saved = split(x, LAYER_NAMES, "saved input") if split_saved else x
         ring = jax.lax.dynamic_update_slice(ring, saved[None, None], (r, i, 0, 0, 0))
-        return (constrain(slot(layer, x), LAYER_NAMES), ring), None
+        y = slot(layer if keep is None else (layer, keep), x)
+        return (constrain(y, LAYER_NAMES), ring), None
 
     carry = (constrain(x_BLD, LAYER_NAMES), ring_RK)
-    (y, ring_RK), _ = jax.lax.scan(body, carry, (layers, jnp.arange(k)))
+    (y, ring_RK), _ = jax.lax.scan(body, carry, xs)
     return constrain(y, LAYER_NAMES), ring_RK
 
 
-def backward_from_inputs(block_fn, w_k, keep_k, ring_RK, r, dy_BLD, acc_k):
+def backward_from_inputs(block_fn, w_k, keep_k, ring_RK, r, dy_BLD, acc_k, chunk=None):
     """``(acc_k + g_w [k, ...], dx [b, seq, embed])``: the chunk's backward, each layer's
     forward re-run once from its input saved in slot ``r`` of the ring, right before its
     own backward (last layer first), each layer's weight gradient added to its slot of the
     accumulator ``acc_k`` as it is computed. Read and added a layer at a time: no [k, ...]
-    copy of the slot, nor stack of this chunk's gradients, beside the ring and accumulator."""
+    copy of the slot, nor stack of this chunk's gradients, beside the ring and accumulator.
+    ``chunk``: which of two chunks ``w_k`` holds and ``acc_k`` [2, k, ...] accumulates."""
     slot = _slot_fn(block_fn, keep_k is not None)
+    xs, read = _layer_scan(w_k, keep_k, ring_RK.shape[1], chunk)
 
-    def body(carry, layer_i):
+    def body(carry, xs_i):
         dy, acc = carry
-        layer, keep, i = layer_i
+        layer, keep, i = read(xs_i)
         x = jax.lax.dynamic_slice(ring_RK, (r, i, 0, 0, 0), (1, 1, *ring_RK.shape[2:]))[0, 0]
         x, dy = constrain(x, LAYER_NAMES), constrain(dy, LAYER_NAMES)
         _, pull = jax.vjp(lambda w, x: slot(w if keep is None else (w, keep), x), layer, x)
         g_w, dx = pull(dy)
-        acc = jax.tree.map(
-            lambda a, g: jax.lax.dynamic_update_index_in_dim(
-                a, jax.lax.dynamic_index_in_dim(a, i, 0, False) + g.astype(a.dtype), i, 0
-            ),
-            acc,
-            g_w,
-        )
+        acc = jax.tree.map(lambda a, g: _add_layer(a, g, i, chunk), acc, g_w)
         return (constrain(dx, LAYER_NAMES), acc), None
 
-    k = ring_RK.shape[1]
-    layers = (w_k, keep_k, jnp.arange(k))
     carry = (constrain(dy_BLD, LAYER_NAMES), acc_k)
-    (dx, acc_k), _ = jax.lax.scan(body, carry, layers, reverse=True)
+    (dx, acc_k), _ = jax.lax.scan(body, carry, xs, reverse=True)
     return acc_k, constrain(dx, LAYER_NAMES)
+
+
+def _unflatten(treedef, w, chunk):
+    """The blocks' tree of one chunk's leaves, or the pair of trees of two chunks'."""
+    if chunk is None:
+        return treedef.unflatten(w)
+    return tuple(treedef.unflatten(c) for c in w)
 
 
 def device_work(block_fn, treedef, embed, head_loss, *, split_saved: bool, seed):
@@ -155,15 +187,17 @@ def device_work(block_fn, treedef, embed, head_loss, *, split_saved: bool, seed)
     * ``embed_grad(rest, dx, inputs) -> g_rest``: the embedding's pull-back.
 
     ``w`` and ``acc`` are the chunk's flat leaves (``treedef`` rebuilds the blocks' tree).
+    With ``chunk`` (a device holding two, ``_layer_scan``) ``w`` is the pair of the two
+    chunks' leaves and ``acc``'s leaves are [2, k, ...].
     """
 
-    def fwd(w, kp, x, ring, r):
-        return forward_saving_inputs(block_fn, treedef.unflatten(w), kp, x, ring, r, split_saved)
+    def fwd(w, kp, x, ring, r, chunk=None):
+        w = _unflatten(treedef, w, chunk)
+        return forward_saving_inputs(block_fn, w, kp, x, ring, r, split_saved, chunk)
 
-    def bwd(w, kp, ring, r, dy, acc):
-        acc, dx = backward_from_inputs(
-            block_fn, treedef.unflatten(w), kp, ring, r, dy, treedef.unflatten(acc)
-        )
+    def bwd(w, kp, ring, r, dy, acc, chunk=None):
+        w, acc = _unflatten(treedef, w, chunk), treedef.unflatten(acc)
+        acc, dx = backward_from_inputs(block_fn, w, kp, ring, r, dy, acc, chunk)
         return jax.tree.leaves(acc), dx
 
     def head(r, y, target):

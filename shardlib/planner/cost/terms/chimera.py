@@ -5,12 +5,18 @@ for both fused schedules: its ring of 2p - 1 saved layer inputs, m + p - 2 execu
 from ``PipelineSpec.executed``, so the bubble (p-2)/m, the embedding and head inside the
 loop). What it adds, with W the fp32 bytes of one stage's blocks on a device:
 
-* memory, 3 W: the doubled weights (the [p, 2, k] stack of each device's down stage and
-  up stage, 2 W) and the up chunk's fp32 gradient accumulator beside the down chunk's (W),
-  both live through the loop. The chunk a trip picks from the stack (a gather, where
-  1F1B's v = 1 slices) adds W more on llama-tiny and nothing on llama-small, whose peak is
-  elsewhere, so it is not booked. Compiled minus 1F1B's compiled: 4.0-4.2 W on five
-  llama-tiny plans, 1.9 W on llama-small (``benchmarks/chimera.py``);
+* memory, what the loop keeps at its peak beside what 1F1B's keeps, in W: the up stages'
+  weights (the flip of the stored rows over ``stage``, the paper's second weight copy: the
+  down stage is the stored rows themselves) and the up chunk's fp32 gradient accumulator
+  beside the down chunk's ([p, 2, k] for 1F1B's [p, k]), less the copy of its chunk 1F1B's
+  layer scan makes every trip (W, in the state term's gradients beside the accumulator),
+  which Chimera's does not: it reads its trip's chunk a layer at a time from the two
+  stacks (``stage_work._layer_scan``). 1 + 1 - 1 = 1 W. Compiled minus 1F1B's compiled,
+  both measured: 1.00 W on Megatron's 39B layout (tensor 8 x stage 2, m 16; the peak's
+  buffers: the ring, 3 W of parameters and Adam, 2 W of accumulators, the 1 W flip),
+  0.94-1.23 W on seven llama-tiny plans (``benchmarks/chimera.py``). Not modelled: on
+  llama-small Chimera compiles to 1.06 W less than 1F1B (1F1B's peak there holds two
+  W-sized buffers that Chimera's does not), so the planner reads 1.149 of compiled;
 * wire over ``stage``, per step: the weights' flip (one collective permute of W, the up
   stages' copies) and the gradients' flip back (W, fp32) that sums each stage's two
   replicas; per executed forward and backward a second hand-over permute (both rolls,
@@ -23,7 +29,8 @@ from shardlib.core.mesh import Axis
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import executed, handover_split
 
-CHIMERA_WEIGHT_SETS = 3  # in W: the doubled stack 2, the second gradient accumulator 1
+UP_WEIGHTS, SECOND_ACCUMULATOR, CHUNK_COPY = 1, 1, 1  # in W, each one stage's blocks
+CHIMERA_WEIGHT_SETS = UP_WEIGHTS + SECOND_ACCUMULATOR - CHUNK_COPY  # beside 1F1B's booking
 
 
 def stage_weight_bytes(step: Step) -> float:
@@ -53,9 +60,7 @@ def chimera(step: Step) -> Contribution:
             True,
         ),
     )
-    return Contribution(
-        memory={"doubled stage weights": CHIMERA_WEIGHT_SETS * weights}, comms=comms
-    )
+    return Contribution(memory={"up stage weights": CHIMERA_WEIGHT_SETS * weights}, comms=comms)
 
 
 TERM = Term("chimera", cost=chimera)
