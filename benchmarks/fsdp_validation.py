@@ -38,15 +38,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 from benchmarks import fsdp_runs  # noqa: E402
-from benchmarks.planner_calibration import (  # noqa: E402
-    _175B,
-    MEGATRON_2021,
-    TABLE2,
-    Run,
-    gpt_workload,
-    parity_axes,
-)
+from benchmarks.planner_calibration import gpt_workload, parity_axes  # noqa: E402
 from benchmarks.planner_calibration import predict as megatron_predict  # noqa: E402
+from benchmarks.published_runs import _175B, MEGATRON_2021, TABLE2, Run  # noqa: E402
 from shardlib.planner import Workload, candidate, estimate, load_cluster  # noqa: E402
 from shardlib.planner.calibrate.deepspeed import zero3_program  # noqa: E402
 from shardlib.planner.calibrate.llmfoundry import (  # noqa: E402

@@ -11,7 +11,7 @@ For each scale: the plan ``shardlib plan`` picks (``a100-8`` preset with ``--hos
 here with the model as it stands, so a change to the cost model changes the plan that is
 checked) and published-style layouts (Megatron tensor 8 x pipeline x data, ZeRO, FSDP),
 all at the full depth of the model. None is a calibration probe
-(``planner.calibrate.fit.PROBES`` are 2-6 layers on 8 devices): this is held-out.
+(``planner.calibrate.probes.PROBES`` are 2-6 layers on 8 devices): this is held-out.
 
 Each plan is compiled from abstract shapes on simulated CPU devices (``planner.validate``:
 nothing is allocated) and compared with ``cost.estimate(..., backend="cpu")``. The honest

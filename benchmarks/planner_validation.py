@@ -5,7 +5,7 @@
 
 Every plan is compiled from abstract shapes (nothing allocated) by ``planner.validate`` and
 compared with ``cost.estimate(..., backend="cpu")``. None of these plans is one of the
-calibration probes (``planner.calibrate.fit.PROBES``): this checks the fitted model on other
+calibration probes (``planner.calibrate.probes.PROBES``): this checks the fitted model on other
 meshes, widths, micro-batch counts and device counts. Strategies covered: data parallel,
 FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), optimizer
 offload (device memory excludes the pinned_host arguments; the host bytes are compared

@@ -33,7 +33,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import argparse
 
@@ -137,7 +136,8 @@ def part1(names: list[str], virtuals: list[int]) -> Table:
 
 
 def part2() -> Table:
-    from planner_calibration import HELD_OUT, MEGATRON_2021, gpt_workload
+    from benchmarks.planner_calibration import gpt_workload
+    from benchmarks.published_runs import HELD_OUT, MEGATRON_2021
 
     micro = {"39B": 4, "145B": 2, "530B": 1, "1T": 1}  # published (SC21); else 1-2 as below
     table = Table(title="SC21 Table 1, pipelined rows: shardlib's program vs Megatron-LM's")

@@ -35,7 +35,8 @@ _FROM = {
         "context_parallel", "data_parallel", "expert_parallel", "fsdp", "sequence_parallel",
         "tensor_2d", "tensor_3d", "tensor_parallel",
     ),
-    "shardlib.parallel.plan": ("ParallelPlan", "rules_for_mesh"),
+    "shardlib.parallel.mesh_rules": ("rules_for_mesh",),
+    "shardlib.parallel.plan": ("ParallelPlan",),
     "shardlib.train.user_data": ("Batches",),
     "shardlib.train.user_model": ("ModelSetup", "make_model_setup", "train_model", "user_config"),
     "shardlib.parallel.state": (

@@ -13,3 +13,31 @@ os.environ["XLA_FLAGS"] = (
     f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The test files that take longest (tens of seconds each on a 2-core CI machine), started
+# first. pytest-xdist's ``--dist loadfile`` hands whole files to the workers in collection
+# order (``--no-loadscope-reorder``: else it sorts them by test count, which puts these
+# few-test, long files last, each then running alone while the other worker idles).
+LONGEST_FIRST = (  # seconds of test time in CI (2 cores), longest first
+    "tests/parallel/test_pipeline.py",  # ~95
+    "tests/distributed/test_faults_multiprocess.py",  # ~85
+    "tests/parallel/test_loss.py",  # ~78
+    "tests/tools/test_notebooks.py",  # ~70 (notebook 02: 44)
+    "tests/interop/test_deepspeed_configs.py",  # ~62
+    "tests/distributed/test_multiprocess.py",  # ~52
+    "tests/parallel/test_pipeline_stages.py",  # ~42
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (``LONGEST_FIRST``), then the other files with slow tests, then
+    the rest, each file's tests in their own order: the quick files fill the last gaps."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        if path in LONGEST_FIRST:
+            return LONGEST_FIRST.index(path)
+        return len(LONGEST_FIRST) + (path not in slow)
+
+    items.sort(key=rank)  # stable: collection order within each rank

@@ -166,6 +166,20 @@ def start_rank(
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(cache))
 
 
+def start_pair(
+    tmp_path: Path, prefix: str, *settings: str, cache: Path, metrics: Path | None = None
+) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of one run on a free port, logging to ``<prefix>0.log`` and
+    ``<prefix>1.log``; rank 0 alone writes ``metrics`` (where given)."""
+    port = free_port()
+    own = [f"metrics={metrics}"] if metrics is not None else []
+    return [
+        start_rank(tmp_path, port, i, f"{prefix}{i}.log", *settings, *(own if i == 0 else []),
+                   cache=cache)
+        for i in (0, 1)
+    ]  # fmt: skip
+
+
 def wait_all(procs: list, timeout: float) -> tuple[list[int], float]:
     t0, deadline = time.monotonic(), time.monotonic() + timeout
     try:

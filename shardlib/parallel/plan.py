@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR, Axis, MeshSpec, load_mesh
@@ -57,9 +57,6 @@ from shardlib.parallel.pipeline.gpipe import PipelineParallel
 from shardlib.parallel.remat import Remat
 from shardlib.parallel.tensor import TensorParallel
 from shardlib.parallel.zero import StateRules, zero
-
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
 
 
 @dataclass(frozen=True)
@@ -377,31 +374,3 @@ def suggest_presets(batch: int | None = None) -> Iterator[None]:
         better = ShardingError(f"{error}{hint}")
         better.indivisible, better.suggested = fail, True
         raise better from None
-
-
-def rules_for_mesh(
-    mesh: Mesh | MeshSpec | Mapping[str, int], *, sequence_parallel: bool = False
-) -> Rules:
-    """The rules of the default plan on a mesh: each mesh axis switches on its strategy.
-
-    ``mesh`` is a built ``jax.sharding.Mesh``, a ``MeshSpec`` or ``{axis: size}``. The plan
-    refuses an axis no strategy declares (``ParallelPlan.known_axes``), so a typo such as
-    ``tensr`` fails here instead of yielding rules that replicate everything.
-    """
-    if isinstance(mesh, MeshSpec):
-        spec = mesh
-    elif hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):  # a jax Mesh
-        spec = MeshSpec(tuple(zip(mesh.axis_names, mesh.devices.shape, strict=True)))
-    elif isinstance(mesh, Mapping):
-        spec = MeshSpec(tuple(mesh.items()))
-    else:
-        raise ShardingError(
-            f"rules_for_mesh: got {type(mesh).__name__} {mesh!r}. Fix: pass a "
-            "jax.sharding.Mesh, a shardlib.MeshSpec or a mapping {axis name: size}."
-        )
-    plan = ParallelPlan(mesh=spec, tensor=TensorParallel(sequence_parallel=sequence_parallel))
-    if spec.fixed_size is None:  # a -1 axis: the devices of this process's backend
-        import jax
-
-        plan = plan.with_devices(jax.device_count())
-    return plan.rules

@@ -41,7 +41,8 @@ from shardlib.core.layout import (
     shard_model,
 )
 from shardlib.core.rules import Rules, resolve_spec
-from shardlib.parallel.plan import rules_for_mesh, suggest_presets
+from shardlib.parallel.mesh_rules import rules_for_mesh
+from shardlib.parallel.plan import suggest_presets
 
 
 def build_model(make_model, mesh: Mesh | None = None, rules: Rules | None = None) -> nnx.Module:

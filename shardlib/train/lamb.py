@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from shardlib.core.layout import names_at
-from shardlib.core.workload import LAYERS
+from shardlib.core.param_info import LAYERS
 
 Leads = Callable[[Any], Any]
 """``params -> tree of int``: how many leading dims of each array are stacked layers."""

@@ -33,8 +33,8 @@ import jax
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
+from shardlib.core.param_info import LAYERS
 from shardlib.core.stack import Captured, StackMode, stack_mode
-from shardlib.core.workload import LAYERS
 from shardlib.train.user_loss import UserLoss
 
 STACK = "blocks"  # the attribute the pipeline cuts (the ``Decoder`` protocol's name too)

@@ -21,6 +21,7 @@ from fault_runs import (
     free_port,
     only_line,
     records_of,
+    start_pair,
     start_rank,
     token_file,
     wait_all,
@@ -268,12 +269,9 @@ def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, c
     persistent, local = tmp_path / "persistent", tmp_path / "local"
     settings = [f"checkpoint_dir={persistent}", f"checkpoint.local_dir={local}"]
     settings += ["checkpoint_every=10", "checkpoint.local_every=2"]
-    first, port = tmp_path / "first.jsonl", free_port()
-    procs = [
-        start_rank(tmp_path, port, 0, "k0.log", *settings, "steps=30", f"metrics={first}",
-                   cache=cache),
-        start_rank(tmp_path, port, 1, "k1.log", *settings, "steps=30", cache=cache),
-    ]  # fmt: skip
+    settings += ["steps=30"]
+    first = tmp_path / "first.jsonl"
+    procs = start_pair(tmp_path, "k", *settings, metrics=first, cache=cache)
     try:
         wait_for(lambda: len(records_of(first)) >= 17, procs, 120, 0.01)
     finally:
@@ -295,12 +293,8 @@ def test_kill_9_of_both_ranks_resumes_from_their_local_tiers_exactly(tmp_path, c
     older = max((set(steps[0]) & set(steps[1])) - {newest}, default=10)
     origin = dirs[0] if older > 10 else persistent
 
-    second, port = tmp_path / "second.jsonl", free_port()
-    procs = [
-        start_rank(tmp_path, port, 0, "r0.log", *settings, "steps=30", f"metrics={second}",
-                   cache=cache),
-        start_rank(tmp_path, port, 1, "r1.log", *settings, "steps=30", cache=cache),
-    ]  # fmt: skip
+    second = tmp_path / "second.jsonl"
+    procs = start_pair(tmp_path, "r", *settings, metrics=second, cache=cache)
     codes, seconds = wait_all(procs, 120)
     logs = [(tmp_path / f"r{i}.log").read_text() for i in (0, 1)]
     assert codes == [0, 0], logs

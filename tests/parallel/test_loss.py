@@ -13,7 +13,7 @@ from layout_cases import assert_parity, assert_refused, first_devices_mesh
 
 from shardlib.core.layout import use_layout
 from shardlib.parallel.loss import chunked_cross_entropy, replica_axes
-from shardlib.parallel.plan import rules_for_mesh
+from shardlib.parallel.mesh_rules import rules_for_mesh
 from shardlib.tools.parity import FP32_TOLERANCE, compare, random_state
 from shardlib.train.config import parse_overrides, train_config
 from shardlib.train.setup import make_setup

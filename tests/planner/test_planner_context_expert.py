@@ -11,7 +11,7 @@ import math
 import pytest
 
 from shardlib import ShardingError
-from shardlib.core.workload import param_infos
+from shardlib.core.param_info import param_infos
 from shardlib.planner import Workload, candidate, estimate
 from shardlib.planner.inputs.cluster import Cluster
 from shardlib.planner.search import Space, meshes

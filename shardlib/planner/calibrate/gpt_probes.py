@@ -2,7 +2,7 @@
 projections, a two-matrix GELU MLP), for its own per-layer coefficients (``gpt_*`` in
 ``planner.cost.coefficients``, read for workloads whose ``block_kind`` is ``gpt``).
 
-The Llama probes (``fit.PROBES``) fit what a Llama block saves; a GPT block's LayerNorms and
+The Llama probes (``probes.PROBES``) fit what a Llama block saves; a GPT block's LayerNorms and
 GELU keep other buffers (gpt3-13b on 64 devices with remat=none read 0.881 of compiled with
 Llama's counts). Same widths and layouts as the small Llama probes, plus published GPT-3
 widths at 2 layers; ``python -m shardlib.planner.calibrate.fit --group gpt --free gpt``
@@ -50,7 +50,7 @@ GPT_PROBES = tuple(
         (dict(fsdp=4, tensor=2, remat="full"), f"{_GPT} batch=16 model.layers=4 seq=256"),
     )
 )
-"""(plan, workload words) of each GPT probe; ``fit.PROBE_BASE`` (seq=128) goes first."""
+"""(plan, workload words) of each GPT probe; ``probes.PROBE_BASE`` (seq=128) goes first."""
 
 GPT_FREE = ("gpt_layer_h", "gpt_layer_qkv", "gpt_layer_mlp", "gpt_layer_live_h",
             "gpt_layer_live_mlp", "gpt_selective_h", "gpt_selective_mlp")  # fmt: skip

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 from shardlib.analysis.report import ring_wire_bytes as ring_wire  # the one ring formula
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
+from shardlib.core.param_info import ParamInfo
 from shardlib.core.rules import resolve_spec
-from shardlib.core.workload import ParamInfo, Workload
-from shardlib.parallel.plan import ParallelPlan, rules_for_mesh
+from shardlib.core.workload import Workload
+from shardlib.parallel.mesh_rules import rules_for_mesh
+from shardlib.parallel.plan import ParallelPlan
 
 if TYPE_CHECKING:  # candidate and search read the declarations below: types only here
     from shardlib.planner.candidate import PlanView

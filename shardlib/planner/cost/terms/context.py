@@ -39,7 +39,7 @@ from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.core.workload import ParamInfo
+from shardlib.core.param_info import ParamInfo
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
@@ -64,7 +64,7 @@ GRAD_BYTES = 4  # the K/V gradient accumulators are fp32 whatever the compute dt
 # blocks at a time. So per token, in units of the q/k/v width (heads + 2 kv_heads)·d/t, the
 # calibration fits ``ring_saved_qkv`` (saved per layer, replacing the dense ``layer_scores``)
 # and ``ring_working_qkv`` (live once: one layer's ring forward/backward working set), on
-# the context probes of ``calibrate.fit.PROBES``.
+# the context probes of ``calibrate.probes.PROBES``.
 
 
 def _admits(workload, cluster, chosen, size) -> bool:

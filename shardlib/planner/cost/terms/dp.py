@@ -24,7 +24,7 @@ import math
 from collections import defaultdict
 
 from shardlib.core.mesh import Axis
-from shardlib.core.workload import ParamInfo
+from shardlib.core.param_info import ParamInfo
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
     Comm,

@@ -22,7 +22,7 @@ from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.core.workload import ParamInfo
+from shardlib.core.param_info import ParamInfo
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
@@ -43,7 +43,7 @@ EXPERT = str(Axis.EXPERT)
 # routing tensors (three of k·E·C and two of E·C per token) and the attention's. Those
 # stacked residuals fill the temp allocation, and the gradients and loss buffers reuse their
 # space as the backward pass frees it, so the counts are fitted rather than added up, on the
-# MoE probes of ``calibrate.fit.PROBES`` (``moe_slot_hidden``: elements of width
+# MoE probes of ``calibrate.probes.PROBES`` (``moe_slot_hidden``: elements of width
 # expert_mlp / tensor saved per expert slot per MoE block, in place of the dense MLP's
 # ``layer_mlp``: the buffer assignment shows six; ``moe_working_hidden``: the same, live once
 # for one block's backward; ``moe_dense_mlp``: extra elements of width mlp / tensor per dense

@@ -21,7 +21,8 @@ import functools
 import math
 
 from shardlib.core.mesh import Axis
-from shardlib.core.workload import ParamInfo, Workload
+from shardlib.core.param_info import ParamInfo
+from shardlib.core.workload import Workload
 from shardlib.parallel.fsdp import vocab_parallel_pays
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import (

@@ -96,7 +96,7 @@ STAGE_ALL_REDUCES = 2
 """Per iteration, of one micro-batch's b·s·h (observed, see the module docstring)."""
 
 # Memory of GPipe/circular beyond the formula parts, fitted with the other coefficients on
-# the pipeline probes of ``calibrate.fit.PROBES``. The memory report shows why: the
+# the pipeline probes of ``calibrate.probes.PROBES``. The memory report shows why: the
 # head runs after the loop on the whole data shard while every trip's residuals are live,
 # so its fp32 logits and their gradient do not share buffers with anything
 # (``pipe_logits``: extra fp32 logits-sized buffers, vocab / tensor, beyond ``head_vocab``),
