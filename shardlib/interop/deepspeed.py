@@ -46,6 +46,7 @@ from shardlib.interop.deepspeed_keys import (
     NOTES,
     NVME,
     NVME_DEFAULT_PATH,
+    NVME_PARTITIONED,
 )
 
 
@@ -240,6 +241,12 @@ def _offload(r: _Reader, part: str, setting: str) -> dict[str, Any]:
         )
         return {f"parallel.offload.{setting}": True, "parallel.offload.nvme_path": str(path)}
     optimizer_nvme = r.get("zero_optimization.offload_optimizer.device", "none") == "nvme"
+    stage = r.get("zero_optimization.stage", 0)
+    if device == "nvme" and optimizer_nvme and stage:  # each rank's own partition in files
+        r.refuse(f"zero_optimization.{part}.device", NVME_PARTITIONED.format(stage=stage),
+                 listed=True)  # fmt: skip
+        r.used.add(f"zero_optimization.{part}")
+        return {}
     if device == "nvme" and optimizer_nvme:  # ZeRO-Infinity's weights, next to the state
         path = r.get(f"zero_optimization.{part}.nvme_path", NVME_DEFAULT_PATH)
         r.used.add(f"zero_optimization.{part}")  # buffer_count, buffer_size: its own streaming

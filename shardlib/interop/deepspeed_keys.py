@@ -93,6 +93,11 @@ NVME = (
     "next to the optimizer state's (parallel.offload.nvme_params under nvme_path); set "
     "offload_optimizer.device: nvme too, or use 'cpu'"
 )
+NVME_PARTITIONED = (
+    "NVMe offload of parameters partitioned by ZeRO stage {stage} (ZeRO-Infinity's per-rank "
+    "files): shardlib's NVMe tiers keep each tensor whole in one file on one process "
+    "(zero=0); use stage 0 with offload_optimizer and offload_param on nvme, or 'cpu'"
+)
 NVME_DEFAULT_PATH = "/local_nvme"  # DeepSpeed's default nvme_path
 NO_COUNTERPART = {
     "sparse_attention": "DeepSpeed's block-sparse attention kernels; shardlib's attention is "

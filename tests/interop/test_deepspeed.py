@@ -359,3 +359,6 @@ def test_nvme_optimizer_offload_maps_to_the_nvme_tier():
     s = from_deepspeed({**config, "zero_optimization": both}, devices=8).settings
     assert s["parallel.offload.nvme_params"] is True  # the weights next to the state
     assert s["parallel.offload.nvme_path"] == "/nvme_data"
+    # ZeRO-Infinity's partitioned files (stage 3): no counterpart, refused naming the key
+    with pytest.raises(DeepSpeedRefusal, match="offload_param.device.*stage 3"):
+        from_deepspeed({**config, "zero_optimization": {**both, "stage": 3}}, devices=8)
