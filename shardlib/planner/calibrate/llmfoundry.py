@@ -128,8 +128,7 @@ gradient of the hidden state, each bf16."""
 def _mpt_head(step: Step) -> Contribution:
     """shardlib's model term with the head's memory of MPT's loss (module docstring)."""
     part = model.TERM.cost(step)
-    batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
-    tokens = (batches[0] if batches else step.micro_batch) * step.local_seq
+    tokens = model.head_rows(step) * step.local_seq
     w = step.workload
     logits = w.vocab / step.view["tensor"] * XENTROPY_LOGIT_BYTES + w.embed * HEAD_HIDDEN_BYTES
     return dataclasses.replace(part, memory={**part.memory, "logits": tokens * logits})

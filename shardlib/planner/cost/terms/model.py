@@ -147,12 +147,18 @@ def activations(step: Step) -> dict[str, float]:
         live_elems += c.get("layer_live_mlp", 0.0) * w.mlp / view["tensor"]
         working += live_elems * b * step.local_seq * w.compute_bytes
     working += sum(live(step, b) for live in step.hooks("working"))
-    batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
-    head = head_activation_bytes(step, batches[0] if batches else b)
+    head = head_activation_bytes(step, head_rows(step))
     fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
     if policy == "none" and on_cpu(step) and "attention" not in replaced and not fused:
         working += attention_backward_bytes(step, b)  # dense attention's, once
     return {"activations": saved + working, "logits": head}
+
+
+def head_rows(step: Step) -> int:
+    """The batch rows the loss head runs on at once: a term's (``Term.head_batch``: a
+    pipeline's), else the micro-batch."""
+    batches = [head_batch(step) for head_batch in step.hooks("head_batch")]
+    return batches[0] if batches else step.micro_batch
 
 
 def attention_backward_bytes(step: Step, micro_batch: int) -> float:
