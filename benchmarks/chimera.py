@@ -7,7 +7,8 @@ For each tiny plan (8 simulated CPU devices, fp32, compiled from abstract shapes
 runs) under ``pipeline_schedule=1f1b`` and ``chimera``: per-device memory, the planner's
 and the compiled step's (``planner.validate``), and the ``stage`` axis's wire bytes. The
 compiled difference chimera - 1f1b is printed in units of W, one stage's fp32 block bytes
-on a device (``planner/cost/terms/chimera.stage_weight_bytes``), which the term books 1 of.
+on a device (``planner/cost/terms/chimera.stage_weight_bytes``), beside the planner's: 1 W
+less two fp32 logits-sized buffers of the loss head (``terms/chimera.head_logits_bytes``).
 
 ``--scale``: the gpt-39b layout of ``planner_scale_validation`` (tensor 8 x stage 2 x data
 32, m = 16 micro-batches of b = 3, full recompute) under both schedules: memory as above,
@@ -61,19 +62,21 @@ def main() -> None:
     print("memory planner/compiled (MB), stage wire planner/compiled (MB), 8 CPU devices, fp32")
     for model, batch, seq, layers, axes in PLANS:
         w = Workload.from_preset(model, batch, seq, "fp32", layers=layers)
-        compiled = {}
+        compiled, booked = {}, {}
         for schedule in ("1f1b", "chimera"):
             plan = candidate(**axes, schedule=schedule)
             c = validate(w, plan)
-            compiled[schedule] = c.compiled_memory
+            compiled[schedule], booked[schedule] = c.compiled_memory, c.predicted_memory
             stage = (c.predicted_wire_by_axes["stage"], c.compiled_wire_by_axes["stage"])
             print(f"{model} b{batch} s{seq} L{layers} {axes} {schedule}: memory "
                   f"{c.predicted_memory / 1e6:.2f}/{c.compiled_memory / 1e6:.2f} = "
                   f"{c.memory_ratio:.3f}; stage wire {stage[0] / 1e6:.3f}/{stage[1] / 1e6:.3f}"
                   f" = {stage[0] / stage[1]:.3f}", flush=True)  # fmt: skip
         step = Step(w, plan, "cpu", PlanView(plan), TERMS, COEFFICIENTS)
-        extra = (compiled["chimera"] - compiled["1f1b"]) / stage_weight_bytes(step)
-        print(f"    compiled chimera - 1f1b = {extra:.2f} W (booked: 1 W)")
+        weight = stage_weight_bytes(step)
+        extra = (compiled["chimera"] - compiled["1f1b"]) / weight
+        ours = (booked["chimera"] - booked["1f1b"]) / weight
+        print(f"    compiled chimera - 1f1b = {extra:.2f} W (booked: {ours:.2f} W)")
 
 
 def scale() -> None:
