@@ -55,6 +55,27 @@ def leave_in_backward(plan) -> bool:
     )
 
 
+def leaves_in_backward(plan, stacked_layers: int) -> bool:
+    """``leave_in_backward`` for a step whose blocks are stacked ``stacked_layers`` deep: the
+    one predicate the gradient function (which sends them) and the step (which then leaves
+    them in host memory) both read. A user's model (0 stacked layers) has no layer loop to
+    send them from, so its gradients stay on the device whatever the plan says."""
+    return stacked_layers > 0 and leave_in_backward(plan)
+
+
+def pin_in_update_layout(plan, stacked_layers: int, grads: dict, update_shardings: dict) -> dict:
+    """The gradients pinned to the optimizer update's layout, except the blocks' where the
+    backward already wrote them to host memory (``leaves_in_backward``): they stay there, and
+    the streamed update reads them a layer at a time."""
+    if not leaves_in_backward(plan, stacked_layers):
+        return jax.lax.with_sharding_constraint(grads, update_shardings)
+    rest = [k for k in grads if k != BLOCKS]
+    pinned = jax.lax.with_sharding_constraint(
+        {k: grads[k] for k in rest}, {k: update_shardings[k] for k in rest}
+    )
+    return {**grads, **pinned}
+
+
 @dataclass
 class _Sink:
     rows: list  # the sink's leaves, [layers, ...] each, in params["blocks"] leaf order

@@ -279,18 +279,6 @@ def build_train_step(setup: TrainSetup):
     return build_step(setup, loss_fn, prepare)
 
 
-def _on_device_in_layout(plan, grads, update_shardings):
-    """The gradients pinned to the update's layout; those the backward already wrote to
-    host memory (``offload_grads``) stay there: the streamed update reads them per layer."""
-    if not offload_grads.leave_in_backward(plan):
-        return jax.lax.with_sharding_constraint(grads, update_shardings)
-    rest = [k for k in grads if k != offload_grads.BLOCKS]
-    pinned = jax.lax.with_sharding_constraint(
-        {k: grads[k] for k in rest}, {k: update_shardings[k] for k in rest}
-    )
-    return {**grads, **pinned}
-
-
 def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated, for any
     ``loss_fn(params, batch) -> (loss, metrics)``: the decoder's (``build_train_step``) or a
@@ -353,7 +341,9 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             finite = None
             if stream:  # offloaded state and weights visit the device one layer at a time
                 if not plan.offload.params:  # (offloaded weights' gradients stay in host memory)
-                    grads = _on_device_in_layout(plan, grads, setup.update_shardings)
+                    grads = offload_grads.pin_in_update_layout(
+                        setup.plan, setup.stacked_layers, grads, setup.update_shardings
+                    )
                 grad_norm = streamed_grad_norm(grads, setup.workload.blocks)
                 if scaled:  # offloaded gradients are in host memory: finite iff the norm is
                     finite = jnp.isfinite(grad_norm)
