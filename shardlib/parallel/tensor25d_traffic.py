@@ -63,6 +63,11 @@ WEIGHT_TERMS = ("weight forward", "weight for dX", "dW reduce", "dW over depth")
 """The weight terms: the paper's and both forms' collectives coincide."""
 PAPER_ACTIVATION_TERMS = ("X forward", "dX reduce", "X for dW")
 """Tesseract's activation terms (width m, the product's input)."""
+ACTIVATION_KINDS = {"X forward": "all-gather", "dX reduce": "reduce-scatter",
+                    "X for dW": "all-gather"}  # fmt: skip
+"""The collective of each activation term over ``tensor``, each of one product's input
+[B/(dq), m] gathered (or its gradient reduce-scattered): the planner's summa term books
+these (``planner/cost/terms/tensor25d.py``)."""
 ROW_TERMS = ("Y reduce", "dY gather")
 """What a row product of the megatron form moves instead (width n, its output)."""
 
