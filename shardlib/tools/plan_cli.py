@@ -6,8 +6,8 @@ Both read a model (``--model`` and ``model.NAME=VALUE`` words) and a cluster pre
 for tools) and leave errors to ``shardlib.tools.cli`` (stderr, exit 2). A layout is given as
 ``NAME=VALUE`` settings, comma-separated: mesh axis sizes (``tensor=8,stage=8``) and knobs
 (``zero``, ``microbatches``, ``schedule``, ``virtual``, ``split_saved``, ``remat``,
-``offload``): ``plan --fix`` fixes some and searches the rest, ``estimate --set`` gives them
-all.
+``offload``, ``grid_depth``, ``products``): ``plan --fix`` fixes some and searches the
+rest, ``estimate --set`` gives them all.
 """
 
 from __future__ import annotations

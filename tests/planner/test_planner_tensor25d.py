@@ -16,6 +16,10 @@ memory. The residual stream's two saved norm inputs are booked split over ``tens
 13B width on 64-256 devices: ``benchmarks/tensor25d_scale.py`` (0.910-1.014 with remat
 none, selective and full).
 
+``products = "summa"`` (``test_summa_is_priced_as_it_compiles``): llama-tiny 2 x 2 x 2,
+bytes over ``tensor`` 0.993 of the HLO's, memory 1.059; at 7B width
+``benchmarks/tensor25d_scale.py`` rows 13-16 (memory 0.968-1.001).
+
 The search tries grids by default (``GRID_DEPTHS``; ``plan --no-tensor-grid`` leaves them
 out, ``--fix grid_depth=d`` keeps one) and stays exact against ``exhaustive`` with them.
 """
