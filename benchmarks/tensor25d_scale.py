@@ -28,9 +28,18 @@ Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 25-36 s a row):
 | 10 | llama-7b, 8 | 3D 4 x 4 x 4 | 6.485 / 6.543 = 0.991 | 0.974 |
 | 11 | llama-7b, 8 | 3D data=4 x 2 x 2 x tensor=4 (remat=full) | 2.890 / 3.042 = 0.950 | 1.017 |
 | 12 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=full) | 2.890 / 3.042 = 0.950 | 1.048 |
+| 13 | llama-7b, 8 | data=4 x 4 x 4 (d=1, summa) | 7.305 / 7.547 = 0.968 | 0.997 |
+| 14 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2, summa) | 7.305 / 7.510 = 0.973 | 0.986 |
+| 15 | llama-7b, 8 | 4 x 4 x 4 (d=4, summa) | 7.305 / 7.547 = 0.968 | 0.997 |
+| 16 | llama-7b, 8 | data=4 x 4 x 4 (d=1, summa, remat=full) | 3.226 / 3.223 = 1.001 | 1.014 |
 
 (batch 64 x seq 1024; rows 8 and 9 16 x 32; grids written tensor_depth x tensor2 x tensor.)
-All thirteen within 10%. Rows 3 and 12 read 1.151 and 1.130 (and row 7 1.234) while the
+Rows 13-16 (``products = "summa"``), priced as the megatron form before the planner knew
+summa: memory 1.023 / 1.028 / 1.023 / 0.897, wire 0.748 / 0.718 / 0.722 / 0.813 (the
+residual's moves instead of each product's three activation terms). Summa with
+remat=selective compiles to remat=full's program (3.223 GiB, full's bytes over ``tensor``:
+its products are custom VJPs a dots policy does not save), so the planner does not cost it.
+All seventeen within 10%. Rows 3 and 12 read 1.151 and 1.130 (and row 7 1.234) while the
 head's ``head_h`` fp32 h-wide buffers (11.7 per token, fitted on 1D programs) were booked
 whole: a grid keeps the residual stream split over ``tensor``, and XLA's buffers at those
 plans' peaks (``--xla_dump_to``: the live-range dump) hold no whole-width head buffer but
@@ -69,6 +78,18 @@ ROWS = [
     (64, "llama-7b", 8, 64, 1024, dict(mesh=(("tensor3", 4), ("tensor2", 4), ("tensor", 4)))),
     (64, "llama-7b", 8, 64, 1024, dict(mesh=THREE_D_DATA, remat="full")),
     (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1, remat="full")),
+    # products = "summa" (Tesseract's SUMMA for every product) on rows 0, 1, 2 and 12's plans
+    (64, "llama-7b", 8, 64, 1024, dict(data=4, tensor=16, grid_depth=1, products="summa")),
+    (64, "llama-7b", 8, 64, 1024, dict(data=2, tensor=32, grid_depth=2, products="summa")),
+    (64, "llama-7b", 8, 64, 1024, dict(tensor=64, grid_depth=4, products="summa")),
+    (
+        64,
+        "llama-7b",
+        8,
+        64,
+        1024,
+        dict(data=4, tensor=16, grid_depth=1, remat="full", products="summa"),
+    ),  # fmt: skip
 ]
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.attention import LocalAttention, Packed, SlidingWindow
+from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, constrain
 from shardlib.core.lookup import lookup
 
@@ -54,6 +55,10 @@ MatmulForm = Callable[[str, jax.Array, jax.Array, str, Any], jax.Array]
 """``form(spec, x, w, name, layer_state) -> einsum(spec, x, w)`` computed the form's way;
 ``layer_state`` is this layer's slice of the form's per-layer state (``run_blocks``'
 ``layer_extras``; None outside the layer loop), ``name`` the projection's (one per layer)."""
+ProductForm = Callable[[str, jax.Array, jax.Array], jax.Array]
+"""``form(spec, x, w) -> einsum(spec, x, w)`` where a strategy decides what the product
+keeps for its backward (2.5D's SUMMA keeps X split and gathers it again for dW:
+``parallel/tensor25d.py``)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class OpsSettings:
     matmul: MatmulForm | None = None
     """How a block's projections multiply; None: ``jnp.einsum`` (an FP8 run installs its
     quantize-dequantize form, ``train/fp8.py``)."""
+    product: ProductForm | None = None
+    """A strategy's form of the projections (None: ``matmul``'s); not beside ``matmul``."""
 
 
 _DEFAULT = OpsSettings()  # dense local attention, XLA's exchange: one device's forms
@@ -149,14 +156,19 @@ def _sliced_attention(slot: TokenSlice, q_BLHK, k_BLGK, v_BLGK, positions_L, cau
 
 @contextlib.contextmanager
 def use_ops(
-    *, attention: AttentionForm | None = None, exchange: ExchangeForm | None = None
+    *,
+    attention: AttentionForm | None = None,
+    exchange: ExchangeForm | None = None,
+    product: ProductForm | None = None,
 ) -> Iterator[OpsSettings]:
     """Make these forms the ones the ops follow; usable inside ``jit`` tracing.
 
     A context variable, not an argument threaded through the model: model code stays the
     same on one device and on a mesh, and nested blocks restore the outer settings.
     """
-    settings = OpsSettings(attention=attention or LocalAttention(), exchange=exchange)
+    settings = OpsSettings(
+        attention=attention or LocalAttention(), exchange=exchange, product=product
+    )
     token = _OPS.set(settings)
     try:
         yield settings
@@ -197,7 +209,16 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, *, name: str) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` of activations ``x`` and a weight ``w`` (both in the
     compute dtype), in the active form: plain, or FP8 with ``name``'s scales in this
     layer. A block's projections call this; ``name`` is unique within the block."""
-    form = active_ops().matmul
+    settings = active_ops()
+    form = settings.matmul
+    if settings.product is not None:
+        if form is not None:
+            raise ShardingError(
+                f"projection {name!r}: the layout's product form (2.5D products='summa') and "
+                "a precision's (FP8) both want to run it. Fix: products='megatron' with FP8, "
+                "or another precision."
+            )
+        return settings.product(spec, x, w)
     if form is None:
         return jnp.einsum(spec, x, w)
     return form(spec, x, w, name, _LAYER.get())

@@ -89,15 +89,35 @@ class Rules:
     parallelism puts ``kv_heads`` here: a model with fewer K/V heads than the tensor degree
     (MQA, 1 head on ``tensor=2``) keeps every K/V head on every device of the group, as
     Megatron-LM and MaxText do, while the query heads stay split."""
+    per_weight: Mapping[tuple[str, ...], Mapping[str, str]] = field(default_factory=dict)
+    """Weights laid out against the name table, keyed by their logical names (a stacked
+    ``layers`` dim left out): each maps a dim's name to the name whose parameter entry that
+    dim takes instead of its own. ``{("mlp", "embed"): {"mlp": "embed", "embed": "mlp"}}``
+    gives MLP-down the axes of MLP-up's dims, swapped, while every other weight keeps the
+    table's: a layout per product rather than per name (Tesseract's SUMMA form of 2.5D,
+    ``parallel/tensor25d.py``), with the model naming logical dims only. An alias, not
+    axes, so what other strategies add to an entry (ZeRO's axis) follows it; gradients
+    and optimizer state follow the parameters."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", _freeze(self.params))
         object.__setattr__(self, "activations", _freeze(self.activations))
+        weights = {tuple(k): MappingProxyType(dict(v)) for k, v in self.per_weight.items()}
+        object.__setattr__(self, "per_weight", MappingProxyType(weights))
         object.__setattr__(self, "shared", tuple(str(a) for a in self.shared))
         object.__setattr__(self, "replicate_indivisible", tuple(self.replicate_indivisible))
 
-    def table(self, kind: Kind) -> Mapping[str, tuple[str, ...]]:
-        return self.params if kind == "params" else self.activations
+    def table(
+        self, kind: Kind, names: tuple[str | None, ...] = ()
+    ) -> Mapping[str, tuple[str, ...]]:
+        """The ``kind`` table; for a parameter named ``names``, with its ``per_weight``
+        entries in place of the table's."""
+        if kind != "params":
+            return self.activations
+        own = self.per_weight.get(tuple(n for n in names if n != "layers")) if names else None
+        if own is None:
+            return self.params
+        return MappingProxyType({**self.params, **{n: self.params[a] for n, a in own.items()}})
 
     def mesh_axes(self) -> set[str]:
         return {a for t in (self.params, self.activations) for axes in t.values() for a in axes}
@@ -109,6 +129,7 @@ class Rules:
             activations={**self.activations, **(activations or {})},
             shared=self.shared,
             replicate_indivisible=self.replicate_indivisible,
+            per_weight=self.per_weight,
         )
 
     def for_sizes(self, sizes: Mapping[str, int], mesh_axes: Mapping[str, int]) -> Rules:
@@ -156,7 +177,7 @@ class Rules:
 
     def spec(self, names: tuple[str | None, ...], kind: Kind = "activations") -> P:
         """PartitionSpec for a tuple of logical names, without shape checks."""
-        table = self.table(kind)
+        table = self.table(kind, names)
         dims = shared_dims(self, names, None, kind, {})
         parts = []
         for dim, name in enumerate(names):
@@ -192,6 +213,15 @@ def compose(*parts: Rules) -> Rules:
     """
     tables: dict[str, dict[str, tuple[str, ...]]] = {"params": {}, "activations": {}}
     shared = tuple(dict.fromkeys(a for part in parts for a in part.shared))
+    weights: dict[tuple[str, ...], Mapping[str, str]] = {}
+    for part in parts:
+        for key, entries in part.per_weight.items():
+            if key in weights:
+                raise ShardingError(
+                    f"compose: weight {key} gets its own layout from two strategies. Fix: "
+                    "give it one, in the strategy that owns its dims' mesh axes."
+                )
+            weights[key] = entries
     loose = tuple(dict.fromkeys(n for part in parts for n in part.replicate_indivisible))
     for part in parts:
         for kind, table in tables.items():
@@ -209,6 +239,7 @@ def compose(*parts: Rules) -> Rules:
         activations=tables["activations"],
         shared=shared,
         replicate_indivisible=loose,
+        per_weight=weights,
     )
 
 
@@ -230,7 +261,7 @@ def shared_dims(
     """
     if not rules.shared:
         return {}
-    table = rules.table(kind)
+    table = rules.table(kind, names)
     rank = {n: i for i, n in enumerate(SHARED_ORDER)}
     order = sorted(
         (d for d, n in enumerate(names) if n is not None and n in table),
@@ -311,7 +342,7 @@ def resolve_spec(
             f"annotation {names} has {len(names)} names. Fix: give one logical name (or None) "
             "per dim."
         )
-    table = rules.table(kind)
+    table = rules.table(kind, names)
     for dim, name in enumerate(names):
         if name is not None and name not in table:
             raise ShardingError(
@@ -324,7 +355,7 @@ def resolve_spec(
     if rules.replicate_indivisible:  # e.g. fewer K/V heads than the tensor degree
         sizes = {n: size for n, size in zip(names, shape, strict=True) if n is not None}
         rules = rules.for_sizes(sizes, mesh_axes)
-        table = rules.table(kind)
+        table = rules.table(kind, names)
     shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
     used: dict[str, int] = {}
     parts = []

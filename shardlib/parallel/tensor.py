@@ -18,10 +18,13 @@ from shardlib.core.rules import MEGATRON_DIMS, Rules
 from shardlib.parallel.sequence import sequence_parallel
 from shardlib.parallel.tensor2d import tensor_2d
 from shardlib.parallel.tensor3d import tensor_3d
-from shardlib.parallel.tensor25d import grid, tensor_25d
+from shardlib.parallel.tensor25d import grid, summa_product, summa_weights, tensor_25d
 
 MODES = ("auto", "1d", "2d", "2.5d", "3d")
 """``[parallel.tensor] mode``: ``auto`` reads the form from the mesh axes; the others say it."""
+PRODUCTS = ("megatron", "summa")
+"""``[parallel.tensor] products`` of 2.5D: Megatron's column-then-row pairs or Tesseract's
+SUMMA for every product (``parallel/tensor25d.py``)."""
 
 
 def tensor_parallel(*, axis: str = Axis.TENSOR) -> Rules:
@@ -56,6 +59,12 @@ class TensorParallel:
     """``auto``: the form the mesh axes give (tensor: 1d; + tensor2: 2d; + tensor_depth:
     2.5d; + tensor3: 3d). ``1d``/``2d``/``2.5d``/``3d`` say it, and the mesh is checked
     against it (2.5d: tensor_depth=d x tensor2=q x tensor=q; without tensor_depth, d = 1)."""
+    products: str = "megatron"
+    """How 2.5D runs a block's products (``parallel/tensor25d.py``, whose docstring says
+    what each moves): ``megatron`` pairs a column product with a row product (fewer bytes,
+    the default); ``summa`` runs every product as Tesseract's SUMMA (the paper's layout and
+    collectives: the row products' weights laid out transposed and their inputs gathered
+    again for dW). Only with mode='2.5d'."""
 
     def form(self, mesh_axes: Mapping[str, int]) -> str:
         """The form the mesh axes switch on (``mode`` checked against it)."""
@@ -86,12 +95,20 @@ class TensorParallel:
             )
         if form == "2.5d":
             grid(mesh_axes)  # a d x q x q arrangement, or a refusal naming the fix
+        if self.products not in PRODUCTS or (self.products != "megatron" and form != "2.5d"):
+            raise ShardingError(
+                f"parallel.tensor.products={self.products!r} with the {form} form: the products "
+                f"are one of {', '.join(PRODUCTS)}, and 'summa' is a form of 2.5D only. Fix: "
+                "mode='2.5d' on a tensor_depth x tensor2 x tensor mesh, or products='megatron'."
+            )
         return form
 
     def rules(self, mesh_axes: Mapping[str, int]) -> list[Rules]:
         form = self.form(mesh_axes)
         if form == "2.5d":  # d = 1 (no tensor_depth axis) is 2D
-            parts = [tensor_25d() if Axis.TENSOR_DEPTH in mesh_axes else tensor_2d()]
+            summa = self.products == "summa"
+            parts = [tensor_25d(summa=summa) if Axis.TENSOR_DEPTH in mesh_axes else tensor_2d()]
+            parts += [summa_weights()] if summa else []
         elif Axis.TENSOR3 in mesh_axes:
             parts = [tensor_3d()]
         elif Axis.TENSOR2 in mesh_axes:
@@ -104,6 +121,13 @@ class TensorParallel:
             self._check_sequence_parallel(mesh_axes)
             parts.append(sequence_parallel(axis=Axis.TENSOR))
         return parts
+
+    def ops(self, mesh_axes: Mapping[str, int]) -> dict:
+        """The forms this strategy gives the model's ops (``ParallelPlan.ops``): SUMMA's
+        products keep their inputs split for dW (``tensor25d.summa_product``)."""
+        if self.products != "summa" or self.form(mesh_axes) != "2.5d":
+            return {}
+        return {"product": summa_product()}
 
     @staticmethod
     def _check_sequence_parallel(mesh_axes: Mapping[str, int]) -> None:

@@ -1,4 +1,4 @@
-"""Tesseract's wire bytes term by term, and what shardlib's GSPMD 2.5D form moves instead.
+"""Tesseract's wire bytes term by term, and what each of shardlib's two 2.5D forms moves.
 
 Why a second module: ``tensor25d.py`` holds the rules; this holds the accounting that says
 where the compiled program and the paper (Wang et al. 2021, Tesseract; Colossal-AI's
@@ -21,27 +21,38 @@ term                   paper collective        mesh axis     bytes
 ``X for dW``           ATB: broadcast X        ``tensor``    (q-1)·B·m·e/(dq²)
 =====================  ======================  ============  ===========================
 
-shardlib's rules give each weight dim one mesh axis by its logical name, so a Megatron pair
-(qkv then out projection, gate/up then down) keeps W₁ = [embed/q over rows, mlp/q over
-columns] (SUMMA's layout: a **column** product) but W₂ = [mlp/q over columns, embed/q over
-rows], the transpose of Tesseract's (a **row** product). What XLA then moves per product:
+``[parallel.tensor] products = "summa"`` runs exactly this (``summa_terms``): the row
+products' weights laid out as the paper's (``tensor25d.summa_weights``) and each product's X
+kept split for its backward and gathered again for dW (``tensor25d.summa_product``). XLA's
+gathers over ``tensor2`` are the weight broadcasts, its gathers and reduce-scatters over
+``tensor`` the X broadcasts and dX reductions.
 
-- all four weight terms: the same collectives and bytes as the paper (gathers over
-  ``tensor2`` = the q broadcasts; the fused gradient reduce-scatter; the depth all-reduce);
-- a column product: ``X forward`` and ``dX reduce`` as the paper (the residual's gather and
-  reduce-scatter over ``tensor``); ``X for dW`` is 0: the gathered X of the forward is
-  kept for dW (memory for bytes: [B/(dq), m] held instead of [B/(dq), m/q]);
+``products = "megatron"`` (the default) gives each weight dim one mesh axis by its logical
+name, so a Megatron pair (qkv then out projection, gate/up then down) keeps W₁ = [embed/q
+over rows, mlp/q over columns] (SUMMA's layout: a **column** product) but W₂ = [mlp/q over
+columns, embed/q over rows], the transpose of Tesseract's (a **row** product). What XLA
+then moves per product (``megatron_terms``):
+
+- all four weight terms: the paper's collectives and bytes;
+- a column product: ``X forward`` and ``dX reduce`` as the paper; ``X for dW`` is 0: the
+  gathered X of the forward is kept for dW (memory for bytes: [B/(dq), m] held instead
+  of [B/(dq), m/q]);
 - a row product: none of the paper's three X/dX terms (each of width m = heads·head_dim or
   mlp). Instead ``Y reduce`` (its partial sums over the columns, reduce-scattered) in the
   forward and ``dY gather`` in the backward, each (q-1)·B·n·e/(dq²) of width n = embed;
   dW reuses the gathered dY. This is Tesseract's ABT form run forward (broadcast W,
-  reduce C) and is fewer bytes whenever 2n < 3m, which every transformer block satisfies.
+  reduce C).
 
-So the weight terms agree exactly and the activation terms agree on the column products;
-the whole layer moves less than the paper's count. Matching it would mean a weight layout
-per product (the row products' weights transposed), not expressible as one logical-name
-table, and would add bytes: not worth doing. ``tests/parallel/test_tensor25d_traffic.py``
-checks every term against the compiled HLO.
+Which is cheaper: the weight terms are the same. A column product moves 2 X terms in the
+megatron form and 3 in summa; a row product 2 of width n in megatron and 3 of width m in
+summa, fewer whenever 2n < 3m, which every transformer block satisfies. So megatron moves
+fewer bytes (compiled, llama-tiny, q = 2: 0.61 / 0.74 of summa's whole layer at d = 1 / 2)
+and summa less memory: megatron keeps each column product's gathered X, [B/(dq), m]
+instead of [B/(dq), m/q], from the forward to dW, summa holds only split activations.
+Summa is the one to pick where activation memory, not bandwidth, binds, or to compare
+with the paper's figures.
+``tests/parallel/test_tensor25d.py`` checks
+every term of both forms against the compiled HLO.
 """
 
 from __future__ import annotations
@@ -49,11 +60,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WEIGHT_TERMS = ("weight forward", "weight for dX", "dW reduce", "dW over depth")
-"""The weight terms: the paper's and the GSPMD form's collectives coincide."""
+"""The weight terms: the paper's and both forms' collectives coincide."""
 PAPER_ACTIVATION_TERMS = ("X forward", "dX reduce", "X for dW")
 """Tesseract's activation terms (width m, the product's input)."""
+ACTIVATION_KINDS = {"X forward": "all-gather", "dX reduce": "reduce-scatter",
+                    "X for dW": "all-gather"}  # fmt: skip
+"""The collective of each activation term over ``tensor``, each of one product's input
+[B/(dq), m] gathered (or its gradient reduce-scattered): the planner's summa term books
+these (``planner/cost/terms/tensor25d.py``)."""
 ROW_TERMS = ("Y reduce", "dY gather")
-"""What a row product of the GSPMD form moves instead (width n, its output)."""
+"""What a row product of the megatron form moves instead (width n, its output)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +79,7 @@ class Product:
     name: str
     m: int  # input width
     n: int  # output width
-    row: bool  # the second product of a Megatron pair (weight laid out [n over rows])
+    row: bool  # the second product of a Megatron pair (megatron: weight [n over rows])
 
 
 def tesseract_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
@@ -76,8 +92,13 @@ def tesseract_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[
     return terms | dict.fromkeys(PAPER_ACTIVATION_TERMS, act)
 
 
-def gspmd_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
-    """What the compiled GSPMD form moves for ``p`` by the same terms (0 where it needs
+def summa_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
+    """What ``products = "summa"`` moves for ``p``: the paper's terms, each as the paper."""
+    return tesseract_terms(tokens, p, q=q, d=d, e=e)
+
+
+def megatron_terms(tokens: int, p: Product, *, q: int, d: int, e: int) -> dict[str, float]:
+    """What ``products = "megatron"`` moves for ``p`` by the same terms (0 where it needs
     none), plus ``ROW_TERMS`` for a row product."""
     paper = tesseract_terms(tokens, p, q=q, d=d, e=e)
     terms = {k: paper[k] for k in WEIGHT_TERMS}

@@ -87,6 +87,7 @@ def zero(
         activations=rules.activations,
         shared=(*rules.shared, axis),
         replicate_indivisible=rules.replicate_indivisible,
+        per_weight=rules.per_weight,
     )
     return StateRules(
         params=sharded if stage >= 3 else rules,

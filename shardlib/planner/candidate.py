@@ -60,6 +60,7 @@ def candidate(
     attention: str = "auto",
     loss_chunk: int = 0,
     grid_depth: int = 0,
+    products: str = "megatron",
     **sizes: int,
 ) -> ParallelPlan:
     """The ``ParallelPlan`` of one point of the search space.
@@ -74,6 +75,8 @@ def candidate(
     ``parallel.loss.chunk`` (the head and loss in slices of that many positions; 0: whole).
     ``grid_depth`` d >= 1 lays ``tensor``'s t devices out as a d x q x q Tesseract grid
     (``tensor_depth x tensor2 x tensor``, mode 2.5d; d = 1 is 2D); 0 keeps Megatron's 1D.
+    ``products`` is the grid's ``[parallel.tensor] products`` (``megatron``, or ``summa``:
+    Tesseract's SUMMA for every product, more activation bytes, less activation memory).
     """
     unknown = set(sizes) - {str(a) for a in AXIS_ORDER}
     if unknown:
@@ -86,7 +89,7 @@ def candidate(
     staged = sizes.get(str(Axis.STAGE), 1) > 1
     return ParallelPlan(
         mesh=_mesh(axes or ((str(Axis.DATA), 1),)),
-        tensor=_tensor("2.5d" if grid_depth else "auto"),
+        tensor=_tensor("2.5d" if grid_depth else "auto", products),
         data=_data(zero, 1 if staged else microbatches),
         pipeline=_pipeline(schedule, microbatches if staged else 0, virtual, split_saved),
         remat=_remat(remat),
@@ -109,7 +112,9 @@ _pipeline = functools.lru_cache(maxsize=256)(
     )
 )
 _remat = functools.lru_cache(maxsize=16)(Remat)
-_tensor = functools.lru_cache(maxsize=4)(lambda mode: TensorParallel(mode=mode))
+_tensor = functools.lru_cache(maxsize=8)(
+    lambda mode, products: TensorParallel(mode=mode, products=products)
+)
 _offload = functools.lru_cache(maxsize=4)(lambda optimizer: Offload(optimizer=optimizer))
 
 

@@ -293,7 +293,7 @@ def _carry_key(plan: ParallelPlan, mesh: Mapping[str, int]) -> tuple:
     schedule, v, m) stands alone."""
     view = PlanView(plan)
     if mesh["stage"] == 1:
-        return (view.zero, view.settings["grid_depth"])
+        return (view.zero, view.settings["grid_depth"], view.settings["products"])
     return (view.zero, view.schedule, view.virtual, view.microbatches)
 
 

@@ -6,8 +6,8 @@ Both read a model (``--model`` and ``model.NAME=VALUE`` words) and a cluster pre
 for tools) and leave errors to ``shardlib.tools.cli`` (stderr, exit 2). A layout is given as
 ``NAME=VALUE`` settings, comma-separated: mesh axis sizes (``tensor=8,stage=8``) and knobs
 (``zero``, ``microbatches``, ``schedule``, ``virtual``, ``split_saved``, ``remat``,
-``offload``): ``plan --fix`` fixes some and searches the rest, ``estimate --set`` gives them
-all.
+``offload``, ``grid_depth``, ``products``): ``plan --fix`` fixes some and searches the
+rest, ``estimate --set`` gives them all.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rich.table import Table
 from shardlib.core.attention import IMPLS
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
+from shardlib.parallel.tensor import PRODUCTS
 from shardlib.planner.candidate import AXIS_ORDER, REMAT, PlanView, candidate
 from shardlib.planner.cost.terms import SEARCH_AXES
 from shardlib.planner.cost.terms.remat import modelled_segments
@@ -34,7 +35,7 @@ from shardlib.planner.search import Space, meshes, search
 SCHEDULES = ("gpipe", "1f1b", "circular", "chimera", "terapipe", "2bw")
 KNOBS = (
     "zero", "microbatches", "schedule", "virtual", "split_saved", "remat", "offload",
-    "attention", "loss_chunk", "grid_depth",
+    "attention", "loss_chunk", "grid_depth", "products",
 )  # fmt: skip
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
@@ -107,6 +108,10 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
             allowed = SCHEDULES if key == "schedule" else (*REMAT, "segments:<k>", "sqrt")
             if value not in allowed and not (key == "remat" and modelled_segments(value)):
                 raise ShardingError(f"{flag} {word}: {key} is one of {', '.join(allowed)}.")
+            out[key] = value
+        elif key == "products":
+            if value not in PRODUCTS:
+                raise ShardingError(f"{flag} {word}: products is one of {', '.join(PRODUCTS)}.")
             out[key] = value
         elif key == "attention":
             if value not in IMPLS:

@@ -67,6 +67,7 @@ def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
         activations=strip(rules.activations),
         shared=shared,
         replicate_indivisible=rules.replicate_indivisible,
+        per_weight=rules.per_weight,
     )
 
 

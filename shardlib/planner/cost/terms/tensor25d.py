@@ -14,6 +14,17 @@ checks the same counts against the HLO):
 - the residual stream gathered over ``tensor`` before each block and reduce-scattered after
   it, forward and backward: 8 moves of the B/(dq) tokens' width, 8(q-1)·B·h/(dq²).
 
+``[parallel.tensor] products = "summa"`` (``grid_depth`` >= 1, searched beside megatron:
+the ``products`` knob) moves no residual: each of the block's four products gathers its
+input over ``tensor`` twice (forward, and again for dW) and reduce-scatters its dX, on the
+input's width (``summa_moves``: Tesseract's three activation terms,
+``tensor25d_traffic.ACTIVATION_KINDS``); it saves every h-wide buffer split over ``tensor``
+and holds the widest product's gathered X and whole dX once in the backward
+(``_summa_working``). Compiled (llama-7b, 8 layers, 64-device grids,
+``benchmarks/tensor25d_scale.py`` rows 13-16): memory 0.968-1.001, wire 0.986-1.014;
+priced as megatron they read 0.897-1.028 and 0.718-0.813. Remat policies but none and full
+are not costed with summa (``_summa_unmodelled``).
+
 Outside the layers the embedding and head tables follow FSDP's pattern over ``tensor2``
 (one gather for the lookup, two for the head, one gradient reduction each) plus the depth
 all-reduce, and the lookup and logits move the tokens' width over ``tensor`` a few times.
@@ -36,9 +47,11 @@ from typing import Any
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
+from shardlib.parallel.tensor import PRODUCTS
+from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, block_products
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
-from shardlib.planner.cost.terms.remat import per_layer
+from shardlib.planner.cost.terms.remat import KEPT, per_layer
 
 WEIGHT_GATHERS = 2
 """Gathers of each weight over ``tensor2`` per layer run: forward and backward."""
@@ -54,6 +67,12 @@ normed residual's two gathers (before qkv, before gate/up) and the attention out
 reduce-scatter (the MLP's output is not needed for the backward); over ``tensor2`` it
 gathers the column products' weights again (compiled, jax 0.10.2: the row products' gathers
 are shared with the backward's)."""
+SUMMA_NOT_RECOMPUTED = 1
+"""Products at the end of a block whose input ``remat=full``'s recomputed forward does not
+gather again under summa: MLP-down's output is not needed for the backward (compiled,
+llama-small, jax 0.10.2: the recomputed forward gathers qkv's, the out projection's and
+gate/up's inputs, not down's). The norms' statistics (an all-reduce of one scalar per
+token, under 1% of the tensor axis's bytes) are not booked."""
 OUTSIDE_GATHERS = {"embedding": 1, "lm_head": 2}
 """Gathers over ``tensor2`` of the tables outside the layers (the head's forward and
 backward, the lookup's forward)."""
@@ -100,21 +119,26 @@ def grid(step: Step) -> Contribution:
     runs, layers = layer_runs(step), step.layers_per_device
     layer = _gathered(step, True)
     width = step.micro_batch * step.local_seq * w.embed * e  # B/(dq) tokens' residual
-    gathers = RESIDUAL_MOVES / 2 + (EXTRA_GATHER_2D if d == 1 else 0)
-    scatters = RESIDUAL_MOVES / 2
-    t = view["tensor"]
-    if per_layer(view.remat) == "full":  # the recomputed forward, up to the MLP's product
-        gathers += RECOMPUTED_GATHERS
-        scatters += RECOMPUTED_SCATTERS
+    t, full = view["tensor"], per_layer(view.remat) == "full"
     comms = [
         Comm("tensor25d", "weights", "all-gather", rows, q, layer * e, WEIGHT_GATHERS * runs, True),
         # each micro-batch's dW is reduced inside its backward (the SUMMA reduction), not
         # once after accumulation: per layer run
         Comm("tensor25d", "grads", scatter, rows, q, layer * MASTER_BYTES, runs, True),
-        Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
-        Comm("tensor25d", "activations", scatter, cols, t, width, scatters * runs, False),
     ]  # fmt: skip
-    if per_layer(view.remat) == "full":  # the column products' weights, gathered again
+    if _products(view) == "summa":
+        comms += summa_moves(step, scatter, runs)
+    else:
+        gathers = RESIDUAL_MOVES / 2 + (EXTRA_GATHER_2D if d == 1 else 0)
+        scatters = RESIDUAL_MOVES / 2
+        if full:  # the recomputed forward, up to the MLP's product
+            gathers += RECOMPUTED_GATHERS
+            scatters += RECOMPUTED_SCATTERS
+        comms += [
+            Comm("tensor25d", "activations", "all-gather", cols, t, width, gathers * runs, False),
+            Comm("tensor25d", "activations", scatter, cols, t, width, scatters * runs, False),
+        ]
+    if full:  # the column products' weights, gathered again
         again = _gathered(step, True, columns=True) * e
         comms.append(Comm("tensor25d", "recompute", "all-gather", rows, q, again, runs, True))
     outside, m = 0.0, view.microbatches
@@ -138,6 +162,62 @@ def grid(step: Step) -> Contribution:
     transient = (c["fsdp_layers_live"] * layer + c["fsdp_outer_live"] * outside) * e
     transient += c["grad_layers_live"] * layer * (1 - 1 / q) * MASTER_BYTES
     return Contribution(memory={"gathered weights": transient}, comms=tuple(comms))
+
+
+def summa_moves(step: Step, scatter: str, runs: float) -> list[Comm]:
+    """``products = "summa"``'s activation collectives over ``tensor``: each of Tesseract's
+    three activation terms (``tensor25d_traffic.ACTIVATION_KINDS``) of each of the block's
+    products, on its input's width m, for the B/(dq) tokens of a micro-batch (the compiled
+    bytes are ``summa_terms``' to the byte: tests/parallel/test_tensor25d.py); no residual
+    moves. Under ``remat=full`` the recomputed forward gathers the inputs again, but the
+    last product's (``SUMMA_NOT_RECOMPUTED``)."""
+    w, cols, t = step.workload, (str(Axis.TENSOR),), step.view["tensor"]
+    tokens = step.micro_batch * step.local_seq
+    products = block_products(
+        embed=w.embed, qkv=w.local_qkv_width(1), attn=w.heads * w.head_dim,
+        mlp_in=w.mlp, mlp=w.mlp,
+    )  # fmt: skip
+    e, width = w.compute_bytes, sum(p.m for p in products)
+    comms = [
+        Comm("tensor25d", term, scatter if kind == "reduce-scatter" else kind, cols, t,
+             tokens * width * e, runs, False, len(products))
+        for term, kind in ACTIVATION_KINDS.items()
+    ]  # fmt: skip
+    if per_layer(step.view.remat) == "full":  # the recomputed forward's X forward gathers
+        again = products[:-SUMMA_NOT_RECOMPUTED]
+        width = sum(p.m for p in again)
+        comms.append(Comm("tensor25d", "recompute", "all-gather", cols, t, tokens * width * e,
+                          runs, False, len(again)))  # fmt: skip
+    return comms
+
+
+def _summa_working(step: Step, micro_batch: int) -> float:
+    """Live once under summa, in the backward of the widest product (MLP-down): its input
+    gathered again for dW and its dX as partial sums, both [B/(dq), m] at full width m before
+    the reduce-scatter (megatron's row product holds dY gathered, n = embed wide, and no
+    whole-width dX). Compiled (llama-7b, tensor2=4 x tensor=4, 2 and 4 layers): summa's
+    per-layer memory is the booked one's (1.5 h-wide buffers fewer than megatron's) and its
+    layer-independent part 0.37 GiB above megatron's; this books 0.34."""
+    if _products(step.view) != "summa":
+        return 0.0
+    w = step.workload
+    width = max(w.embed, w.heads * w.head_dim, w.mlp)
+    return 2 * micro_batch * step.local_seq * width * w.compute_bytes
+
+
+def _summa_unmodelled(view) -> str:
+    """Summa with a remat policy other than none and full: its products are custom VJPs
+    (``tensor25d.summa_product``), whose outputs a dots policy does not save, so
+    ``selective`` compiles to full's program (llama-7b, data=4 x 4 x 4: 3.223 GiB and the
+    tensor axis's bytes of remat=full), which the cost model does not book as selective."""
+    if _products(view) == "summa" and view.remat not in ("none", "full"):
+        return f"remat={view.remat} with products=summa"
+    return ""
+
+
+def _products(view) -> str:
+    """``[parallel.tensor] products`` of a grid plan (``megatron`` elsewhere)."""
+    return view.plan.tensor.products if _depth_of(view) else "megatron"
 
 
 GRID_DEPTHS = (0, 1, 2, 4, 8, 16)
@@ -173,7 +253,14 @@ def _depths(mesh: Mapping[str, int], space) -> list[int]:
 
 
 def _choices(workload, mesh: Mapping[str, int], space) -> list[dict]:
-    return [{"grid_depth": d} for d in _depths(mesh, space)]
+    """Each depth of the menu; a grid in each form of its products of the menu (megatron
+    and summa: summa moves more bytes and saves less, so it wins only where memory binds;
+    on ``plan --model llama-70b`` over 512 H100s it adds 18 plans to 2856)."""
+    return [
+        {"grid_depth": d, "products": p} if d else {"grid_depth": d}
+        for d in _depths(mesh, space)
+        for p in (space.menu("products") if d else ("megatron",))
+    ]
 
 
 def _allows(workload, mesh: Mapping[str, int], knobs: Mapping[str, Any]) -> bool:
@@ -190,7 +277,7 @@ def _bounds(mesh: Mapping[str, int], space, m: int) -> list[dict]:
     """Each form of the tensor devices bounds its own plans (a grid can move fewer
     critical-path bytes than 1D): one bound per depth tried."""
     depths = _depths(mesh, space)
-    return [{"grid_depth": d} for d in depths] if depths != [0] else []
+    return _choices(None, mesh, space) if depths != [0] else []
 
 
 def _residual_split(step: Step, policy: str) -> tuple[float, int]:
@@ -200,7 +287,10 @@ def _residual_split(step: Step, policy: str) -> tuple[float, int]:
     input, which ``remat.saved_input_split`` already splits."""
     if not grid_active(step.view) or policy not in ("none", "selective"):
         return 0.0, 1
-    return 2.0, step.view[str(Axis.TENSOR)]
+    # summa keeps every product's input split (``tensor25d.summa_product``): the norms'
+    # outputs too, so every h-wide saved buffer
+    split = KEPT[policy]["h"] if _products(step.view) == "summa" else 2.0
+    return split, step.view[str(Axis.TENSOR)]
 
 
 def _head_split(step: Step) -> int:
@@ -223,19 +313,22 @@ def _depth_of(view) -> int:
 def _knobs_text(view) -> str:
     if view.get(str(Axis.TENSOR3), 1) > 1:
         return "3d"
-    return f"2.5d d={d}" if (d := _depth_of(view)) else ""
+    summa = " summa" if _products(view) == "summa" else ""
+    return f"2.5d d={d}{summa}" if (d := _depth_of(view)) else ""
 
 
 TERM = Term(
     "tensor25d",
     cost=grid,
     axis_splits={str(a): ("batch",) for a in (Axis.TENSOR2, Axis.TENSOR3, Axis.TENSOR_DEPTH)},
-    knobs=(Knob("grid_depth", GRID_DEPTHS),),
-    settings=lambda view: {"grid_depth": _depth_of(view)},
+    knobs=(Knob("grid_depth", GRID_DEPTHS), Knob("products", PRODUCTS)),
+    settings=lambda view: {"grid_depth": _depth_of(view), "products": _products(view)},
     knobs_text=_knobs_text,
     choices=_choices,
     allows=_allows,
     bounds=_bounds,
     residual_split=_residual_split,
+    working=_summa_working,
+    unmodelled=_summa_unmodelled,
     head_split=_head_split,
 )
