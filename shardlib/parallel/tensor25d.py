@@ -69,7 +69,8 @@ def tensor_25d(
     weights transposed (``summa_weights``) and the batch over ``depth x row``, XLA (jax
     0.10.2, CPU) moves dY with a collective-permute over ``tensor_depth x tensor2`` in
     each row product's backward and the gradients come out wrong (rel. err 0.47 at d=2,
-    q=2); over ``row x depth`` neither happens."""
+    q=2); over ``row x depth`` neither happens. ``benchmarks/xla_summa_batch_order.py``
+    reproduces it in plain JAX (two products, no shardlib): wrong on jax 0.10.2 and 0.12."""
     megatron = {name: (column,) for name in MEGATRON_DIMS}
     batch = (row, depth) if summa else (depth, row)
     return Rules(
