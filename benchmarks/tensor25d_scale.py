@@ -11,21 +11,21 @@ devices (``planner.validate``: nothing is allocated, fp32) and compared with
 program, so the per-layer share is the same at full depth. Target: memory within 10%; wire
 bytes are printed beside it.
 
-Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 25-36 s a row):
+Measured (jax 0.10.2, CPU, fp32, 2 cores; 6-9 s a row, 2026-11-27 at ``4d08481``):
 
 | row | model, layers | mesh (grid d, knobs) | memory pred. / compiled GiB | wire |
 | --- | --- | --- | --- | --- |
-| 0 | llama-7b, 8 | data=4 x 4 x 4 (d=1) | 7.848 / 7.945 = 0.988 | 1.031 |
-| 1 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2) | 7.848 / 7.945 = 0.988 | 1.016 |
-| 2 | llama-7b, 8 | 4 x 4 x 4 (d=4) | 7.848 / 7.945 = 0.988 | 0.996 |
+| 0 | llama-7b, 8 | data=4 x 4 x 4 (d=1) | 7.719 / 7.945 = 0.972 | 1.031 |
+| 1 | llama-7b, 8 | data=2 x 2 x 4 x 4 (d=2) | 7.719 / 7.945 = 0.972 | 1.016 |
+| 2 | llama-7b, 8 | 4 x 4 x 4 (d=4) | 7.719 / 7.945 = 0.972 | 0.996 |
 | 3 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=selective) | 4.062 / 4.005 = 1.014 | 0.963 |
 | 4 | llama-7b, 8 | 4 x 4 x 4 (d=4, m=2, remat=full) | 3.019 / 3.318 = 0.910 | 0.993 |
-| 5 | llama2-13b, 4 | data=4 x 4 x 4 x 4 (d=4; 256 devices) | 3.078 / 3.326 = 0.925 | 1.041 |
-| 6 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero1) | 7.142 / 7.090 = 1.007 | 1.020 |
+| 5 | llama2-13b, 4 | data=4 x 4 x 4 x 4 (d=4; 256 devices) | 3.122 / 3.326 = 0.939 | 1.041 |
+| 6 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero1) | 7.013 / 7.090 = 0.989 | 1.020 |
 | 7 | llama-7b, 8 | data=4 x 4 x 4 (d=1, zero2, remat=full) | 2.185 / 2.215 = 0.986 | 1.038 |
 | 8 | llama-small, 3 (8 devices) | 2 x 2 x 2 (d=2, remat=full) | 0.041 / 0.040 = 1.033 | 0.959 |
-| 9 | llama-small, 3 (8 devices) | 3D 2 x 2 x 2 | 0.031 / 0.032 = 0.962 | 0.998 |
-| 10 | llama-7b, 8 | 3D 4 x 4 x 4 | 6.485 / 6.543 = 0.991 | 0.974 |
+| 9 | llama-small, 3 (8 devices) | 3D 2 x 2 x 2 | 0.031 / 0.032 = 0.972 | 0.998 |
+| 10 | llama-7b, 8 | 3D 4 x 4 x 4 | 6.356 / 6.543 = 0.971 | 0.974 |
 | 11 | llama-7b, 8 | 3D data=4 x 2 x 2 x tensor=4 (remat=full) | 2.890 / 3.042 = 0.950 | 1.017 |
 | 12 | llama-7b, 8 | data=4 x 4 x 4 (d=1, remat=full) | 2.890 / 3.042 = 0.950 | 1.048 |
 | 13 | llama-7b, 8 | data=4 x 4 x 4 (d=1, summa) | 7.305 / 7.547 = 0.968 | 0.997 |
@@ -34,6 +34,9 @@ Measured (jax 0.10.2, CPU, fp32, 2 shared cores; 25-36 s a row):
 | 16 | llama-7b, 8 | data=4 x 4 x 4 (d=1, summa, remat=full) | 3.226 / 3.223 = 1.001 | 1.014 |
 
 (batch 64 x seq 1024; rows 8 and 9 16 x 32; grids written tensor_depth x tensor2 x tensor.)
+Rows 0-2, 5, 6, 9 and 10 read 0.988 / 0.925 / 1.007 / 0.962 / 0.991 when first written, on
+the same compiled bytes: the planner's side moved (by other terms' changes since; which one
+was not traced), not 2.5D's own term.
 Rows 13-16 (``products = "summa"``), priced as the megatron form before the planner knew
 summa: memory 1.023 / 1.028 / 1.023 / 0.897, wire 0.748 / 0.718 / 0.722 / 0.813 (the
 residual's moves instead of each product's three activation terms). Summa with
