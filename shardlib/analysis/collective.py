@@ -44,7 +44,9 @@ def collective_op(
     frames: dict[int, str] | None = None,
 ) -> CollectiveOp:
     """A raw collective on the mesh: its axes, group size and wire bytes, and (given the
-    module and its stack frames) the input it moves and the line that asked for it."""
+    module and its stack frames) the input it moves, the line that asked for it and its
+    result's shape (what tells apart two ops of one size whose metadata names neither's
+    product: a stacked weight's per-layer slice, say)."""
     if raw.kind == "collective-permute":  # axes along which data moves
         axes = _mesh_axes([list(p) for p in raw.pairs], mesh_shape, names)
         group_size = _largest_cycle(raw.pairs)
@@ -64,6 +66,7 @@ def collective_op(
         tensor=attribute.moved_input(module, raw.computation, raw.name) if module else "",
         source=attribute.source(inst.attrs, frames or {}) if inst else "",
         fused_tensors=fused_gradients(raw.kind, raw.op_name, inst.arrays) if inst else 0,
+        shapes=tuple(a.dims for a in inst.arrays) if inst else (),
     )
 
 

@@ -117,6 +117,9 @@ class CollectiveOp:
     tensor: str = ""  # the input it moves (an argument path), where the HLO traces it back
     source: str = ""  # where in the user's code: "model.py:42 in Block.__call__"
     fused_tensors: int = 0  # gradients one fused (tuple) reduction carries; 0: not one
+    # dims of each array of its result as the HLO prints it (an async start: operands, then
+    # results; a reduce-scatter recounted from an all-reduce: the all-reduce's, unscattered)
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def moves(self) -> str:

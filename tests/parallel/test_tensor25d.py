@@ -5,9 +5,14 @@ Parity: d = 1 (2 x 2, the 2D case) and d = 2 (2 x 2 x 2) train like one device (
 
 Wire bytes (compile only, nothing runs), per layer and device, GPU form of the compiled HLO
 (``explain``'s ``gpu_collectives``), each collective assigned to a product (qkv, attention
-out, gate/up, down: the einsum in its metadata) and to one of Tesseract's terms
-(``parallel/tensor25d_traffic.py``). llama-tiny, 2 layers, b=8, s=32 (B = 256 tokens),
-fp32, q = 2; bytes for d = 1 / d = 2:
+out, gate/up, down) by what it moves (a weight's gather by its result's shape, an
+activation's by its width; ties by the einsum in its metadata, else the module in its source
+line) and to one of Tesseract's terms (``parallel/tensor25d_traffic.py``). The same on jax
+0.10.2 and 0.12, which puts the weights' gathers at the stacked weights' per-layer slice
+(metadata: ``dynamic_index_in_dim``, no einsum); there summa's X for dW of qkv and gate/up
+(the one normed residual, gathered at the saved activations' slice) is checked as their sum.
+llama-tiny, 2 layers, b=8, s=32 (B = 256 tokens), fp32, q = 2; bytes for d = 1 / d = 2
+(the same on both jax versions):
 
 | term (per layer) | paper | HLO | HLO / paper |
 | --- | --- | --- | --- |
@@ -149,52 +154,107 @@ EINSUMS = {
     "bld,djf->bljf": "gate/up",
     "blf,fd->bld": "down",
 }  # the products' einsums in ``models/llama`` (op_name metadata of the HLO)
+MODULES = {"Attention": ("qkv", "attention out"), "MLP": ("gate/up", "down")}  # in ``source``
 
 
-def _term(op) -> tuple[str, str] | None:
+def _weights(m) -> dict[str, tuple[int, ...]]:
+    """Each product's weight, one layer's, unsplit: its einsum's second operand."""
+    g = m.kv_heads
+    return {
+        "qkv": (m.embed, g, m.heads // g + 2, m.head_dim),  # q's heads of a group, k, v
+        "attention out": (m.heads, m.head_dim, m.embed),
+        "gate/up": (m.embed, 2, m.mlp),
+        "down": (m.mlp, m.embed),
+    }
+
+
+def _split_once(shape, weight, q) -> bool:
+    """``shape`` is ``weight`` gathered over tensor2 and still split q ways over tensor."""
+    if len(shape) != len(weight):
+        return False
+    ratios = sorted(w / s for w, s in zip(weight, shape, strict=True))
+    return ratios == [1.0] * (len(weight) - 1) + [q]
+
+
+def _term(op, products, weights, held, q):
     """(product, term) of one per-layer collective of the compiled step, ``None`` for the
-    norms' statistics; "layer" where XLA fuses a term of every product into one op."""
+    norms' statistics; "layer" where XLA fuses a term of every product into one op.
+
+    The product is told by what the op moves, not by where XLA put it: a weight's gather by
+    its result's shape (jax 0.12 gathers at the stacked weights' per-layer slice, whose
+    metadata names no einsum), an activation's by its width (``held`` tokens per device);
+    ties by the einsum in the metadata, else the module in ``source`` (jax 0.12 names a row
+    product's dY gather after the layout constraint behind it). Where nothing tells them
+    apart (the column products' X, the one normed residual), the product is the tuple."""
     backward = "transpose(" in op.op_name
-    found = [p for s, p in EINSUMS.items() if s in op.op_name]
-    product = found[0] if len(found) == 1 else None
     kind, axes = op.kind, op.axes
     if axes == ("tensor_depth",) and kind == "all-reduce":
         return "layer", "dW over depth"
     if axes == ("tensor2",) and kind == "reduce-scatter" and backward:
         return "layer", "dW reduce"
-    if axes == ("tensor2",) and kind == "all-gather" and product:
-        return product, "weight for dX" if backward else "weight forward"
-    if axes != ("tensor",) or op.buffer_bytes < 4096:
+    if axes == ("tensor2",) and kind == "all-gather":
+        term = "weight for dX" if backward else "weight forward"
+        found = [p for p, w in weights.items() if op.shapes and _split_once(op.shapes[-1], w, q)]
+    elif axes == ("tensor",) and kind in ("all-gather", "reduce-scatter"):
+        width = op.buffer_bytes / (held * E)  # the activation's feature width
+        if kind == "reduce-scatter":
+            term, side = ("dX reduce", "m") if backward else ("Y reduce", "n")
+        elif not backward:
+            term, side = "X forward", "m"
+        elif "x_for_dW[" in op.op_name or "dynamic_index_in_dim" in op.op_name:
+            # summa's X gathered again (``tensor25d.summa_product``); jax 0.12 gathers at
+            # the backward loop's slice of the activations the forward saved
+            term, side = "X for dW", "m"
+        else:
+            term, side = "dY gather", "n"
+        found = [p.name for p in products if getattr(p, side) == width]
+    else:
         return None
-    if kind == "all-gather" and not backward and op.op_name.endswith("/mul"):
-        return "columns", "X forward"  # the normed residual, before qkv and gate/up
-    row = product in ("attention out", "down")
-    if product and kind == "all-gather" and "x_for_dW[" in op.op_name:
-        return product, "X for dW"  # summa: X gathered again (``tensor25d.summa_product``)
-    if product and kind == "all-gather" and row and not backward:
-        return product, "X forward"  # summa: the row product gathers its input
-    if product and kind == "reduce-scatter" and backward:
-        return product, "dX reduce"  # summa's every product, megatron's column products
-    if product and kind == "reduce-scatter" and row and not backward:
-        return product, "Y reduce"
-    if product and kind == "all-gather" and row and backward:
-        return product, "dY gather"
-    return None
+    einsum = [p for s, p in EINSUMS.items() if s in op.op_name]
+    module = [ps for name, ps in MODULES.items() if f" in {name}." in op.source]
+    for narrower in (einsum, *module):
+        if len(found) > 1 and set(found) & set(narrower):
+            found = [p for p in found if p in narrower]
+    if not found:
+        return None
+    return (found[0] if len(found) == 1 else tuple(found)), term
 
 
-def _measured(report) -> tuple[dict, float]:
+def _measured(setup, report, q, d) -> tuple[dict, float]:
     """Per-layer wire bytes by (product, term), and the bytes no term claims."""
-    by_term: dict[tuple[str, str], float] = {}
+    products = _block_products(setup)
+    weights = _weights(setup.workload)
+    assert [math.prod(weights[p.name]) for p in products] == [p.m * p.n for p in products]
+    held = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq // (d * q)  # batch over depth, tensor2
+    by_term: dict[tuple, float] = {}
     left = 0.0
     for op in report.gpu_collectives:
         if op.count != LAYERS:
             continue
-        key = _term(op)
+        key = _term(op, products, weights, held, q)
         if key is None:
             left += op.wire_bytes
         else:
             by_term[key] = by_term.get(key, 0.0) + op.wire_bytes
     return by_term, left
+
+
+def _products(got, term) -> set[str]:
+    """The products that have bytes of ``term``."""
+    keys = [k[0] if isinstance(k[0], tuple) else (k[0],) for k in got if k[1] == term]
+    return {name for key in keys for name in key}
+
+
+def _check(got, term, formulas, names) -> None:
+    """``term`` of each of ``names`` against its formula: alone, or summed with the products
+    it could not be told from (a tuple key of ``_term``); every name must be found."""
+    found = set()
+    for (product, t), value in got.items():
+        group = product if isinstance(product, tuple) else (product,)
+        if t == term and set(group) & set(names):
+            assert _close(value, sum(formulas[n][term] for n in group)), (group, term)
+            found |= set(group)
+    assert found >= set(names), (term, names, found)
 
 
 def _block_products(setup):
@@ -226,43 +286,48 @@ def test_each_collective_against_tesseracts_term(axes, products):
     products_ = _block_products(setup)
     assert sum(p.m * p.n for p in products_) * E == _layer_weight_bytes(setup)
     paper = {p.name: tesseract_terms(tokens, p, q=q, d=d, e=E) for p in products_}
-    got, left = _measured(report)
+    got, left = _measured(setup, report, q, d)
     total = sum(got.values()) + left
     assert left < 0.02 * total, (left, total)  # the norms' statistics
     paper_total = sum(sum(t.values()) for t in paper.values())
     print(f"{products} d={d}: whole layer HLO / paper = {total / paper_total:.3f}")
-    for p in products_:  # the weight terms: the paper's collectives, per product
-        for term in WEIGHT_TERMS[:2]:
-            assert _close(got[(p.name, term)], paper[p.name][term])
+    names = [p.name for p in products_]
+    for term in WEIGHT_TERMS[:2]:  # the weight terms: the paper's collectives, per product
+        _check(got, term, paper, names)
+        assert not any(isinstance(k[0], tuple) for k in got if k[1] == term)  # told apart
     for term in WEIGHT_TERMS[2:]:  # fused by XLA over the layer's four gradients
         want = sum(paper[p.name][term] for p in products_)
         if want:
             assert _close(got[("layer", term)], want)
         else:
             assert ("layer", term) not in got
-    columns = [p for p in products_ if not p.row]
-    assert _close(got[("columns", "X forward")], sum(paper[p.name]["X forward"] for p in columns))
+    columns = [p.name for p in products_ if not p.row]
+    rows = [p.name for p in products_ if p.row]
+    _check(got, "X forward", paper, columns)  # the normed residual, one gather each
     if products == "summa":
         summa = {p.name: summa_terms(tokens, p, q=q, d=d, e=E) for p in products_}
-        for p in products_:
-            assert _close(got[(p.name, "dX reduce")], summa[p.name]["dX reduce"])
-            assert _close(got[(p.name, "X for dW")], summa[p.name]["X for dW"])
-            if p.row:  # the column products' is the normed residual's, checked above
-                assert _close(got[(p.name, "X forward")], summa[p.name]["X forward"])
-        assert not {k for k in got if k[1] in ("Y reduce", "dY gather")}
+        for term in ("dX reduce", "X for dW"):
+            _check(got, term, summa, names)
+        _check(got, "X forward", summa, rows)
+        assert not _products(got, "Y reduce") | _products(got, "dY gather")
         assert _close(total, paper_total)  # 1.005 / 1.003: the norms' statistics
         return
     megatron = {p.name: megatron_terms(tokens, p, q=q, d=d, e=E) for p in products_}
-    for p in columns:  # the paper's dX reduce; its X-for-dW broadcast is not run (X kept)
-        assert _close(got[(p.name, "dX reduce")], paper[p.name]["dX reduce"])
-        assert (p.name, "X for dW") not in got
-    # d = 1: XLA (jax 0.10.2) gathers the out projection's dY twice (two transposes of
-    # "blhk,hkd->bld", not merged), one more (q-1)·B·n·e/(dq²)
+    # the paper's dX reduce of the column products; its X-for-dW broadcast is not run (X kept)
+    _check(got, "dX reduce", paper, columns)
+    assert not _products(got, "X for dW")
+    assert _products(got, "X forward") == set(columns)
+    # d = 1: XLA (jax 0.10.2 and 0.12) gathers the out projection's dY twice (two
+    # transposes of "blhk,hkd->bld", not merged), one more (q-1)·B·n·e/(dq²)
     extra = megatron["attention out"]["dY gather"] if d == 1 else 0.0
-    for p in (p for p in products_ if p.row):  # output-wide moves instead of the paper's three
-        assert _close(got[(p.name, "Y reduce")], megatron[p.name]["Y reduce"])
-        more = extra if p.name == "attention out" else 0.0
-        assert _close(got[(p.name, "dY gather")], megatron[p.name]["dY gather"] + more)
+    dy = {
+        **megatron,
+        "attention out": {"dY gather": megatron["attention out"]["dY gather"] + extra},
+    }
+    # the row products: output-wide moves instead of the paper's three
+    _check(got, "Y reduce", megatron, rows)
+    _check(got, "dY gather", dy, rows)
+    assert _products(got, "Y reduce") == _products(got, "dY gather") == set(rows)
     # the whole layer against the paper's count: the ratio is the terms' (0.605 / 0.737)
     megatron_total = sum(sum(t.values()) for t in megatron.values())
     assert megatron_total < paper_total
