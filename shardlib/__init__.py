@@ -28,7 +28,8 @@ _FROM = {
     "shardlib.core.mesh": (
         "Axis", "MeshSpec", "load_mesh", "mesh_spec", "reference_mesh", "simulate_cpu_devices",
     ),
-    "shardlib.core.rules": ("LOGICAL_NAMES", "Rules", "base_rules", "compose", "resolve_spec"),
+    "shardlib.core.rules": ("LOGICAL_NAMES", "Rules", "base_rules", "compose"),
+    "shardlib.core.resolve": ("resolve_spec",),
     "shardlib.core.stack": ("run_stack",),
     "shardlib.dataset.tokens": ("embedded_corpus", "global_batch"),
     "shardlib.parallel": (  # every strategy's rule function (``parallel.__all__``)

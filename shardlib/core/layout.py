@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.core.rules import Kind, Rules, entry_without, resolve_spec, shared_dims
+from shardlib.core.resolve import resolve_spec
+from shardlib.core.rules import Kind, Rules, entry_without, shared_dims
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "shardlib_layout", default=None

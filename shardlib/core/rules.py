@@ -183,7 +183,7 @@ class Rules:
         for dim, name in enumerate(names):
             axes = () if name is None else dims.get(dim, table[name])
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return _spec(parts)
+        return make_spec(parts)
 
     def check_mesh(self, mesh_axes: Mapping[str, int], where: str = "rules") -> None:
         """Every mesh axis a rule names must exist in the mesh."""
@@ -193,7 +193,7 @@ class Rules:
                     if ax not in mesh_axes:
                         raise ShardingError(
                             f"{where}: {kind} rule {name!r} -> {axes} names mesh axis {ax!r}, "
-                            f"which the mesh ({_fmt_mesh(mesh_axes)}) does not have. Fix: add "
+                            f"which the mesh ({fmt_mesh(mesh_axes)}) does not have. Fix: add "
                             f"{ax!r} to the mesh or drop it from the rule."
                         )
 
@@ -294,105 +294,8 @@ def shared_dims(
     return dims
 
 
-def _fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
+def fmt_mesh(mesh_axes: Mapping[str, int]) -> str:
     return " x ".join(f"{n}={s}" for n, s in mesh_axes.items()) or "no axes"
-
-
-def divides(shape, names, table: Mapping[str, tuple[str, ...]], mesh_axes: Mapping[str, int]):
-    """Whether every named dim of ``shape`` divides by the mesh axes ``table`` gives it."""
-    for name, size in zip(names, shape, strict=True):
-        axes = table.get(name, ()) if name is not None else ()
-        if size % math.prod(mesh_axes.get(a, 1) for a in axes):
-            return False
-    return True
-
-
-@dataclass(frozen=True)
-class Indivisible:
-    """What a "dim does not divide" error carries, so that a layer that knows the mesh
-    presets (``shardlib.parallel.plan.suggest_presets``) can name those that would fit."""
-
-    shape: tuple[int, ...]
-    names: tuple[str | None, ...]
-    kind: Kind
-    devices: int
-
-
-def resolve_spec(
-    path: str,
-    shape: tuple[int, ...],
-    names: tuple[str | None, ...] | None,
-    rules: Rules,
-    mesh_axes: Mapping[str, int],
-    kind: Kind = "params",
-) -> P:
-    """The validated PartitionSpec of one tensor.
-
-    ``names`` is the tensor's logical annotation (``None`` for an unannotated tensor, which
-    is replicated on purpose). Raises ShardingError for an unknown logical name, a rank
-    mismatch, a mesh axis used twice, a missing mesh axis, or a dim that does not divide.
-    The last carries ``Indivisible`` (``error.indivisible``) for the presets suggestion.
-    """
-    if names is None:
-        return P()
-    names = tuple(names)
-    if len(names) != len(shape):
-        raise ShardingError(
-            f"tensor {path!r} has shape {tuple(shape)} (rank {len(shape)}) but its logical "
-            f"annotation {names} has {len(names)} names. Fix: give one logical name (or None) "
-            "per dim."
-        )
-    table = rules.table(kind, names)
-    for dim, name in enumerate(names):
-        if name is not None and name not in table:
-            raise ShardingError(
-                f"tensor {path!r} dim {dim} is annotated {name!r}, which the {kind} rules do not "
-                f"know (known: {', '.join(sorted(table))}). Fix: add the name to both tables: "
-                f"rules.with_name({name!r}) (replicated; params=/activations= split it), on the "
-                f"command line rules.{name}=AXIS,... (empty: replicated), in a mesh file "
-                f"[rules] {name} = [...]; or correct the annotation."
-            )
-    if rules.replicate_indivisible:  # e.g. fewer K/V heads than the tensor degree
-        sizes = {n: size for n, size in zip(names, shape, strict=True) if n is not None}
-        rules = rules.for_sizes(sizes, mesh_axes)
-        table = rules.table(kind, names)
-    shared = shared_dims(rules, names, tuple(shape), kind, mesh_axes)
-    used: dict[str, int] = {}
-    parts = []
-    for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
-        if name is None:
-            parts.append(None)
-            continue
-        axes = shared.get(dim, table[name])
-        for ax in axes:
-            if ax not in mesh_axes:
-                raise ShardingError(
-                    f"tensor {path!r} dim {dim} ({name!r}, size {size}): the {kind} rule maps it "
-                    f"to mesh axis {ax!r}, which the mesh ({_fmt_mesh(mesh_axes)}) lacks. Fix: "
-                    f"add {ax!r} to the mesh or remove it from the rule for {name!r}."
-                )
-            if ax in used:
-                raise ShardingError(
-                    f"tensor {path!r}: mesh axis {ax!r} is used by dim {used[ax]} "
-                    f"({names[used[ax]]!r}) and again by dim {dim} ({name!r}) of {names}; a mesh "
-                    f"axis can split only one dim. Fix: map {name!r} or {names[used[ax]]!r} to "
-                    "another axis in the rules."
-                )
-            used[ax] = dim
-        ways = math.prod(mesh_axes[a] for a in axes)
-        if size % ways:
-            over = " x ".join(f"{a}={mesh_axes[a]}" for a in axes)
-            error = ShardingError(
-                f"tensor {path!r} dim {dim} ({name!r}, size {size}) is split over mesh axis "
-                f"{over} ({ways} ways), and {size} is not divisible by {ways}. Fix: change the "
-                f"model so {name!r} is a multiple of {ways}, shrink that mesh axis, or map "
-                f"{name!r} to () in the {kind} rules."
-            )
-            devices = math.prod(mesh_axes.values())
-            error.indivisible = Indivisible(tuple(shape), names, kind, devices)
-            raise error
-        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return _spec(parts)
 
 
 def entry_axes(entry) -> tuple[str, ...]:
@@ -406,7 +309,7 @@ def entry_without(entry, axes) -> str | tuple[str, ...] | None:
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def _spec(parts: list) -> P:
+def make_spec(parts: list) -> P:
     """P(None, "x", None) and P(None, "x") are one layout: keep the short form."""
     while parts and parts[-1] is None:
         parts.pop()

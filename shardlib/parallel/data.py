@@ -13,7 +13,8 @@ from typing import ClassVar
 import shardlib.parallel.zeropp as zeropp
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
-from shardlib.core.rules import Rules, resolve_spec
+from shardlib.core.resolve import resolve_spec
+from shardlib.core.rules import Rules
 from shardlib.parallel.compression import check_bits
 from shardlib.parallel.fsdp import fsdp
 

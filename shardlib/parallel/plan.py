@@ -40,7 +40,8 @@ from typing import Any
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import MESHES_DIR, Axis, MeshSpec, load_mesh
 from shardlib.core.ops import use_ops
-from shardlib.core.rules import Indivisible, Rules, base_rules, compose, divides
+from shardlib.core.resolve import Indivisible, divides
+from shardlib.core.rules import Rules, base_rules, compose
 from shardlib.core.values import replace_path
 from shardlib.core.workload import Workload
 from shardlib.parallel import gradients
@@ -360,7 +361,7 @@ def presets_that_fit(fail: Indivisible, batch: int | None = None) -> list[str]:
 def suggest_presets(batch: int | None = None) -> Iterator[None]:
     """Re-raise a "dim does not divide" error with the presets that would fit it.
 
-    The error comes from ``rules.resolve_spec``, which knows one tensor and no presets;
+    The error comes from ``resolve.resolve_spec``, which knows one tensor and no presets;
     the suggestion needs each preset's plan, so it is added here, where plans are known.
     """
     try:

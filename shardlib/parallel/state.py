@@ -40,7 +40,8 @@ from shardlib.core.layout import (
     resolve_specs,
     shard_model,
 )
-from shardlib.core.rules import Rules, resolve_spec
+from shardlib.core.resolve import resolve_spec
+from shardlib.core.rules import Rules
 from shardlib.parallel.mesh_rules import rules_for_mesh
 from shardlib.parallel.plan import suggest_presets
 

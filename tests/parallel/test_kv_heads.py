@@ -23,7 +23,7 @@ from layout_cases import first_devices_mesh
 from models.llama.model import Llama, LlamaConfig
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.core.layout import shard_model, use_layout
-from shardlib.core.rules import resolve_spec
+from shardlib.core.resolve import resolve_spec
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner import Workload, candidate, estimate
 from shardlib.tools.generate import cache_sharding

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from shardlib import ShardingError, mesh_spec
 from shardlib.core.layout import constrain
 from shardlib.core.mesh import load_mesh
-from shardlib.core.rules import resolve_spec
+from shardlib.core.resolve import resolve_spec
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.tools.cli import main
 from shardlib.train.config import TrainConfig, parse_overrides, train_config

@@ -35,7 +35,8 @@ from shardlib.core.attention import LocalAttention, Packed, pick_chunk
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, mesh_axes
 from shardlib.core.mesh import Axis
-from shardlib.core.rules import Rules, resolve_spec
+from shardlib.core.resolve import resolve_spec
+from shardlib.core.rules import Rules
 from shardlib.core.shard_map import shard_map
 from shardlib.core.workload import Workload
 from shardlib.parallel.context.choice import AttentionChoice, Device, Splits, choose

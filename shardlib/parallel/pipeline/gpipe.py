@@ -49,7 +49,8 @@ from jax.ad_checkpoint import checkpoint_name
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
 from shardlib.core.mesh import Axis
-from shardlib.core.rules import Rules, resolve_spec
+from shardlib.core.resolve import resolve_spec
+from shardlib.core.rules import Rules
 from shardlib.parallel.pipeline.partition import balanced_stages, masked, pad_stages
 from shardlib.parallel.pipeline.replicas import GATHER_WEIGHTS, replicas
 from shardlib.parallel.pipeline.spec import SCHEDULE_ALIASES, SCHEDULES, PipelineSpec

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, constrain, logical_names, mesh_axes
-from shardlib.core.rules import resolve_spec
+from shardlib.core.resolve import resolve_spec
 from shardlib.parallel.pipeline.storage import LayerOrder
 
 

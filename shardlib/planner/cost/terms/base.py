@@ -28,7 +28,7 @@ from shardlib.analysis.report import ring_wire_bytes as ring_wire  # the one rin
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.core.param_info import ParamInfo
-from shardlib.core.rules import resolve_spec
+from shardlib.core.resolve import resolve_spec
 from shardlib.core.workload import Workload
 from shardlib.parallel.mesh_rules import rules_for_mesh
 from shardlib.parallel.plan import ParallelPlan
