@@ -12,6 +12,7 @@ tensor, the dim, its size, the mesh axis, its size, and a fix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -124,12 +125,10 @@ class Rules:
 
     def replace(self, *, params=None, activations=None) -> Rules:
         """A copy with some entries overridden (whole entries, never merged)."""
-        return Rules(
+        return dataclasses.replace(
+            self,
             params={**self.params, **(params or {})},
             activations={**self.activations, **(activations or {})},
-            shared=self.shared,
-            replicate_indivisible=self.replicate_indivisible,
-            per_weight=self.per_weight,
         )
 
     def for_sizes(self, sizes: Mapping[str, int], mesh_axes: Mapping[str, int]) -> Rules:

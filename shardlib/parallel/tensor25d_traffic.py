@@ -119,3 +119,12 @@ def block_products(*, embed: int, qkv: int, attn: int, mlp_in: int, mlp: int) ->
         Product("gate/up", embed, mlp_in, row=False),
         Product("down", mlp, embed, row=True),
     )
+
+
+def workload_products(w) -> tuple:
+    """``block_products`` of a ``Workload``'s widths (its MLP's input width from its weight
+    count: gate and up for SwiGLU, one matrix for a GELU MLP)."""
+    return block_products(
+        embed=w.embed, qkv=(w.heads + 2 * w.kv_heads) * w.head_dim, attn=w.heads * w.head_dim,
+        mlp_in=(w.mlp_matrices - 1) * w.mlp, mlp=w.mlp,
+    )  # fmt: skip

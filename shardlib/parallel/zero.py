@@ -23,6 +23,7 @@ further over ``data`` as above.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,12 +83,8 @@ def zero(
         for name in PARAM_DIMS
         if name != "vocab"  # the logits are not vocab-split over ``axis``: tables on embed
     }
-    sharded = Rules(
-        params={**rules.params, **split},
-        activations=rules.activations,
-        shared=(*rules.shared, axis),
-        replicate_indivisible=rules.replicate_indivisible,
-        per_weight=rules.per_weight,
+    sharded = dataclasses.replace(
+        rules, params={**rules.params, **split}, shared=(*rules.shared, axis)
     )
     return StateRules(
         params=sharded if stage >= 3 else rules,

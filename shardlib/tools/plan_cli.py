@@ -38,6 +38,13 @@ KNOBS = (
     "attention", "loss_chunk", "grid_depth", "products",
 )  # fmt: skip
 """The ``candidate`` knobs a layout setting may name besides the mesh axes."""
+CHOICES = {
+    "schedule": SCHEDULES,
+    "remat": (*REMAT, "segments:<k>", "sqrt"),  # and any modelled ``segments:k``
+    "attention": IMPLS,
+    "products": PRODUCTS,
+}
+"""The knobs whose value is one of a list, and the list (said in the error)."""
 WORKLOAD_DEFAULTS = {"model": "llama-small", "global_batch": 1024, "seq": 4096, "precision": "bf16"}
 
 
@@ -104,18 +111,10 @@ def parse_settings(words: list[str], flag: str) -> dict[str, int | str | bool]:
         example = f"Fix: e.g. {flag} tensor=8,stage=8,schedule=1f1b,microbatches=16."
         if not sep or not value:
             raise ShardingError(f"{flag} {word!r} is not NAME=VALUE. {example}")
-        if key in ("schedule", "remat"):
-            allowed = SCHEDULES if key == "schedule" else (*REMAT, "segments:<k>", "sqrt")
+        if key in CHOICES:
+            allowed = CHOICES[key]
             if value not in allowed and not (key == "remat" and modelled_segments(value)):
                 raise ShardingError(f"{flag} {word}: {key} is one of {', '.join(allowed)}.")
-            out[key] = value
-        elif key == "products":
-            if value not in PRODUCTS:
-                raise ShardingError(f"{flag} {word}: products is one of {', '.join(PRODUCTS)}.")
-            out[key] = value
-        elif key == "attention":
-            if value not in IMPLS:
-                raise ShardingError(f"{flag} {word}: attention is one of {', '.join(IMPLS)}.")
             out[key] = value
         elif key in ("offload", "split_saved"):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):

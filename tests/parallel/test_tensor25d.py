@@ -61,10 +61,10 @@ from shardlib.parallel.tensor import TensorParallel
 from shardlib.parallel.tensor25d_traffic import (
     WEIGHT_TERMS,
     Product,
-    block_products,
     megatron_terms,
     summa_terms,
     tesseract_terms,
+    workload_products,
 )
 from shardlib.train.config import override, train_config
 from shardlib.train.setup import make_setup
@@ -222,7 +222,7 @@ def _term(op, products, weights, held, q):
 
 def _measured(setup, report, q, d) -> tuple[dict, float]:
     """Per-layer wire bytes by (product, term), and the bytes no term claims."""
-    products = _block_products(setup)
+    products = workload_products(setup.workload)
     weights = _weights(setup.workload)
     assert [math.prod(weights[p.name]) for p in products] == [p.m * p.n for p in products]
     held = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq // (d * q)  # batch over depth, tensor2
@@ -257,14 +257,6 @@ def _check(got, term, formulas, names) -> None:
     assert found >= set(names), (term, names, found)
 
 
-def _block_products(setup):
-    m = setup.workload
-    return block_products(
-        embed=m.embed, qkv=(m.heads + 2 * m.kv_heads) * m.head_dim,
-        attn=m.heads * m.head_dim, mlp_in=2 * m.mlp, mlp=m.mlp,
-    )  # fmt: skip
-
-
 def _close(measured, formula) -> bool:
     assert abs(measured - formula) <= 0.05 * formula, (measured, formula)
     return True
@@ -283,7 +275,7 @@ def test_each_collective_against_tesseracts_term(axes, products):
     setup, report = _report(tuple(axes.items()), products)
     d, q = axes.get("tensor_depth", 1), axes["tensor"]
     tokens = COMM_CFG.dataset.batch * COMM_CFG.dataset.seq
-    products_ = _block_products(setup)
+    products_ = workload_products(setup.workload)
     assert sum(p.m * p.n for p in products_) * E == _layer_weight_bytes(setup)
     paper = {p.name: tesseract_terms(tokens, p, q=q, d=d, e=E) for p in products_}
     got, left = _measured(setup, report, q, d)

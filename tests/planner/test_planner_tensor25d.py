@@ -168,17 +168,14 @@ def test_summa_is_priced_as_it_compiles():
     book (the norms' statistics, the loss's max and sum over the split vocabulary): 0.993 of
     them at this width (embed 64); memory within 10% (1.059); more bytes moved than
     megatron."""
-    from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, block_products, summa_terms
+    from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, summa_terms, workload_products
     from shardlib.planner import candidate
     from shardlib.planner.validate import validate
 
     workload = Workload.from_preset("llama-tiny", 16, 32, "fp32", layers=3)
     plan = candidate(tensor=8, grid_depth=2, products="summa")
     w, d, q = workload, 2, 2
-    products = block_products(
-        embed=w.embed, qkv=(w.heads + 2 * w.kv_heads) * w.head_dim, attn=w.heads * w.head_dim,
-        mlp_in=2 * w.mlp, mlp=w.mlp,
-    )  # fmt: skip
+    products = workload_products(w)
     paper = sum(
         summa_terms(w.tokens, p, q=q, d=d, e=4)[term] for p in products for term in ACTIVATION_KINDS
     )

@@ -31,6 +31,7 @@ puts them back on the replica dim of every constrained value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,12 +63,8 @@ def without_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
         return {name: tuple(a for a in mesh if a not in axes) for name, mesh in table.items()}
 
     shared = tuple(a for a in rules.shared if a not in axes)
-    return Rules(
-        params=strip(rules.params),
-        activations=strip(rules.activations),
-        shared=shared,
-        replicate_indivisible=rules.replicate_indivisible,
-        per_weight=rules.per_weight,
+    return dataclasses.replace(
+        rules, params=strip(rules.params), activations=strip(rules.activations), shared=shared
     )
 
 

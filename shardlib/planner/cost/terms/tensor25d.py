@@ -48,7 +48,7 @@ from typing import Any
 from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.parallel.tensor import PRODUCTS
-from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, block_products
+from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, workload_products
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 from shardlib.planner.cost.terms.remat import KEPT, per_layer
@@ -173,10 +173,7 @@ def summa_moves(step: Step, scatter: str, runs: float) -> list[Comm]:
     last product's (``SUMMA_NOT_RECOMPUTED``)."""
     w, cols, t = step.workload, (str(Axis.TENSOR),), step.view["tensor"]
     tokens = step.micro_batch * step.local_seq
-    products = block_products(
-        embed=w.embed, qkv=w.local_qkv_width(1), attn=w.heads * w.head_dim,
-        mlp_in=w.mlp, mlp=w.mlp,
-    )  # fmt: skip
+    products = workload_products(w)
     e, width = w.compute_bytes, sum(p.m for p in products)
     comms = [
         Comm("tensor25d", term, scatter if kind == "reduce-scatter" else kind, cols, t,
