@@ -48,11 +48,8 @@ def _without_key_bias(t):
     return dataclasses.replace(t, grads=grads), t.grads["blocks"]["attn"]["bk"]
 
 
-# the pipeline on stage x fsdp x tensor stays in the fast subset (pytest -m "not slow")
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=() if n == "1f1b-p2-fsdp2-tp2" else pytest.mark.slow) for n in CASES],
-)
+@pytest.mark.slow  # the fast subset's pipeline smoke test is test_pipeline.py's (FAST)
+@pytest.mark.parametrize("name", list(CASES))
 def test_gpt_parity_fp32(name):
     axes, overrides = CASES[name]
     ref, state = one_device_reference(CFG)
