@@ -18,12 +18,13 @@ from jax.sharding import Mesh
 from shardlib.core.layout import use_layout
 from shardlib.core.mesh import MeshSpec, reference_mesh
 from shardlib.dataset.tokens import global_batch, load_tokens
+from shardlib.parallel.offload_stream import streams
 from shardlib.parallel.pipeline import two_bw
 from shardlib.train import fp8, precision
 from shardlib.train.config import TrainConfig
 from shardlib.train.loop import run
 from shardlib.train.setup import TrainSetup, make_setup
-from shardlib.train.step import grad_function, make_loss_fn
+from shardlib.train.step import build_train_step, grad_function, make_loss_fn
 
 FP32_TOLERANCE = 1e-5
 
@@ -44,6 +45,26 @@ class ParityResult:
     def ok(self, tol: float = FP32_TOLERANCE) -> bool:
         errs = (self.max_rel_loss_err, self.max_rel_grad_norm_err, self.max_rel_grad_err)
         return max(*errs, self.max_rel_param_err) <= tol
+
+
+def step_records_grads(setup: TrainSetup) -> bool:
+    """Whether the train step's first gradients are ``first_grads``'s, so that parity can read
+    them from the step it compiles anyway (``build_train_step(record_grads=True)``) instead
+    of compiling a gradient program beside it (a third of a parity run's compiling).
+
+    Not where the step's gradients are another thing: 2BW's first step runs an empty
+    pipeline, fp16's are scaled (and may overflow), LoRA's leave the base weights out, and
+    1-bit, streamed-offload and NVMe steps keep them out of the step's outputs.
+    """
+    plan = setup.plan
+    return not (
+        setup.stale_weights
+        or precision.uses_loss_scale(setup.cfg.precision)
+        or setup.cfg.lora.rank
+        or plan.data.onebit_momentum
+        or plan.offload.nvme_path
+        or (streams(plan) and setup.stacked_layers > 0)
+    )
 
 
 def first_grads(setup: TrainSetup, params: dict | None = None) -> dict:
@@ -153,9 +174,13 @@ def trace(
     ``grads`` records the first step's gradients leaf by leaf, ``params`` the final ones.
     """
     start = None if state is None else jax.device_put(setup.stored(state), setup.state_shardings)
-    result = run(setup, state=start, show=False)
+    from_step = grads and step_records_grads(setup) and (state is None or not state["step"])
+    step = build_train_step(setup, record_grads=True) if from_step else None
+    result = run(setup, state=start, show=False, train_step=step)
     first = None
-    if grads:
+    if from_step:
+        first = setup.natural(result.first_grads)
+    elif grads:
         first = first_grads(setup, None if state is None else state["params"])
     final = jax.device_get(setup.natural(result.state["params"])) if params else None
     return Trace(result.records, first, final, result.state)
@@ -191,7 +216,11 @@ def one_device(cfg: TrainConfig, *, seed: int = 0) -> Trace:
     return trace(setup, random_state(setup, seed), grads=False, params=True)
 
 
-def check_parity(cfg: TrainConfig, mesh: Mesh) -> ParityResult:
-    """Parity of ``cfg`` on ``mesh`` against one device."""
+def check_parity(cfg: TrainConfig, mesh: Mesh, *, seed: int | None = None) -> ParityResult:
+    """Parity of ``cfg`` on ``mesh`` against one device, each from its own initialisation
+    (so the sharded initialiser is checked too), or with ``seed`` both from that seed's
+    ``random_state`` (nothing compiled but the two steps)."""
     # The same plan on size-1 axes lays everything out on the one device.
-    return compare(make_setup(cfg, mesh), make_setup(cfg, reference_mesh(mesh)))
+    reference = make_setup(cfg, reference_mesh(mesh))
+    state = None if seed is None else random_state(reference, seed)
+    return compare(make_setup(cfg, mesh), reference, state)

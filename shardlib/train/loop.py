@@ -53,6 +53,9 @@ class RunResult:
     """One device's peak FLOP/s the MFU figures use."""
     peak_source: str = ""
     """Where ``peak_flops`` comes from (data sheet, measurement, setting)."""
+    first_grads: dict | None = None
+    """The first step's gradients (stored layer order), where the step records them
+    (``build_train_step(record_grads=True)``, which parity runs)."""
 
     @property
     def losses(self) -> list[float]:
@@ -143,16 +146,18 @@ def _progress(console: Console, unit: str) -> Progress:
     )
 
 
-def compile_step(setup: TrainSetup, state: dict, tokens, cache: Path | None = None) -> tuple:
-    """The train step compiled ahead of time for these inputs (through the persistent cache
-    in ``cache``, if any), and the seconds it took.
+def compile_step(
+    setup: TrainSetup, state: dict, tokens, cache: Path | None = None, step=None
+) -> tuple:
+    """The train step (``step``, default ``setup.train_step``) compiled ahead of time for these
+    inputs (through the persistent cache in ``cache``, if any), and the seconds it took.
 
     Compiling before step 1 keeps compilation out of every step time (and out of a profile
     window), reports it on its own, and hands MFU the executable's FLOPs.
     """
     t0 = time.perf_counter()
     with persistent_cache(cache):
-        compiled = setup.train_step.lower(state, tokens).compile()
+        compiled = (step or setup.train_step).lower(state, tokens).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -163,6 +168,7 @@ def run(
     show: bool = True,
     console: Console | None = None,
     stop_after: int | None = None,
+    train_step=None,
 ) -> RunResult:
     """Train for ``setup.cfg.run.steps`` steps from ``state`` (None: the latest checkpoint in
     ``cfg.checkpoint.dir`` if there is one, else a fresh initialisation). A given ``state``
@@ -172,6 +178,7 @@ def run(
     The step is compiled before step 1 (through the persistent cache, ``run.compile_cache``);
     step times are execution only. Only process 0 prints and writes metrics. SIGTERM/SIGINT,
     or reaching step ``stop_after``, end the run at the next step boundary with a checkpoint.
+    ``train_step`` replaces ``setup.train_step`` (parity's records the gradients).
     Bad metrics, profile or cache settings fail here, before anything is compiled.
     """
     cfg = setup.cfg
@@ -250,7 +257,7 @@ def run(
         for step, batch in batches(setup, start, source):
             goodput.data_s += time.perf_counter() - data_t0
             if compiled is None:
-                compiled, seconds = compile_step(setup, state, batch, cache)
+                compiled, seconds = compile_step(setup, state, batch, cache, train_step)
                 goodput.compile_s += seconds  # an earlier attempt's compilation counts too
                 hw_flops = compiled_flops(compiled) * devices
                 flops = hw_flops if flops is None else flops
@@ -260,6 +267,9 @@ def run(
             t0 = time.perf_counter()
             state, metrics = compiled(state, batch)
             metrics = jax.device_get(metrics)  # waits for the step: honest step times
+            grads = metrics.pop("grads", None)
+            if result.first_grads is None:
+                result.first_grads = grads
             dt = time.perf_counter() - t0
             profile.after(step + 1)
             goodput.productive_s += dt

@@ -263,7 +263,7 @@ def _whole_update(setup: TrainSetup, grads, opt_state, params):
     return optax.apply_updates(params, updates), new_opt_state, params, opt_state, grads
 
 
-def build_train_step(setup: TrainSetup):
+def build_train_step(setup: TrainSetup, *, record_grads: bool = False):
     """The decoder's step: ``build_step`` with ``DecoderLoss`` on [b, seq + 1] token rows
     (or a prepared dataset's packed dict, its weights normalised over the whole batch)."""
     loss_fn = make_loss_fn(setup, with_metrics=True, lora=True)
@@ -276,13 +276,16 @@ def build_train_step(setup: TrainSetup):
         tokens_BL1 = jax.tree.map(lambda x: constrain(x, BATCH_NAMES), tokens_BL1)
         return normalise_weights(tokens_BL1)  # packed: one global masked mean
 
-    return build_step(setup, loss_fn, prepare)
+    return build_step(setup, loss_fn, prepare, record_grads=record_grads)
 
 
-def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
+def build_step(setup: TrainSetup, loss_fn, prepare: Callable, *, record_grads: bool = False):
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated, for any
     ``loss_fn(params, batch) -> (loss, metrics)``: the decoder's (``build_train_step``) or a
     user's model's (``train.user_model``). ``prepare`` lays the batch out first.
+    ``record_grads`` adds the gradients the update applied to the metrics (``"grads"``, in
+    the stored layer order): parity reads the first step's from the step it already
+    compiles instead of compiling a gradient program beside it.
 
     Gradients accumulate in ``setup.grad_shardings`` and enter the optimizer in
     ``setup.update_shardings`` (the ZeRO stage decides both). With ``offload_optimizer`` the
@@ -367,6 +370,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable):
             loss, grad_norm = two_bw.after_first(state["step"], (loss, grad_norm), jnp.nan)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sched(state["step"])}
         metrics.update(extra)  # what the model (the user's loss) reports besides the loss
+        if record_grads:
+            metrics["grads"] = grads
         new_state = {"params": new_params, "opt_state": new_opt_state, "step": state["step"] + 1}
         if new_meta is not None:
             new_state[fp8.KEY] = new_meta

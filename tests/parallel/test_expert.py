@@ -161,7 +161,7 @@ def test_moe_parity_fp32(name, moe_reference):
     setup = make_setup(moe_cfg(top_k=top_k, dispatch=dispatch, **NO_DROP), build_mesh(axes))
     ref_full, ref_light, first = moe_reference
     if full:
-        result = compare(setup, ref_full)
+        result = compare(setup, ref_full, first)  # the reference's initial state
         assert result.max_rel_loss_err <= FP32_TOLERANCE, result
         assert result.max_rel_grad_err <= FP32_TOLERANCE, result
         assert result.ok(), result

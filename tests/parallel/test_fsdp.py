@@ -104,6 +104,6 @@ def test_vocab_parallel_head_matches_one_device():
     specs = make_setup(CFG, mesh).param_specs
     assert specs["embedding"] == P(("fsdp", "tensor"))  # [vocab, embed]: rows split 4 ways
     assert specs["lm_head"] == P(None, ("fsdp", "tensor"))  # [embed, vocab]
-    result = check_parity(CFG, mesh)
+    result = check_parity(CFG, mesh, seed=0)
     assert result.max_rel_loss_err <= FP32_TOLERANCE, result
     assert result.max_rel_grad_err <= FP32_TOLERANCE, result

@@ -183,7 +183,7 @@ def test_chunked_training_matches_unchunked_on_lossy_layouts(name):
     cfg = parse_overrides([f"{k}={v}" for k, v in overrides.items()], CFG)
     mesh = first_devices_mesh(**axes)
     chunked = make_setup(parse_overrides(["loss_chunk=4"], cfg), mesh)
-    result = compare(chunked, make_setup(cfg, mesh))
+    result = compare(chunked, make_setup(cfg, mesh), random_state(chunked))
     assert result.ok(), result
 
 

@@ -98,7 +98,6 @@ class Compiled:
         self.setup = setup
         self.exe = setup.train_step.lower(setup.abstract_state(), setup.abstract_batch()).compile()
         self.temp_bytes = self.exe.memory_analysis().temp_size_in_bytes
-        self.flops = flops(self.exe)
 
     def train(self):
         """Per-step (loss, grad_norm) over the config's steps, on the compiled executable."""

@@ -97,7 +97,7 @@ def test_uneven_stages_and_any_microbatch_count_match_one_device(name):
     mesh = _mesh(axes)
     if not m6:
         assert len(set(make_setup(cfg, mesh).plan.pipeline.stage_layers)) > 1
-    result = check_parity(cfg, mesh)
+    result = check_parity(cfg, mesh, seed=0)
     assert result.ok(), result
 
 
