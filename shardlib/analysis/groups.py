@@ -12,27 +12,32 @@ import re
 
 import numpy as np
 
+_OUTSIDE = re.compile(r'["()\[\]{}]')  # what changes the depth, or opens a string
+_INSIDE = re.compile(r'[\\"]')  # what escapes or closes a string
+
 
 def close_bracket(text: str, start: int) -> int:
-    """Index just past the bracket that closes ``text[start]``, skipping quoted strings."""
+    """Index just past the bracket that closes ``text[start]``, skipping quoted strings.
+
+    Jumps from bracket to bracket with a regex, not character by character: optimized HLO
+    lines carry long metadata strings, and ``compiled_flops`` parses every run's program."""
     pairs = {"(": ")", "{": "}", "[": "]"}
-    stack, i, quoted = [], start, False
-    while i < len(text):
-        c = text[i]
-        if quoted:
-            if c == "\\":
-                i += 1
-            elif c == '"':
-                quoted = False
-        elif c == '"':
-            quoted = True
+    stack, i = [], start
+    while (m := _OUTSIDE.search(text, i)) is not None:
+        c, i = m.group(), m.end()
+        if c == '"':
+            while (q := _INSIDE.search(text, i)) is not None:
+                i = q.end() + (q.group() == "\\")  # an escape skips the next character
+                if q.group() == '"':
+                    break
+            else:
+                return len(text)
         elif c in pairs:
             stack.append(pairs[c])
         elif stack and c == stack[-1]:
             stack.pop()
             if not stack:
-                return i + 1
-        i += 1
+                return i
     return len(text)
 
 

@@ -44,6 +44,8 @@ _ONE_TRIP = re.compile(rf"\b{ONE_TRIP_SCOPE}\b")  # also as vmap(one_trip) in op
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_NAME = re.compile(r"%([\w.\-]+)")
 
 
 def dtype_bits(dtype: str) -> int:
@@ -135,21 +137,22 @@ class HloModule:
         return self.num_partitions * self.replica_count
 
 
+_SPLITTERS = re.compile(r"[()\[\]{},]")
+
+
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not nested in brackets."""
-    parts, depth, cur = [], 0, []
-    for c in text:
+    parts, depth, begin = [], 0, 0
+    for m in _SPLITTERS.finditer(text):
+        c = m.group()
         if c in "([{":
             depth += 1
         elif c in ")]}":
             depth -= 1
-        if c == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    if cur:
-        parts.append("".join(cur))
+        elif depth == 0:
+            parts.append(text[begin : m.start()])
+            begin = m.end()
+    parts.append(text[begin:])
     return [p.strip() for p in parts if p.strip()]
 
 
@@ -166,14 +169,14 @@ def parse_instruction(line: str) -> Instruction | None:
         if end < 0:
             return None
     type_text = line[pos:end]
-    op = re.compile(r"\s*([\w\-]+)\(").match(line, end)
+    op = _OPCODE.match(line, end)
     if not op:
         return None
     open_at = op.end() - 1
     close_at = close_bracket(line, open_at)
     operands = []
     for part in _split_top(line[open_at + 1 : close_at - 1]):
-        names = re.findall(r"%([\w.\-]+)", part)
+        names = _NAME.findall(part)
         if names:  # newer printers write "f32[8]{0} %x"; older ones just "%x"
             operands.append(names[-1])
     attrs = line[close_at:].lstrip(", ")
