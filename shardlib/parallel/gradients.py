@@ -126,7 +126,7 @@ def value_and_grad(
         grad_fn = zeropp.value_and_grad(plan, fn, layout)
     elif spec is not None and spec.fused:
         grad_fn = _one_f_one_b(plan, loss_fn, layout, loss_scale)
-    elif offload_grads.leaves_in_backward(plan, layout.stacked_layers):  # blocks' to host
+    elif offload_grads.step_sends_grads_to_host(plan, layout.stacked_layers):  # blocks' to host
         layouts = layout.grad_shardings or layout.param_shardings
         grad_fn = offload_grads.value_and_grad(fn, layouts[offload_grads.BLOCKS])
     else:

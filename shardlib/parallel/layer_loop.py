@@ -16,9 +16,9 @@ in this one place:
 * ``offload.params`` keeps the stacked block weights (and their optimizer state) in
   ``pinned_host`` memory; each scan iteration fetches its layer to the device and the
   fetched copy is never saved for the backward pass (it is fetched again there);
-* ``offload.optimizer`` (``offload_grads.leave_in_backward``): the blocks enter as fp32
-  master weights, each trip casts its layer and taps it so that its gradient leaves for
-  host memory as the backward produces it; with the weights in files
+* ``offload.optimizer`` (``offload_grads.plan_sends_grads_to_host``): the blocks enter as
+  fp32 master weights, each trip casts its layer and taps it so that its gradient leaves
+  for host memory as the backward produces it; with the weights in files
   (``offload_nvme_params``) each trip reads its layer instead, forward and backward;
 * under a pipeline the stacked block weights also enter the layer loop as fp32 master
   weights and each stage casts its own per loop trip, so that the per-replica gradients
@@ -98,7 +98,7 @@ def master_blocks(plan) -> bool:
     return (
         plan.offload.params
         or plan.pipeline_spec() is not None
-        or offload_grads.leave_in_backward(plan)
+        or offload_grads.plan_sends_grads_to_host(plan)
     )
 
 
@@ -106,7 +106,7 @@ def layer_loop(plan, workload, dtype):
     """The function that runs the model's blocks, for GPipe/circular/no pipeline."""
     remat = plan.remat.spec(workload)
     offload = plan.offload.params
-    to_host = offload_grads.leave_in_backward(plan)
+    to_host = offload_grads.plan_sends_grads_to_host(plan)
 
     def stage_layers(block_fn, blocks_state, x):
         if offload:

@@ -38,7 +38,7 @@ from shardlib.parallel.offload import HOST_MEMORY
 BLOCKS = "blocks"  # the params key of the stacked layers (as offload_stream's)
 
 
-def leave_in_backward(plan) -> bool:
+def plan_sends_grads_to_host(plan) -> bool:
     """Whether the step's block gradients go to host memory as the backward produces them:
     the optimizer state is offloaded and updated per layer, the weights stay on the device
     (offloaded weights' gradients are host memory already), on the plain gradient path."""
@@ -55,19 +55,20 @@ def leave_in_backward(plan) -> bool:
     )
 
 
-def leaves_in_backward(plan, stacked_layers: int) -> bool:
-    """``leave_in_backward`` for a step whose blocks are stacked ``stacked_layers`` deep: the
-    one predicate the gradient function (which sends them) and the step (which then leaves
-    them in host memory) both read. A user's model (0 stacked layers) has no layer loop to
-    send them from, so its gradients stay on the device whatever the plan says."""
-    return stacked_layers > 0 and leave_in_backward(plan)
+def step_sends_grads_to_host(plan, stacked_layers: int) -> bool:
+    """``plan_sends_grads_to_host`` for a step whose blocks are stacked ``stacked_layers``
+    deep: the one predicate the gradient function (which sends them) and the step (which
+    then leaves them in host memory) both read. A user's model (0 stacked layers) has no
+    layer loop to send them from, so its gradients stay on the device whatever the plan
+    says."""
+    return stacked_layers > 0 and plan_sends_grads_to_host(plan)
 
 
 def pin_in_update_layout(plan, stacked_layers: int, grads: dict, update_shardings: dict) -> dict:
     """The gradients pinned to the optimizer update's layout, except the blocks' where the
-    backward already wrote them to host memory (``leaves_in_backward``): they stay there, and
-    the streamed update reads them a layer at a time."""
-    if not leaves_in_backward(plan, stacked_layers):
+    backward already wrote them to host memory (``step_sends_grads_to_host``): they stay
+    there, and the streamed update reads them a layer at a time."""
+    if not step_sends_grads_to_host(plan, stacked_layers):
         return jax.lax.with_sharding_constraint(grads, update_shardings)
     rest = [k for k in grads if k != BLOCKS]
     pinned = jax.lax.with_sharding_constraint(

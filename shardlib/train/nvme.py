@@ -25,7 +25,11 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain, use_layout
 from shardlib.dataset.tokens import BATCH_NAMES
 from shardlib.parallel.offload import HOST_MEMORY
-from shardlib.parallel.offload_grads import BLOCKS, leave_in_backward, leaves_in_backward
+from shardlib.parallel.offload_grads import (
+    BLOCKS,
+    plan_sends_grads_to_host,
+    step_sends_grads_to_host,
+)
 from shardlib.parallel.offload_nvme import NvmeOptimizerState
 from shardlib.parallel.offload_nvme_params import NvmeParams, reading
 from shardlib.train import fp8, precision
@@ -56,7 +60,7 @@ def check(setup: TrainSetup) -> None:
             "state in its own files and the checkpoint would save one copy; only one process "
             "is supported. Fix: one process (one host), or offload_optimizer without nvme_path."
         )
-    if setup.plan.offload.nvme_params and not leave_in_backward(setup.plan):
+    if setup.plan.offload.nvme_params and not plan_sends_grads_to_host(setup.plan):
         raise ShardingError(
             "offload.nvme_params: the layer loop reads the weights from files and sends "
             "their gradients to host memory in the backward, which this plan does not "
@@ -126,7 +130,7 @@ def _grads_from_files(setup: TrainSetup, weights: NvmeParams):
     """``(rest, batch) -> (loss, metrics, grads)``, jitted: the trainer's gradient path with
     the stacked weights read from ``weights``'s files layer by layer (``layer_loop``), their
     gradients in host memory. ``rest``: the parameters but ``blocks``."""
-    if not leaves_in_backward(setup.plan, setup.stacked_layers):
+    if not step_sends_grads_to_host(setup.plan, setup.stacked_layers):
         raise ShardingError(
             "the stacked weights in files are read by the layer loop, whose gradients must "
             "leave for host memory in the backward (offload_grads), but this plan keeps them "

@@ -283,9 +283,8 @@ def build_step(setup: TrainSetup, loss_fn, prepare: Callable, *, record_grads: b
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated, for any
     ``loss_fn(params, batch) -> (loss, metrics)``: the decoder's (``build_train_step``) or a
     user's model's (``train.user_model``). ``prepare`` lays the batch out first.
-    ``record_grads`` adds the gradients the update applied to the metrics (``"grads"``, in
-    the stored layer order): parity reads the first step's from the step it already
-    compiles instead of compiling a gradient program beside it.
+    ``record_grads`` puts the applied gradients (stored layer order) in the metrics as
+    ``"grads"``: parity reads them instead of compiling a gradient program beside the step.
 
     Gradients accumulate in ``setup.grad_shardings`` and enter the optimizer in
     ``setup.update_shardings`` (the ZeRO stage decides both). With ``offload_optimizer`` the

@@ -32,7 +32,7 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
 
 from __future__ import annotations
 
-from shardlib.parallel.offload_grads import leave_in_backward
+from shardlib.parallel.offload_grads import plan_sends_grads_to_host
 from shardlib.planner.cost.terms.base import (
     ADAM_BYTES,
     MASTER_BYTES,
@@ -81,7 +81,7 @@ def offload(step: Step) -> Contribution:
         else:
             memory["host: optimizer"] = moved
             seconds += 2 * moved / host_bw
-    if leave_in_backward(step.view.plan):
+    if plan_sends_grads_to_host(step.view.plan):
         stacked = step.layer_elements * step.layers_per_device * MASTER_BYTES
         memory["grads"] = step.layer_elements * MASTER_BYTES - stacked
         memory["host: grads"] = stacked / (step.view["data"] if step.view.zero >= 2 else 1)
