@@ -25,7 +25,7 @@ from shardlib.checkpoint.store import TMP_MARK, complete_steps, restore
 from shardlib.train.loop import run
 
 ROOT = Path(__file__).resolve().parents[2]
-KILLS = 6
+KILLS = 4  # each restart is a fresh JAX process, about 6 s on 2 cores
 COMPARED = 12  # steps of each 2-process phase compared with one process (they stop earlier)
 
 
