@@ -8,7 +8,7 @@ runs) under ``pipeline_schedule=1f1b`` and ``chimera``: per-device memory, the p
 and the compiled step's (``planner.validate``), and the ``stage`` axis's wire bytes. The
 compiled difference chimera - 1f1b is printed in units of W, one stage's fp32 block bytes
 on a device (``planner/cost/terms/chimera.stage_weight_bytes``), beside the planner's: 1 W
-less two fp32 logits-sized buffers of the loss head (``terms/chimera.head_logits_bytes``).
+(both heads take each stage's own targets: ``terms/pipeline_loop.head_logits_bytes``).
 
 ``--scale``: the gpt-39b layout of ``planner_scale_validation`` (tensor 8 x stage 2 x data
 32, m = 16 micro-batches of b = 3, full recompute) under both schedules: memory as above,

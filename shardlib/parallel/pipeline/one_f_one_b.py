@@ -232,7 +232,10 @@ def one_f_one_b_value_and_grad(
 
         fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
-        head_all = jax.vmap(head_one, in_axes=(None, 0, None), spmd_axis_name=axes)
+        # each stage's own targets (in_axes=0), as Chimera's: the head backward's one-hot
+        # then has the stage dim and adds in place into the softmax's gradient (2 fp32
+        # logits-sized buffers live, not 4 as with one micro-batch's targets shared)
+        head_all = jax.vmap(head_one, in_axes=(None, 0, 0), spmd_axis_name=axes)
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
 
         inputs_MBL, targets_MBL = (
@@ -253,6 +256,9 @@ def one_f_one_b_value_and_grad(
             i = jnp.clip(i, 0, m - 1)
             return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, False), tokens_M)
 
+        def per_stage(tokens_M, i_P):  # [p, b, ...]: micro-batch i_P[s] of stage s
+            return jax.tree.map(lambda t: t[jnp.clip(i_P, 0, m - 1)], tokens_M)
+
         def body(carry, t, *, fwd_on, bwd_on, head_on, embed_on, embed_grad_on):
             fwd, bwd, ring, g_w, g_rest, loss_sum = carry
             if fwd_on:
@@ -270,8 +276,8 @@ def one_f_one_b_value_and_grad(
                 ring = saved(ring, RING_NAMES)
                 fwd = handover(jnp.roll(handover(y, "stage output"), 1, axis=0), "stage input")
             if head_on:  # device p-1 has just finished round v-1 of micro-batch i
-                target = micro(targets_MBL, fi.micro[p - 1])
-                loss_P, g_head_P, dy_head = head_all(rest, y, target)
+                targets_P = per_stage(targets_MBL, fi.micro)  # stage p-1's: the live one
+                loss_P, g_head_P, dy_head = head_all(rest, y, targets_P)
                 g_rest = pin_rest(masked_add(g_rest, g_head_P, is_last))
                 loss_sum = loss_sum + jnp.where(is_last, loss_P, 0)
             if bwd_on:

@@ -142,7 +142,9 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
         )
         fwd_all = jax.vmap(fwd_one, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes)
         bwd_all = jax.vmap(bwd_one, spmd_axis_name=axes)
-        head_all = jax.vmap(head_one, in_axes=(None, 0, None), spmd_axis_name=axes)
+        # each stage's own targets, as 1F1B's (``one_f_one_b``): 2 fp32 logits-sized
+        # buffers live in the head's backward, not 4
+        head_all = jax.vmap(head_one, in_axes=(None, 0, 0), spmd_axis_name=axes)
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
         inputs_MBL, targets_MBL = tokens_of(tokens_BL1)
         is_first, is_last = stage_ids == 0, stage_ids == p - 1
@@ -171,9 +173,10 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             new_fwd = jnp.roll(y, 1, axis=0)
             # head on device p-1: micro-batch t-(p-1), of the previous batch if negative
             head_prev = bool(prev_f[p - 1]) if isinstance(prev_f, np.ndarray) else prev_f[p - 1]
-            i_head = t - (p - 1) + jnp.where(head_prev, m, 0)
-            target = micro(_either(head_prev, state["targets_prev"], targets_MBL), i_head)
-            loss_P, g_head_P, dy_head = head_all(_either(head_prev, prev_rest, rest), y, target)
+            # every stage's forward micro-batch's targets (device p-1's is the live one)
+            i_P = jnp.clip(t - stage_ids + jnp.where(prev_f, m, 0), 0, m - 1)
+            targets_P = _pick(prev_f, state["targets_prev"][i_P], targets_MBL[i_P])
+            loss_P, g_head_P, dy_head = head_all(_either(head_prev, prev_rest, rest), y, targets_P)
             last_loss = jnp.where(is_last, loss_P, 0)
             # backward: device s runs micro-batch t-2(p-1)+s, from its forward's ring slot
             dy = jnp.where(is_last.reshape(p, 1, 1, 1), dy_head, bwd)

@@ -15,21 +15,10 @@ loop). What it adds, with W the fp32 bytes of one stage's blocks on a device:
   both measured: 1.00 W on Megatron's 39B layout (tensor 8 x stage 2, m 16; the peak's
   buffers: the ring, 3 W of parameters and Adam, 2 W of accumulators, the 1 W flip),
   0.94-1.23 W on seven llama-tiny plans (``benchmarks/chimera.py``);
-* memory, what its loss head keeps below 1F1B's: two fp32 logits-sized buffers
-  (``head_logits_bytes``). 1F1B's head takes one micro-batch's targets for all stages
-  (``vmap`` with ``in_axes=None``), so the gradient of the target's log-probability (the
-  transpose of ``take_along_axis``, a scatter of the one-hot) has no stage dim and is a
-  buffer of its own, scheduled ahead of the head, added to the softmax's gradient once per
-  matmul layout: 4 logits-sized buffers live at once in XLA's live ranges
-  (``--xla_dump_to``: llama-tiny stage 4 x tensor 2 and llama-small stage 2 x data 2 x
-  tensor 2). Chimera's head takes each device's own targets (``in_axes=0``): the scatter
-  adds in place into the softmax's gradient, 2 live at once. It counts where the head's
-  backward is the step's peak (a large vocabulary per device): llama-small at 8192 / 2,
-  where Chimera compiles 1.06 W below 1F1B (read 1.141 of compiled without it, 0.995
-  with). On llama-tiny (vocab 128-256 per device) a layer's backward is the peak, which
-  the head's buffers are not part of: there the booked difference falls 0.2-2.0 W below
-  the compiled one, the two buffers being 2-4.4% of the step (Chimera 0.935-1.034 of
-  compiled on the seven plans, 1F1B 0.975-1.063);
+* memory, its loss head: none beside 1F1B's, both taking each stage's own targets
+  (``terms.pipeline`` books the head for every fused loop: ``pipeline_loop.
+  head_logits_bytes``). While 1F1B's head shared one micro-batch's targets over its
+  stages it kept two fp32 logits-sized buffers more, and this term booked those two less;
 * wire over ``stage``, per step: the weights' flip (one collective permute of W, the up
   stages' copies) and the gradients' flip back (W, fp32) that sums each stage's two
   replicas; per executed forward and backward a second hand-over permute (both rolls,
@@ -40,27 +29,15 @@ from __future__ import annotations
 
 from shardlib.core.mesh import Axis
 from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
-from shardlib.planner.cost.terms.model import head_rows, logits_share
 from shardlib.planner.cost.terms.pipeline_loop import executed, handover_split
 
 UP_WEIGHTS, SECOND_ACCUMULATOR, CHUNK_COPY = 1, 1, 1  # in W, each one stage's blocks
 CHIMERA_WEIGHT_SETS = UP_WEIGHTS + SECOND_ACCUMULATOR - CHUNK_COPY  # beside 1F1B's booking
-ONE_HOT, SECOND_LAYOUT = 1, 1  # fp32 logits-sized buffers of 1F1B's head backward
-HEAD_LOGITS_SPARED = ONE_HOT + SECOND_LAYOUT  # that Chimera's does not keep
 
 
 def stage_weight_bytes(step: Step) -> float:
     """W: one stage's blocks on one device, fp32 master weights (every axis's split)."""
     return step.layer_elements * step.layers_per_device * MASTER_BYTES
-
-
-def head_logits_bytes(step: Step) -> float:
-    """One fp32 logits-sized buffer of the loss head on one device: the rows it runs on
-    (one micro-batch inside the loop), the tokens whose logits are live at once
-    (``logits_share``), the vocabulary split over ``tensor``."""
-    w, view = step.workload, step.view
-    tokens = head_rows(step) * step.local_seq * logits_share(step)
-    return tokens * w.vocab / view["tensor"] * 4
 
 
 def chimera(step: Step) -> Contribution:
@@ -85,11 +62,7 @@ def chimera(step: Step) -> Contribution:
             True,
         ),
     )
-    memory = {
-        "up stage weights": CHIMERA_WEIGHT_SETS * weights,
-        "head logits (fewer than 1F1B's)": -HEAD_LOGITS_SPARED * head_logits_bytes(step),
-    }
-    return Contribution(memory=memory, comms=comms)
+    return Contribution(memory={"up stage weights": CHIMERA_WEIGHT_SETS * weights}, comms=comms)
 
 
 TERM = Term("chimera", cost=chimera)

@@ -65,6 +65,7 @@ from shardlib.planner.cost.terms.base import (
 )
 from shardlib.planner.cost.terms.model import logits_share
 from shardlib.planner.cost.terms.pipeline_loop import (
+    HEAD_LOGITS_SPARED,
     VIRTUAL_SCHEDULES,
     bubble_fraction,
     executed,
@@ -72,6 +73,7 @@ from shardlib.planner.cost.terms.pipeline_loop import (
     gradient_reductions,
     handover_split,
     head_batch,
+    head_logits_bytes,
     iterations,
     layer_runs,
     layer_sets_saved,
@@ -171,6 +173,7 @@ def pipeline(step: Step) -> Contribution:
             Comm("pipeline", "activations", "collective-permute", axes, n, bsh, permutes, True),
             Comm("pipeline", "activations", "all-reduce", axes, n, bsh, all_reduces, True),
         ]
+    memory = {}
     bubble, recompute = extra_flops(step)
     # 1F1B keeps its ring of saved layer inputs (its accumulated gradients: ``state``);
     # GPipe/circular the fitted parts above
@@ -180,6 +183,9 @@ def pipeline(step: Step) -> Contribution:
         # beside the accumulator the state term counts (fitted: ``pipe_1f1b_tables``)
         tables = 2 * w.vocab * w.embed / view["tensor"] * MASTER_BYTES
         buffers = stage_inputs_saved(step) * bsh + step.calib["pipe_1f1b_tables"] * tables
+        # the head on each stage's own targets: the one-hot adds in place (``head_logits_bytes``)
+        spared = HEAD_LOGITS_SPARED * head_logits_bytes(step)
+        memory["head buffers spared (per-stage targets)"] = -spared
     else:
         c = step.calib
         tokens = head_batch(step) * step.local_seq * logits_share(step)
@@ -187,7 +193,7 @@ def pipeline(step: Step) -> Contribution:
             (c["pipe_logits"] * tokens + c["pipe_tables"] * w.embed) * w.vocab / view["tensor"] * 4
         )
     return Contribution(
-        memory={"pipeline buffers": buffers},
+        memory={"pipeline buffers": buffers, **memory},
         comms=tuple(comms),
         flops=bubble + recompute,
         idle_flops=bubble,
