@@ -24,6 +24,14 @@ The paper's (D-2)/(2N+D-2) counts single F or B units that a device may run in a
 (a backward fills a forward's idle slot); a lockstep trip has a static kind (its forward
 and backward bodies run on every device), so the warm-up's idle backward slots and the
 cool-down's idle forward slots stay empty: (p-2)/(m+p-2) of the executed work here.
+
+No lockstep schedule does better. Its compiled forward work is its number of forward trips
+(every device runs the forward body in each), and the fewest forward trips that fit every
+item's p stages in order, one forward per device and trip, is m + p - 2: an integer program
+over which trip runs each (item, stage), hand-overs even allowed to wait, solved to
+optimality for (p, m) = (4, 4), (4, 8), (6, 6), (6, 12), (8, 8) (issue 33's closing note).
+The paper's count needs devices that run a forward and a backward in the same time slot,
+which one SPMD loop body can only give by computing both.
 """
 
 from __future__ import annotations
