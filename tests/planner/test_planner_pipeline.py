@@ -130,6 +130,26 @@ def test_compiled_gpipe_matches_prediction():
     assert check.wire_ratio == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.slow
+def test_fsdp_beside_interleaved_1f1b_reduces_each_chunk_once_per_backward():
+    """The fused loop reduces a chunk's L/(p·v) layer gradients over ``fsdp`` in each trip
+    that runs its backward (v·m + p - 1 per step), not every carried gradient every trip
+    (which predicted 2.1x the compiled FSDP bytes here: 4.05 MB against 1.87). Gathers are
+    booked at 3 passes, which XLA runs for some weights and CSEs to 2 for others: FSDP's
+    bytes are an upper bound within 15%."""
+    from shardlib.planner.validate import validate
+
+    w = Workload.from_preset("llama-tiny", 8, 64, "fp32", layers=4)
+    plan = candidate(stage=2, fsdp=2, tensor=2, microbatches=2, schedule="1f1b", virtual=2)
+    check = validate(w, plan)
+    pred, got = check.predicted_wire_by_axes["fsdp"], check.compiled_wire_by_axes["fsdp"]
+    assert 1.0 <= pred / got <= 1.15, (pred, got)
+    assert check.wire_ratio == pytest.approx(1.0, abs=0.10)
+    # (memory is not checked here: the tests' --xla_cpu_use_fusion_emitters=false changes
+    # this program's temporaries, planner / compiled 1.073 under XLA's default codegen and
+    # 1.129 under the tests' flags; the collectives are the same under both)
+
+
 def test_micro_batch_menu_is_every_divisor_the_schedule_allows():
     """12 sequences per replica over 4 stages: m = 4, 6 or 12 (a power-of-two menu offers
     only 4); for llama-1b the search takes 6 or 12, beyond the power-of-two menu (6: the
