@@ -29,7 +29,8 @@ No lockstep schedule does better. Its compiled forward work is its number of for
 (every device runs the forward body in each), and the fewest forward trips that fit every
 item's p stages in order, one forward per device and trip, is m + p - 2: an integer program
 over which trip runs each (item, stage), hand-overs even allowed to wait, solved to
-optimality for (p, m) = (4, 4), (4, 8), (6, 6), (6, 12), (8, 8) (issue 33's closing note).
+optimality for (p, m) = (4, 4), (4, 8), (6, 6), (6, 12), (8, 8) with an
+MILP solver (PuLP's CBC): 6, 10, 10, 16, 14 trips, each m + p - 2.
 The paper's count needs devices that run a forward and a backward in the same time slot,
 which one SPMD loop body can only give by computing both.
 """

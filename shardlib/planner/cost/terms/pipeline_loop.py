@@ -123,9 +123,8 @@ def gradient_reductions(step: Step, axes: tuple[str, ...]) -> tuple[float, float
     reduce, in each trip that runs a backward, the L/(p·v) layer gradients of the chunk it
     ran (their accumulator is pinned there): once per executed backward chunk, as GPipe's
     (``layer_runs``); the head's gradient in each trip that runs the head, once per
-    micro-batch. (Counted before as every carried gradient in every trip, m + 2(p-1) times:
-    llama-tiny 12 layers, stage 2 x fsdp 2 x tensor 2, interleaved 1F1B v = 2, m = 2
-    predicted 48 layer reductions where the compiled step has 15, FSDP bytes 2.1x compiled.)
+    micro-batch, not every carried gradient in every trip (llama-tiny, 12 layers, stage 2 x
+    fsdp 2 x tensor 2, interleaved 1F1B v = 2, m = 2: 15 layer reductions in the compiled step).
     """
     view = step.view
     if view["stage"] == 1:
