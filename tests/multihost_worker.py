@@ -1,16 +1,17 @@
 """One of two processes of a multi-host run on loopback (started by test_multihost.py).
 
-``python multihost_worker.py COORDINATOR PROCESS_ID OUT_DIR SETTINGS...`` trains four times
-through the unchanged command line, each on 2 processes x 4 simulated CPU devices: data
-parallel (cpu-8-dp), FSDP (cpu-8-fsdp, with checkpoints), FSDP resumed from them, and data x
-fsdp x tensor = 2x2x2 (cpu-8-3d, with checkpoints). Process 1, which prints nothing, plays
-the scheduler: once process 0 has logged a few steps of a phase it sends itself SIGTERM, so
-every phase also tests that both processes agree on the step at which they stop. Before the
-resumed phase it also truncates the largest data file of its own shards of the newest FSDP
-step (a file only it reads: FSDP shards every tensor over both processes), so that the
-processes fall back to the previous step together; that phase asks for as many steps as
-the step it falls back to holds, so it restores and ends (nothing to compile). Process 0
-prints each phase's seconds.
+``python multihost_worker.py COORDINATOR PROCESS_ID OUT_DIR SETTINGS...`` trains three times
+through the unchanged command line, each on 2 processes x 4 simulated CPU devices: FSDP
+(cpu-8-fsdp, with checkpoints), FSDP resumed from them, and data x fsdp x tensor = 2x2x2
+(cpu-8-3d, with checkpoints), whose data axis is the one that crosses the processes (plain
+data parallelism across processes adds no other path: the launcher tests run it). Process 1,
+which prints nothing, plays the scheduler: once process 0 has logged a few steps of a phase
+it sends itself SIGTERM, so every phase also tests that both processes agree on the step at
+which they stop. Before the resumed phase it also truncates the largest data file of its own
+shards of the newest FSDP step (a file only it reads: FSDP shards every tensor over both
+processes), so that the processes fall back to the previous step together; that phase asks
+for as many steps as the step it falls back to holds, so it restores and ends (nothing to
+compile). Process 0 prints each phase's seconds.
 """
 
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-PHASES = {"dp": "cpu-8-dp", "fsdp": "cpu-8-fsdp", "fsdp-resumed": "cpu-8-fsdp", "3d": "cpu-8-3d"}
+PHASES = {"fsdp": "cpu-8-fsdp", "fsdp-resumed": "cpu-8-fsdp", "3d": "cpu-8-3d"}
 PREEMPT_AFTER_RECORDS = 3
 
 
@@ -78,7 +79,7 @@ def main() -> int:
                 process_id,
                 *settings,
                 f"metrics={metrics}",
-                *(extra if name != "dp" else []),
+                *extra,
             ]
         )
         if code:

@@ -60,7 +60,7 @@ TOKEN_NAMES = ("batch", None)  # a micro-batch of tokens [b, seq + 1]: seq never
 
 class StagedLoss(Protocol):
     """The trainer's loss, whole and in the parts a pipeline schedules apart
-    (``train.step.DecoderLoss``). Parameters handed to the parts are already in the
+    (``train.decoder_loss.DecoderLoss``). Parameters handed to the parts are already in the
     compute dtype; the whole loss casts its fp32 masters itself."""
 
     def __call__(self, params, batch): ...  # -> loss, or (loss, metrics) with has_aux
@@ -173,7 +173,8 @@ def accumulate(grad_fn, loss_fn, microbatches: int, grad_shardings=None, names=N
     device's contiguous block of rows inside each micro-batch, so no data moves. Each
     micro-batch has the same size, so the mean of means is the full-batch mean exactly (a
     packed batch's dict is cut alike, field by field; its weights are normalised over the
-    whole batch first, ``train.step.normalise_weights``, so the masked mean stays global).
+    whole batch first, ``train.decoder_loss.normalise_weights``, so the masked mean stays
+    global).
     ``loss_fn`` gives the shapes of the summed ``(loss, metrics)``; the sum of gradients is
     pinned to ``grad_shardings`` (ZeRO-2/3: reduce-scattered per micro-batch) where given.
     Each micro-batch is traced with its index set (``micro_batch_index``); a loss that does
@@ -235,7 +236,7 @@ def _one_f_one_b(plan: ParallelPlan, loss: StagedLoss, layout: StepLayout, loss_
             f"pipeline_schedule={spec.schedule} runs the loss in parts (token order, embedding, "
             "blocks, "
             f"head and loss), but this loss is a plain function ({loss!r}). Fix: the "
-            "trainer's loss (train.step.make_loss_fn), or pipeline_schedule=gpipe."
+            "trainer's loss (train.decoder_loss.make_loss_fn), or pipeline_schedule=gpipe."
         )
     schedule = chimera_value_and_grad if spec.schedule == "chimera" else one_f_one_b_value_and_grad
     rest_shardings = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}

@@ -1,7 +1,7 @@
 """Training with the optimizer state on NVMe (``offload.nvme_path``): a jitted gradient step,
 then the update streamed layer by layer from the files (``parallel.offload_nvme``).
 
-The gradient is the trainer's (``step.make_loss_fn`` through the plan's ``grad_function``:
+The gradient is the trainer's (``decoder_loss.make_loss_fn`` through the plan's ``grad_function``:
 the same loss, layer loop and micro-batches as ``build_train_step``); only the update
 leaves the compiled program, since its state is read from and written to files between
 the layers' device calls. ``NvmeTrainStep`` puts the two behind JAX's ahead-of-time
