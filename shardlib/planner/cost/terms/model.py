@@ -149,8 +149,11 @@ def activations(step: Step) -> dict[str, float]:
     working += sum(live(step, b) for live in step.hooks("working"))
     head = head_activation_bytes(step, head_rows(step))
     fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
-    if policy == "none" and on_cpu(step) and "attention" not in replaced and not fused:
-        working += attention_backward_bytes(step, b)  # dense attention's, once
+    if policy == "none" and on_cpu(step) and "attention" not in replaced:
+        backward = attention_backward_bytes(step, b)  # dense attention's, once
+        if fused:  # one score set, in the head's freed buffers (``fused_backward_bytes``)
+            backward = fused_backward_bytes(step, b, head)
+        working += backward
     return {"activations": saved + working, "logits": head}
 
 
@@ -172,10 +175,7 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     models: ``coefficients``), as the refits that took the larger did. The seq-128 probes
     the ``layer_*`` counts were fitted on cannot show these buffers (scores are 1/16 of
     seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them).
-    Not booked under a fused pipeline schedule (1F1B), whose stage backward re-runs each
-    layer's forward from its saved input (``parallel.pipeline.stage_work``) at a point of
-    the schedule that is not its peak: llama-1b, 8 layers, stage 4, m=8
-    (benchmarks/planner_validation.py --devices 8) reads 1.103 with it, 0.945 without.
+    Under a fused pipeline schedule (1F1B, 2BW, Chimera) ``fused_backward_bytes`` instead.
     A score set is the layer's queries against all its keys: under TeraPipe a slice's L/s
     queries against the whole sequence's keys (its K/V buffer), not (L/s)², as the saved
     scores' count is (``_layer_parts``): TeraPipe's data 2 x stage 4 plan (llama-tiny,
@@ -185,6 +185,27 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     keys = w.seq // view.ways("seq")  # the whole sequence: a TeraPipe slice's too
     scores = micro_batch * step.local_seq * w.heads * keys / view["tensor"]
     return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
+
+
+def fused_backward_bytes(step: Step, micro_batch: int, head: float) -> float:
+    """Dense attention's backward temporaries under a fused pipeline loop (remat=none, CPU
+    backend): one score set beyond the saved layer's two, in place of the head's buffers.
+
+    The stage backward re-runs each layer's forward from its saved input
+    (``parallel.pipeline.stage_work``) and takes its VJP there, one layer at a time, in the
+    trip's backward half, after the head's logits are freed: one more fp32 score-sized
+    buffer is live beside the two the layer saved (measured, not the non-fused 3.25), and it
+    lands in the head's freed buffers, so only what exceeds them adds. llama-tiny (16 heads,
+    vocab 256), stage 2 x fsdp 4, m = 2, 8 layers, one sequence per device, seq
+    64/128/256/512: planner / compiled 1.04/0.86/0.83/0.74 without it, 1.11/1.00/1.09/1.04
+    with a whole set always, 1.04/0.94/1.03/1.01 with the excess over the head (XLA's
+    default codegen). The non-fused count (3.25 sets) read 1.103 on llama-1b (8 layers,
+    stage 4, m = 8), whose 128K-vocabulary head outgrows a set: this books nothing there
+    (0.930), nor on ``benchmarks/planner_validation.py``'s other fused rows."""
+    w, view = step.workload, step.view
+    keys = w.seq // view.ways("seq")
+    one_set = micro_batch * step.local_seq * w.heads * keys / view["tensor"] * w.compute_bytes
+    return max(0.0, one_set - head)
 
 
 def model(step: Step) -> Contribution:
