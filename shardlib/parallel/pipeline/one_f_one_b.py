@@ -237,6 +237,10 @@ def one_f_one_b_value_and_grad(
         # logits-sized buffers live, not 4 as with one micro-batch's targets shared)
         head_all = jax.vmap(head_one, in_axes=(None, 0, 0), spmd_axis_name=axes)
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
+        # every device embeds its own stage's tokens (only device 0's is kept), as Chimera's:
+        # one micro-batch's embedding, replicated over ``stage``, XLA split over the stage
+        # devices and all-reduced there in every trip (twice a hand-over's bytes on ``stage``)
+        embed_all = jax.vmap(embed, in_axes=(None, 0), spmd_axis_name=axes)
 
         inputs_MBL, targets_MBL = (
             microbatched(t_BL, batch_names, m) for t_BL in split_tokens(tokens_BL1)
@@ -266,7 +270,7 @@ def one_f_one_b_value_and_grad(
                 # device 0 embeds in round 0; in later rounds it takes device p-1's output
                 x = fwd
                 if embed_on:  # only in the trips where device 0 runs round 0
-                    x0 = embed(rest, micro(inputs_MBL, fi.micro[0]))[None]
+                    x0 = embed_all(rest, per_stage(inputs_MBL, fi.micro))
                     x = jnp.where(first & (fi.round == 0).reshape(p, 1, 1, 1), x0, fwd)
                 x = constrain(x, STATE_NAMES)
                 w_pk, keep_pk = chunks(fi.round)

@@ -43,7 +43,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.partition import pad_stages, unpad_stages
 from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.spec import PipelineSpec
-from shardlib.parallel.pipeline.stage_work import device_work
+from shardlib.parallel.pipeline.stage_work import device_work, handover
 from shardlib.parallel.pipeline.views import (
     from_replicas,
     from_stages,
@@ -146,6 +146,9 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
         # buffers live in the head's backward, not 4
         head_all = jax.vmap(head_one, in_axes=(None, 0, 0), spmd_axis_name=axes)
         embed_grad_all = jax.vmap(embed_grad, in_axes=(None, 0, None), spmd_axis_name=axes)
+        # each device embeds a micro-batch of its own (device 0's, t, is kept), as 1F1B's:
+        # one embedding replicated over ``stage`` is split and all-reduced there by XLA
+        embed_all = jax.vmap(embed, in_axes=(None, 0), spmd_axis_name=axes)
         inputs_MBL, targets_MBL = tokens_of(tokens_BL1)
         is_first, is_last = stage_ids == 0, stage_ids == p - 1
         slot0 = carry["slot0"]  # the ring slot of this call's trip 0 (calls so far x m, mod R)
@@ -166,11 +169,12 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             fwd, bwd, ring, acc, g_rest, loss = state["cur"]
             p_acc, p_g_rest, p_loss = state["prev"]
             # forward: device 0 embeds micro-batch t (always this batch's)
-            x0 = embed(rest, micro(inputs_MBL, t))[None]
+            x0 = embed_all(rest, inputs_MBL[jnp.clip(t - stage_ids, 0, m - 1)])
             x = jnp.where(is_first.reshape(p, 1, 1, 1), x0, fwd)
             w = [_pick(prev_f, a, b) for a, b in zip(prev_w_pk, w_pk, strict=True)]
             y, ring = fwd_all(w, keep_pk, x, ring, jnp.mod(slot0 + t, ring_slots))
-            new_fwd = jnp.roll(y, 1, axis=0)
+            # split over ``tensor`` while it moves, as 1F1B's hand-overs (SC21's scatter/gather)
+            new_fwd = handover(jnp.roll(handover(y, "stage output"), 1, axis=0), "stage input")
             # head on device p-1: micro-batch t-(p-1), of the previous batch if negative
             head_prev = bool(prev_f[p - 1]) if isinstance(prev_f, np.ndarray) else prev_f[p - 1]
             # every stage's forward micro-batch's targets (device p-1's is the live one)
@@ -199,7 +203,7 @@ def two_bw_loop(spec: PipelineSpec, *, block_fn, embed, head_loss, split_tokens=
             g_rest = add(g_rest, g_head_P, both(is_last, head_new))
             p_g_rest = add(p_g_rest, g_emb_P, both(is_first, grad_prev))
             g_rest = add(g_rest, g_emb_P, both(is_first, grad_new))
-            new_bwd = jnp.roll(dx, -1, axis=0)
+            new_bwd = handover(jnp.roll(handover(dx, "stage cotangent"), -1, axis=0), "stage dy")
             return {
                 **state,
                 "cur": (new_fwd, new_bwd, ring, acc, g_rest, loss),

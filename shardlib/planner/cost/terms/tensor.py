@@ -22,7 +22,7 @@ from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
-from shardlib.planner.cost.terms.pipeline_loop import executed, layer_runs
+from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 from shardlib.planner.cost.terms.remat import saved_input_split, segmented
 from shardlib.planner.cost.terms.tensor25d import grid_active
 
@@ -59,11 +59,10 @@ def tensor(step: Step) -> Contribution:
     axes, t = (str(Axis.TENSOR),), view["tensor"]
     tokens = step.micro_batch * step.local_seq
     bsh = tokens * w.embed * w.compute_bytes
-    m = view.microbatches
-    if (
-        view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
-    ):  # embedding and head run inside the loop
-        m = executed(step)
+    m = view.microbatches  # the embedding's and the head's all-reduces, once per micro-batch:
+    # the fused loops too run them only in their own trips, on every stage device at once
+    # (stage 2 x fsdp 2 x tensor 2, interleaved 1F1B v=2 m=2: 3 embedding and 2 head
+    # all-reduces compiled, where once per executed chunk booked 10)
     # full remat recomputes a layer up to the MLP: the attention all-reduce again (the MLP's
     # output all-reduce is not needed for the backward pass). The 1F1B schedule does so
     # whatever the policy: each layer's forward re-runs from its saved input right before
