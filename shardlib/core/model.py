@@ -4,7 +4,7 @@ The trainer and the planner never import ``models/``: a model is named on the co
 (a registered preset such as ``llama-tiny``, or ``package.module:function``) and
 ``resolve_model`` turns the name into a ``ModelFactory``. Presets come from Python entry
 points in the ``shardlib.models`` group, so any installed package can add its own.
-``inventory`` reads a model's parameter shapes and logical names abstractly
+``core.inventory`` reads a model's parameter shapes and logical names abstractly
 (``nnx.eval_shape``: nothing is allocated), the one place parameters are counted.
 
 A model the trainer drives follows the ``Decoder`` protocol below: it owns the embedding,
@@ -20,20 +20,18 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import math
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.core.capabilities import ExpertRouting, HFAdapter, Routed
+from shardlib.core.capabilities import HFAdapter
 from shardlib.core.errors import ShardingError
-from shardlib.core.layout import abstract_state, names_at, path_str
 from shardlib.core.values import convert_value
 
 ENTRY_POINT_GROUP = "shardlib.models"
@@ -233,128 +231,6 @@ def _function_factory(name: str, overrides: dict) -> ModelFactory:
     return ModelFactory(name, None, functools.partial(function, **kwargs), model_type)
 
 
-class ParamEntry(NamedTuple):
-    """One parameter as the planner reads it."""
-
-    path: str
-    """Dotted path in the model (``blocks.attn.wq``)."""
-    shape: tuple[int, ...]
-    """Full shape, the stacked ``layers`` dim included for blocks."""
-    names: tuple[str | None, ...] | None
-    """Logical dim names (``("layers", "embed", "heads", "head_dim")``)."""
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """A model's parameters, read abstractly (nothing allocated)."""
-
-    graphdef: nnx.GraphDef
-    shapes: dict
-    """Pure nested dict of ``jax.ShapeDtypeStruct`` (the ``nnx.Param`` state)."""
-    names: dict
-    """The same tree of logical-name tuples."""
-    param_count: int
-    """Elements over every parameter: the one place a model's size is counted."""
-    layers: int
-    """Size of the stacked ``layers`` dim of ``blocks`` (0 for a model without blocks)."""
-    params: tuple[ParamEntry, ...]
-    """Every parameter, flat, in the state's order."""
-    checkpoint_names: tuple[str, ...] = ()
-    """The intermediates the blocks tag for remat (the model class's ``checkpoint_names``)."""
-    block_stats: bool = False
-    """The blocks return ``(x, stats)``: statistics the layer loop sums (an MoE router's)."""
-    routing: ExpertRouting | None = None
-    """The model's mixture-of-experts routing (``Routed``); None for a dense model."""
-    max_positions: int | None = None
-    """Positions the model attends over (its ``max_positions``, as ``Generator`` declares
-    it), which a training sequence must fit; None: the model declares no limit."""
-    model_type: type | None = None
-    """The class of the model the factory built."""
-    block_kind: str = ""
-    """The model class's ``block_kind``: which of the planner's per-block fitted memory
-    coefficients describe its blocks (``planner.cost.coefficients``); "": the default,
-    fitted on Llama blocks."""
-
-
-_INVENTORIES: dict[tuple, Inventory] = {}  # (preset name, its config, stacked) -> Inventory
-
-
-def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
-    """Shapes, logical names, size and depth of the model ``factory`` builds, abstractly.
-
-    ``stacked=False``: the model is any module trained through its own loss
-    (``train.user_model``), so ``blocks`` is not read as the decoder's stacked layers.
-
-    A preset's inventory is kept per (name, config): building one traces the model (0.17 s
-    for a 7B Llama), and the planner's validations and a test run ask for the same few
-    models hundreds of times. A plain function (no config) or an unhashable config is
-    built each time."""
-    key = (factory.name, factory.config, stacked)
-    try:
-        kept = None if factory.config is None else _INVENTORIES.get(key)
-    except TypeError:  # a config that cannot be a dict key
-        return _build_inventory(factory, stacked)
-    if kept is None:
-        kept = _build_inventory(factory, stacked)
-        if factory.config is not None:
-            if len(_INVENTORIES) >= 64:
-                _INVENTORIES.clear()
-            _INVENTORIES[key] = kept
-    return kept
-
-
-def _build_inventory(factory: ModelFactory, stacked: bool) -> Inventory:
-    built: list = []  # (the model's class, its routing), seen once while it is built abstractly
-
-    def make():
-        model = factory.make(nnx.Rngs(0))
-        routing = model.routing() if isinstance(model, Routed) else None
-        built.append((type(model), routing, getattr(model, "max_positions", None)))
-        return model
-
-    graphdef, shapes, names = abstract_state(make)
-    flat_shapes, _ = jax.tree_util.tree_flatten_with_path(shapes)
-    params = []
-    for key_path, leaf in flat_shapes:
-        node = names_at(names, key_path)
-        params.append(ParamEntry(path_str(key_path), tuple(leaf.shape), node))
-    read_blocks = stacked
-    stacked = {p.shape[0] for p in params if read_blocks and p.path.startswith("blocks.")}
-    if len(stacked) > 1:
-        raise ShardingError(_not_a_stack(factory.name, built[0][0], sorted(stacked)))
-    count = sum(math.prod(p.shape) for p in params)
-    return Inventory(
-        graphdef,
-        shapes,
-        names,
-        count,
-        stacked.pop() if stacked else 0,
-        tuple(params),
-        checkpoint_names=_class_checkpoint_names(built[0][0]),
-        block_stats=read_blocks and _returns_stats(graphdef, shapes),
-        routing=built[0][1],
-        max_positions=built[0][2] if isinstance(built[0][2], int) else None,
-        model_type=built[0][0],
-        block_kind=getattr(built[0][0], "block_kind", ""),
-    )
-
-
-def _returns_stats(graphdef: nnx.GraphDef, shapes: dict) -> bool:
-    """Whether one block returns ``(x, stats)``, read from an abstract trace of embed + block."""
-    if "blocks" not in shapes:
-        return False
-
-    def probe(params):
-        model = nnx.merge(graphdef, params)
-        block_graph, blocks_state = nnx.split(model.blocks)
-        first = jax.tree.map(lambda a: a[0], blocks_state)
-        x_BLD = model.embed(jnp.zeros((1, 2), jnp.int32), dtype=jnp.float32)
-        return nnx.merge(block_graph, first)(x_BLD, None)
-
-    with nnx.use_eager_sharding(False):
-        return isinstance(jax.eval_shape(probe, shapes), tuple)
-
-
 def checkpoint_names(factory_or_model: ModelFactory | nnx.Module) -> tuple[str, ...]:
     """The intermediates a model tags for remat (its class's ``checkpoint_names``)."""
     if isinstance(factory_or_model, ModelFactory):
@@ -364,10 +240,11 @@ def checkpoint_names(factory_or_model: ModelFactory | nnx.Module) -> tuple[str, 
                 model_type = type(nnx.eval_shape(lambda: factory_or_model.make(nnx.Rngs(0))))
     else:
         model_type = type(factory_or_model)
-    return _class_checkpoint_names(model_type)
+    return class_checkpoint_names(model_type)
 
 
-def _class_checkpoint_names(model_type: type) -> tuple[str, ...]:
+def class_checkpoint_names(model_type: type) -> tuple[str, ...]:
+    """A model class's ``checkpoint_names``, read without building it."""
     return tuple(getattr(model_type, "checkpoint_names", ()))
 
 
@@ -390,15 +267,4 @@ def not_a_decoder(name: str, reason: str) -> str:
         "own loss, loss=pkg.mod:loss_fn data=pkg.mod:batches on the command line, or "
         "shardlib.train_model(factory, loss_fn, batches) in Python (README: Train your own "
         "model); or implement shardlib.core.model.Decoder."
-    )
-
-
-def _not_a_stack(name: str, model_type: type, dims: list[int]) -> str:
-    reason = decoder_problem(model_type)
-    if reason is not None:
-        return not_a_decoder(name, reason)
-    return (
-        f"model {name}: the weights under blocks have leading dims {dims}; the layer loop "
-        "needs one uniform stack. Fix: stack every block weight with nnx.vmap over the same "
-        "count."
     )

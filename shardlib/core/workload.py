@@ -3,7 +3,7 @@
 One description of the model and the step, read by the plan's checks (``ParallelPlan.check``:
 each strategy refuses what it cannot run before anything compiles), the trainer and the
 planner. Nothing is built: the facts come from the parameter inventory the model itself
-declares (``shardlib.core.model.inventory``: ``nnx.eval_shape``, nothing allocated), so the
+declares (``shardlib.core.inventory.inventory``: ``nnx.eval_shape``, nothing allocated), so the
 rules that lay out the real model (``shardlib.parallel.plan``) say how each candidate splits
 each tensor, and a new model needs no copy of its parameter list here. The widths the FLOP
 and activation formulas use (embed, heads, mlp, ...) are the sizes of those logical dims.
@@ -24,7 +24,8 @@ from typing import Any
 
 from shardlib.core.capabilities import ExpertRouting
 from shardlib.core.errors import ShardingError
-from shardlib.core.model import inventory, resolve_model
+from shardlib.core.inventory import inventory
+from shardlib.core.model import resolve_model
 from shardlib.core.param_info import LAYERS, ParamInfo, param_infos, plain_shape
 
 
@@ -80,7 +81,7 @@ class Workload:
     def from_params(
         cls, entries, *, routing: ExpertRouting | None = None, model: str = "", **fields
     ) -> Workload:
-        """The workload of ``(path, shape, names)`` entries (``core.model.Inventory.params``)
+        """The workload of ``(path, shape, names)`` entries (``core.inventory.Inventory.params``)
         with the step's ``fields`` (``global_batch`` and ``seq`` default to 1): for a plan's
         checks on a model of one's own, or tests. Blocks are the stacked ``layers`` dim."""
         entries = tuple((path, plain_shape(shape), names) for path, shape, names in entries)

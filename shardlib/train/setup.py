@@ -21,15 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from shardlib.core.errors import ShardingError
+from shardlib.core.inventory import Inventory, inventory
 from shardlib.core.layout import mesh_axes, named_shardings, resolve_specs, use_layout
-from shardlib.core.model import (
-    Inventory,
-    ModelFactory,
-    decoder_problem,
-    inventory,
-    not_a_decoder,
-    resolve_model,
-)
+from shardlib.core.model import ModelFactory, decoder_problem, not_a_decoder, resolve_model
 from shardlib.core.rules import Rules
 from shardlib.core.workload import Workload
 from shardlib.dataset.tokens import BATCH_NAMES

@@ -50,8 +50,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.core.errors import ShardingError
+from shardlib.core.inventory import inventory
 from shardlib.core.layout import constrain, mesh_axes, resolve_specs, use_layout
-from shardlib.core.model import ModelFactory, inventory, resolve_model
+from shardlib.core.model import ModelFactory, resolve_model
 from shardlib.core.workload import Workload
 from shardlib.parallel.pipeline import two_bw
 from shardlib.parallel.plan import suggest_presets

@@ -155,12 +155,13 @@ def settle(old: dict, new: dict, keys: frozenset) -> dict:
 
 def user_inventory(factory) -> tuple:
     """``(Inventory, ModelState)`` of the model ``factory`` builds, abstractly: the
-    parameters as ``core.model.inventory`` reads them (its graphdef is the whole model's, so
+    parameters as ``core.inventory.inventory`` reads them (its graphdef is the whole model's, so
     ``nnx.merge(graphdef, params, model_state)`` rebuilds it), and everything else."""
     import math
 
+    from shardlib.core.inventory import Inventory, ParamEntry
     from shardlib.core.layout import names_at, path_str
-    from shardlib.core.model import Inventory, ParamEntry, checkpoint_names
+    from shardlib.core.model import checkpoint_names
 
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: factory.make(seeded_rngs(jax.random.key(0))))

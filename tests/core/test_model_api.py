@@ -21,12 +21,12 @@ from models.moe.model import Moe
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.core.attention import LocalAttention
 from shardlib.core.capabilities import ExpertRouting, Generator, Routed
+from shardlib.core.inventory import inventory
 from shardlib.core.layout import use_layout
 from shardlib.core.model import (
     Decoder,
     ModelFactory,
     checkpoint_names,
-    inventory,
     registry,
     resolve_model,
 )

@@ -4,7 +4,8 @@ and routing (``core.model.Routed``), for the plan's checks, the trainer and the 
 import pytest
 
 from shardlib.core.capabilities import ExpertRouting
-from shardlib.core.model import inventory, resolve_model
+from shardlib.core.inventory import inventory
+from shardlib.core.model import resolve_model
 from shardlib.core.workload import Workload
 
 

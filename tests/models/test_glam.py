@@ -17,7 +17,8 @@ from layout_cases import first_devices_mesh, one_device_reference
 
 from models.glam import PRESETS
 from models.moe import routing as moe_routing
-from shardlib.core.model import inventory, resolve_model
+from shardlib.core.inventory import inventory
+from shardlib.core.model import resolve_model
 from shardlib.core.workload import Workload
 from shardlib.tools.parity import FP32_TOLERANCE, compare_traces, trace
 from shardlib.train.config import override, train_config

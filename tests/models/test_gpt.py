@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from models.gpt.presets import GPT3_SHAPES, PUBLISHED
-from shardlib.core.model import Decoder, inventory, resolve_model
+from shardlib.core.inventory import inventory
+from shardlib.core.model import Decoder, resolve_model
 from shardlib.core.ops import Packed
 from shardlib.core.workload import Workload
 from shardlib.planner import candidate, estimate, load_cluster

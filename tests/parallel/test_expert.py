@@ -14,8 +14,9 @@ import pytest
 from models.moe import routing as moe_routing
 from shardlib import ShardingError, mesh_spec, rules_for_mesh
 from shardlib.analysis import explain
+from shardlib.core.inventory import inventory
 from shardlib.core.mesh import MESHES_DIR
-from shardlib.core.model import inventory, resolve_model
+from shardlib.core.model import resolve_model
 from shardlib.dataset.tokens import global_batch, load_tokens
 from shardlib.parallel.expert import expert_axis
 from shardlib.tools.cli import main

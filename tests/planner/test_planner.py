@@ -190,7 +190,7 @@ def _full(mesh: dict[str, int]) -> dict[str, int]:
 
 
 def test_the_planner_does_not_import_models():
-    """The planner reads models through ``shardlib.core.model`` (their own inventory)."""
+    """The planner reads models through ``shardlib.core.model`` and ``shardlib.core.inventory``."""
     import ast
     from pathlib import Path
 

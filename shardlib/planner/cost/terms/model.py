@@ -150,10 +150,10 @@ def activations(step: Step) -> dict[str, float]:
     head = head_activation_bytes(step, head_rows(step))
     fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
     if policy == "none" and on_cpu(step) and "attention" not in replaced:
-        backward = attention_backward_bytes(step, b)  # dense attention's, once
         if fused:  # one score set, in the head's freed buffers (``fused_backward_bytes``)
-            backward = fused_backward_bytes(step, b, head)
-        working += backward
+            working += fused_backward_bytes(step, b, head)
+        else:
+            working += attention_backward_bytes(step, b)  # dense attention's, once
     return {"activations": saved + working, "logits": head}
 
 
@@ -181,10 +181,16 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     scores' count is (``_layer_parts``): TeraPipe's data 2 x stage 4 plan (llama-tiny,
     seq 256, s = 4) holds three f32[16 heads, 64, 256] buffers of 1 MiB each at once in
     its backward, where (L/s)² booked 0.81 MiB in all."""
+    return step.calib.get("layer_live_scores", 0.0) * score_set_bytes(step, micro_batch)
+
+
+def score_set_bytes(step: Step, micro_batch: int) -> float:
+    """One layer's score matrix on a device, in the compute dtype: its queries against the
+    whole sequence's keys (a TeraPipe slice's too), heads split over ``tensor``."""
     w, view = step.workload, step.view
-    keys = w.seq // view.ways("seq")  # the whole sequence: a TeraPipe slice's too
+    keys = w.seq // view.ways("seq")
     scores = micro_batch * step.local_seq * w.heads * keys / view["tensor"]
-    return step.calib.get("layer_live_scores", 0.0) * scores * w.compute_bytes
+    return scores * w.compute_bytes
 
 
 def fused_backward_bytes(step: Step, micro_batch: int, head: float) -> float:
@@ -202,10 +208,7 @@ def fused_backward_bytes(step: Step, micro_batch: int, head: float) -> float:
     default codegen). The non-fused count (3.25 sets) read 1.103 on llama-1b (8 layers,
     stage 4, m = 8), whose 128K-vocabulary head outgrows a set: this books nothing there
     (0.930), nor on ``benchmarks/planner_validation.py``'s other fused rows."""
-    w, view = step.workload, step.view
-    keys = w.seq // view.ways("seq")
-    one_set = micro_batch * step.local_seq * w.heads * keys / view["tensor"] * w.compute_bytes
-    return max(0.0, one_set - head)
+    return max(0.0, score_set_bytes(step, micro_batch) - head)
 
 
 def model(step: Step) -> Contribution:
