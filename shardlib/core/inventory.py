@@ -76,9 +76,9 @@ def inventory(factory: ModelFactory, *, stacked: bool = True) -> Inventory:
     (``train.user_model``), so ``blocks`` is not read as the decoder's stacked layers.
 
     A preset's inventory is kept per (name, config): building one traces the model (0.17 s
-    for a 7B Llama), and the planner's validations and a test run ask for the same few
-    models hundreds of times. A plain function (no config) or an unhashable config is
-    built each time."""
+    on average over the FSDP validation's 7B-70B runs), and the planner's validations and a
+    test run ask for the same few models hundreds of times. A plain function (no config)
+    or an unhashable config is built each time."""
     if factory.config is None:
         return _build_inventory(factory, stacked)
     key = (factory.name, factory.config, stacked)

@@ -199,6 +199,13 @@ class Workload:
         return tuple(sorted({s for p in self.params for n, s in p.dims if n in names}))
 
     @property
+    def tied_head(self) -> bool:
+        """The output head reads the embedding table (GPT-2/3, Qwen2's small models): the
+        decoder holds an ``embedding`` and no ``lm_head`` of its own."""
+        names = {p.name for p in self.params}
+        return "embedding" in names and "lm_head" not in names
+
+    @property
     def compute_bytes(self) -> int:
         """Bytes per activation element (the compute dtype)."""
         return 2 if self.precision in ("bf16", "fp8") else 4  # fp8: bf16 between products

@@ -143,6 +143,14 @@ class Step:
         outer = sum(param.numel / ways for param, ways in self.table if not param.per_layer)
         return self.layer_elements * self.layers_per_device + outer
 
+    def gradient_sets(self, param: ParamInfo) -> int:
+        """Gradients of ``param`` reduced apart before they are added: 2 for a tied table on
+        the CPU backend (its lookup's and its head's, each reduced over data and fsdp on its
+        own: gpt-tiny on data 8 reduces 2 table-sized sets, jax 0.10.2), else 1. The GPU
+        and TPU pipelines run XLA's ``AllReduceReassociate``, which adds them first."""
+        tied = param.name == "embedding" and self.workload.tied_head
+        return 2 if tied and self.backend == "cpu" else 1
+
     @property
     def scatter_kind(self) -> str:
         """How a reduce-scatter compiles: the CPU backend emits an all-reduce + slice (2x the

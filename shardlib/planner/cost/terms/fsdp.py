@@ -161,6 +161,12 @@ def fsdp(step: Step) -> Contribution:
             ):  # inside its loop: the gathered head and its gradient
                 gathered_outer += full * MASTER_BYTES  # (fsdp=2 x stage=4: 0.88 with it)
             continue
+        # a tied table is read twice (lookup, head), each read through its own gathered view:
+        # one gather serves both (CSE), but on CPU each read's gradient is reduced on its own
+        # (gpt3-125m, vocab 50257 on fsdp 8: two table-sized fp32 sets in the reduction, jax
+        # 0.10.2), and the second set is live beside the first as an untied head's is
+        uses = step.gradient_sets(param)
+        gathered_outer += (uses - 1) * full * weight_bytes
         # outer gathers are loop-invariant: XLA hoists them out of the micro-batch loop
         comms.append(
             Comm(
@@ -175,7 +181,7 @@ def fsdp(step: Step) -> Contribution:
             )
         )
         comms.append(
-            Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, outer_grads, True)
+            Comm("fsdp", "grads", grad_kind, axes, n, full * MASTER_BYTES, uses * outer_grads, True)
         )
     c = step.calib
     transient = c["fsdp_layers_live"] * gathered_layer + c["fsdp_outer_live"] * gathered_outer
