@@ -67,6 +67,9 @@ class Workload:
     block_kind: str = ""
     """Which fitted per-block memory coefficients the planner reads (the model class's
     ``block_kind``, ``Inventory.block_kind``); "": the Llama-fitted defaults."""
+    max_positions: int | None = None
+    """Positions the model declares (``Inventory.max_positions``): the rows of a learned
+    position table (GPT's), of which a step reads its first ``seq``."""
 
     def __hash__(self) -> int:
         return self._hash
@@ -127,6 +130,7 @@ class Workload:
             checkpoint_names=inv.checkpoint_names,
             block_stats=inv.block_stats,
             block_kind=inv.block_kind,
+            max_positions=inv.max_positions,
         )
 
     @classmethod
@@ -204,6 +208,14 @@ class Workload:
         decoder holds an ``embedding`` and no ``lm_head`` of its own."""
         names = {p.name for p in self.params}
         return "embedding" in names and "lm_head" not in names
+
+    def rows_read(self, param: ParamInfo) -> float:
+        """Share of ``param`` one sequence reads: ``seq / max_positions`` for a learned
+        position table outside the layers (an unnamed first dim of ``max_positions`` rows,
+        read in order by a slice: XLA gathers and reduces those rows alone), else 1."""
+        first = param.dims[0] if param.dims else (None, 0)
+        table = not param.per_layer and first == (None, self.max_positions)
+        return min(self.seq / self.max_positions, 1.0) if table else 1.0
 
     @property
     def compute_bytes(self) -> int:

@@ -36,8 +36,9 @@ COEFFICIENTS: dict[str, float] = {
     "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
     "pipe_1f1b_tables": 0.908,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
     # the GPT block's own (``for_block``; LayerNorm, biases, GELU MLP): fitted alone on its
-    # 22 probes (``calibrate.gpt_probes``, ``--free gpt``), worst 9.9% (6.5% since the tied
-    # table's second gradient set is booked, ``Step.gradient_sets``); read as a sum
+    # 22 probes (``calibrate.gpt_probes``, ``--free gpt``), worst 9.9% (5.8% since the tied
+    # table's second gradient set and a position table's rows read are booked,
+    # ``Step.gradient_sets``, ``Step.read_share``); read as a sum
     "gpt_layer_h": 0.0,
     "gpt_layer_qkv": 0.0,
     "gpt_layer_mlp": 6.616,

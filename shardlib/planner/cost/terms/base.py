@@ -151,6 +151,12 @@ class Step:
         tied = param.name == "embedding" and self.workload.tied_head
         return 2 if tied and self.backend == "cpu" else 1
 
+    def read_share(self, param: ParamInfo) -> float:
+        """Share of ``param`` the step gathers and reduces: a position table's first ``seq``
+        rows (``Workload.rows_read``), unless context parallelism reorders the positions
+        (the zig-zag layout reads rows of the whole table)."""
+        return 1.0 if self.view["context"] > 1 else self.workload.rows_read(param)
+
     @property
     def scatter_kind(self) -> str:
         """How a reduce-scatter compiles: the CPU backend emits an all-reduce + slice (2x the

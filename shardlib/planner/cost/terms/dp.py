@@ -59,7 +59,8 @@ def gradient_reduction(step: Step) -> Contribution:
     # bytes per (axes of one all-reduce, inside the layer loop or not)
     buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
     for param, ways in step.table:
-        shard = param.numel / ways * MASTER_BYTES * step.gradient_sets(param)
+        reads = step.gradient_sets(param) * step.read_share(param)
+        shard = param.numel / ways * MASTER_BYTES * reads
         merged: list[str] = []  # the axes that reduce the parameter's shard together
         for term in terms:
             for axes, nbytes in term.reductions(step, param):

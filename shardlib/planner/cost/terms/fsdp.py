@@ -152,7 +152,7 @@ def fsdp(step: Step) -> Contribution:
     for param, ways in gathered(step):
         if param.per_layer or param.name in tables:
             continue
-        full = param.numel / ways  # after the gather
+        full = param.numel / ways * step.read_share(param)  # after the gather
         gathered_outer += full * weight_bytes
         if param.name == "lm_head" and _head_over_stage(step):
             comms += _head_over_stage_comms(step, full, outer_grads)
