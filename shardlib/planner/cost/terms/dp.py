@@ -38,6 +38,7 @@ from shardlib.planner.cost.terms.base import (
 from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions
 
 DATA = str(Axis.DATA)
+STAGE = str(Axis.STAGE)
 
 SEARCH_AXIS = SearchAxis(
     Axis.DATA,
@@ -59,8 +60,7 @@ def gradient_reduction(step: Step) -> Contribution:
     # bytes per (axes of one all-reduce, inside the layer loop or not)
     buffers: dict[tuple[tuple[str, ...], bool], float] = defaultdict(float)
     for param, ways in step.table:
-        reads = step.gradient_sets(param) * step.read_share(param)
-        shard = param.numel / ways * MASTER_BYTES * reads
+        shard = param.numel / ways * MASTER_BYTES * step.gradient_sets(param)
         merged: list[str] = []  # the axes that reduce the parameter's shard together
         for term in terms:
             for axes, nbytes in term.reductions(step, param):
@@ -68,8 +68,9 @@ def gradient_reduction(step: Step) -> Contribution:
                     merged += axes
                 else:  # a reduction of its own, before the shared one
                     buffers[(axes, param.per_layer)] += nbytes
-        if merged:
-            buffers[(tuple(merged), param.per_layer)] += shard
+        if merged:  # a position table's rows read, unless a stage loop accumulated it whole
+            share = 1.0 if STAGE in merged else step.read_share(param)
+            buffers[(tuple(merged), param.per_layer)] += shard * share
 
     def count(axes: tuple[str, ...], per_layer: bool) -> float:
         layer, outer = gradient_reductions(step, axes)
