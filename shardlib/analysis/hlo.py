@@ -13,6 +13,7 @@ pure text -> data; turning device ids into mesh axes happens in ``explain``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -75,11 +76,13 @@ class ArrayType:
         return (self.elements * dtype_bits(self.dtype) + 7) // 8
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_type(text: str) -> tuple[ArrayType, ...]:
     """The arrays of a result type, flattening tuples: ``(f32[2], bf16[3,4])`` -> two arrays.
 
     Layouts (``{1,0}``) and ``/*index=5*/`` comments never contain ``[`` and are skipped;
-    dynamic dims print as ``<=8`` and count at their bound.
+    dynamic dims print as ``<=8`` and count at their bound. Cached: a module repeats a few
+    types thousands of times, and each instruction's are read for FLOPs, bytes and groups.
     """
     arrays = []
     for dtype, dims in _ARRAY_TYPE.findall(text):
