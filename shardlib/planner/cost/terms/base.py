@@ -146,8 +146,9 @@ class Step:
     def gradient_sets(self, param: ParamInfo) -> int:
         """Gradients of ``param`` reduced apart before they are added: 2 for a tied table on
         the CPU backend (its lookup's and its head's, each reduced over data and fsdp on its
-        own: gpt-tiny on data 8 reduces 2 table-sized sets, jax 0.10.2), else 1. The GPU
-        and TPU pipelines run XLA's ``AllReduceReassociate``, which adds them first."""
+        own: gpt-tiny on data 8 reduces 2 table-sized sets, jax 0.10.2), else 1. XLA's GPU
+        pipeline runs ``AllReduceReassociate``, which adds them first (TPU plans are costed
+        as GPU's: its compiler is not public to check)."""
         tied = param.name == "embedding" and self.workload.tied_head
         return 2 if tied and self.backend == "cpu" else 1
 
