@@ -152,11 +152,13 @@ class Step:
         tied = param.name == "embedding" and self.workload.tied_head
         return 2 if tied and self.backend == "cpu" else 1
 
-    def read_share(self, param: ParamInfo) -> float:
-        """Share of ``param`` the step gathers and reduces: a position table's first ``seq``
-        rows (``Workload.rows_read``), unless context parallelism reorders the positions
-        (the zig-zag layout reads rows of the whole table)."""
-        return 1.0 if self.view["context"] > 1 else self.workload.rows_read(param)
+    def read_share(self, param: ParamInfo, axes: tuple[str, ...] = ()) -> float:
+        """Share of ``param`` the step gathers, or reduces over ``axes``: a position table's
+        first ``seq`` rows (``Workload.rows_read``), unless context parallelism reorders the
+        positions (the zig-zag layout reads rows of the whole table) or the reduction spans
+        ``stage`` (a fused pipeline loop accumulates the table's gradient whole)."""
+        whole = self.view["context"] > 1 or str(Axis.STAGE) in axes
+        return 1.0 if whole else self.workload.rows_read(param)
 
     @property
     def scatter_kind(self) -> str:

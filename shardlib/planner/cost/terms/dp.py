@@ -38,7 +38,6 @@ from shardlib.planner.cost.terms.base import (
 from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions
 
 DATA = str(Axis.DATA)
-STAGE = str(Axis.STAGE)
 
 SEARCH_AXIS = SearchAxis(
     Axis.DATA,
@@ -68,9 +67,9 @@ def gradient_reduction(step: Step) -> Contribution:
                     merged += axes
                 else:  # a reduction of its own, before the shared one
                     buffers[(axes, param.per_layer)] += nbytes
-        if merged:  # a position table's rows read, unless a stage loop accumulated it whole
-            share = 1.0 if STAGE in merged else step.read_share(param)
-            buffers[(tuple(merged), param.per_layer)] += shard * share
+        if merged:
+            reduced = tuple(merged)
+            buffers[(reduced, param.per_layer)] += shard * step.read_share(param, reduced)
 
     def count(axes: tuple[str, ...], per_layer: bool) -> float:
         layer, outer = gradient_reductions(step, axes)
