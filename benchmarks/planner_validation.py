@@ -10,7 +10,8 @@ meshes, widths, micro-batch counts and device counts. Strategies covered: data p
 FSDP, Megatron tensor parallel, ZeRO-1/2, rematerialisation (selective, full), optimizer
 offload (device memory excludes the pinned_host arguments; the host bytes are compared
 apart), context parallelism (ring attention), expert parallelism (MoE) and pipelines (GPipe,
-1f1b = (interleaved) 1F1B, circular = GPipe with virtual stages).
+1f1b = (interleaved) 1F1B, circular = GPipe with virtual stages), on Llama, MoE and GPT
+blocks.
 Targets: memory within 10%, collective bytes within 5%.
 """
 
@@ -25,6 +26,9 @@ from pathlib import Path
 
 # moe-tiny widened so that its buffers are not dwarfed by the runtime's fixed bytes
 MOE = {"embed": 256, "mlp": 1024, "heads": 8, "kv_heads": 4, "head_dim": 32}
+# gpt-tiny widened the same way (4 layers unless a row says)
+GPT_W512 = {"layers": 4, "embed": 512, "mlp": 2048, "heads": 8}
+GPT_W384 = {"layers": 4, "embed": 384, "mlp": 1536, "heads": 6}
 
 # (model, global batch, seq, model overrides, plan kwargs)
 CASES = {
@@ -118,6 +122,25 @@ CASES = {
             128,
             {**MOE, "expert_mlp": 512, "layers": 4, "moe_every": 2},
             dict(data=2, stage=2, expert=2, microbatches=2, schedule="gpipe"),
+        ),
+        # the GPT block (fp32 LayerNorm, GELU MLP, tied table, learned positions), at widths
+        # and depths its probes (calibrate.gpt_probes: h 256) do not have
+        ("gpt-tiny", 16, 256, GPT_W512 | {"layers": 16}, dict(data=2, tensor=4)),
+        ("gpt-tiny", 16, 512, GPT_W384 | {"layers": 8}, dict(fsdp=4, tensor=2)),
+        ("gpt-tiny", 16, 256, GPT_W512, dict(stage=2, tensor=4, microbatches=4, schedule="1f1b")),
+        (
+            "gpt-tiny",
+            16,
+            256,
+            GPT_W512,
+            dict(stage=2, fsdp=2, tensor=2, microbatches=4, schedule="1f1b"),
+        ),
+        (
+            "gpt3-1.3b",
+            4,
+            1024,
+            {"layers": 4, "vocab": 50304},
+            dict(stage=2, tensor=4, microbatches=4, schedule="1f1b"),
         ),
         # published widths: the plan `shardlib plan` writes for llama-7b on 8 H100s, and more
         ("llama-7b", 64, 2048, {}, dict(fsdp=8, microbatches=4, remat="selective")),

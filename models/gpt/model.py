@@ -34,7 +34,7 @@ from models.llama.model import Block as LlamaBlock
 from models.llama.model import stack_blocks
 from shardlib.core.layout import constrain
 from shardlib.core.model import RESIDUAL  # the residual stream's own dims
-from shardlib.core.ops import Packed, attention, lookup, matmul, run_blocks
+from shardlib.core.ops import Packed, attention, lookup, matmul, run_blocks, stacked_matmul
 
 INIT_STD = 0.02
 """GPT-2's initialiser: normal(0.02) for every weight, 0.01 for the positions, and the two
@@ -190,11 +190,15 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD, positions_L=None):
         dt = x_BLD.dtype
         x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))  # gathered from the residual layout
+
         # one product for q, k and v (GPT-2's c_attn): the backward pass sums the three input
         # gradients before one reduction, not after three
-        w_DHJK = jnp.stack([self.wq[...], self.wk[...], self.wv[...]], axis=2).astype(dt)
+        def w_DHJK(wq, wk, wv):  # [embed, heads, 3, head_dim]
+            return jnp.stack([wq, wk, wv], axis=2).astype(dt)
+
+        weights = (self.wq[...], self.wk[...], self.wv[...])
         b_HJK = jnp.stack([self.bq[...], self.bk[...], self.bv[...]], axis=1).astype(dt)
-        qkv_BLHJK = matmul("bld,dhjk->blhjk", x_BLD, w_DHJK, name="qkv") + b_HJK
+        qkv_BLHJK = stacked_matmul("bld,dhjk->blhjk", x_BLD, w_DHJK, weights, name="qkv") + b_HJK
         q, k, v = (t[:, :, :, 0] for t in jnp.split(qkv_BLHJK, 3, axis=3))  # [b, l, h, d] each
         s = self.lora_scale  # LoRA adapters, if any, beside the fused product
         q, k, v = (q + update(self, "q", x_BLD, 1, s), k + update(self, "k", x_BLD, 1, s),

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib.core.layout import activation_spec, active_layout, constrain, mesh_axes
 from shardlib.core.mesh import Axis
+from shardlib.core.ops import vjp_at_once
 from shardlib.core.rules import entry_axes
 from shardlib.core.scopes import ONE_TRIP_SCOPE
 from shardlib.parallel.pipeline.gpipe import STATE_NAMES
@@ -158,7 +159,8 @@ def backward_from_inputs(block_fn, w_k, keep_k, ring_RK, r, dy_BLD, acc_k, chunk
         layer, keep, i = read(xs_i)
         x = jax.lax.dynamic_slice(ring_RK, (r, i, 0, 0, 0), (1, 1, *ring_RK.shape[2:]))[0, 0]
         x, dy = constrain(x, LAYER_NAMES), constrain(dy, LAYER_NAMES)
-        _, pull = jax.vjp(lambda w, x: slot(w if keep is None else (w, keep), x), layer, x)
+        with vjp_at_once():  # one layer's residuals, pulled at once
+            _, pull = jax.vjp(lambda w, x: slot(w if keep is None else (w, keep), x), layer, x)
         g_w, dx = pull(dy)
         acc = jax.tree.map(lambda a, g: _add_layer(a, g, i, chunk), acc, g_w)
         return (constrain(dx, LAYER_NAMES), acc), None

@@ -6,10 +6,8 @@ importing the machinery that compiles probes (which itself runs the cost model).
 
 # Fitted on the CPU backend (fp32, jax 0.10.2) with `python -m shardlib.planner.calibrate.fit`.
 COEFFICIENTS: dict[str, float] = {
-    "layer_h": 2.372,  # elements of width h saved per token per layer (norms, residual)
-    "layer_qkv": 4.176,  # ... of width (heads + 2 kv_heads) x head_dim, split by tensor
-    "layer_mlp": 2.152,  # ... of width mlp, split by tensor
-    "layer_scores": 2.568,  # ... of width heads x seq (scores, probabilities)
+    "layer_scores": 2.568,  # dense attention on a GPU: elements of width heads x seq saved
+    # per token per layer (scores, probabilities); the CPU backend's are ``cpu_scores``
     "head_vocab": 0.818,  # fp32 logits-sized buffers of the loss (logits, softmax, gradient)
     "head_h": 11.686,  # fp32 h-sized buffers around the head (as wide as the residual stream)
     "fsdp_layers_live": 0.059,  # gathered layers live at once under FSDP (beyond the grads')
@@ -21,7 +19,7 @@ COEFFICIENTS: dict[str, float] = {
     "selective_qkv": 0.0,  # ... of the q/k/v width
     "selective_mlp": 0.0,  # ... of the MLP width
     "cpu_scores": 2.0,  # remat=none on the CPU backend: score-sized buffers saved per layer
-    # (q·kᵀ and its softmax, both fp32: buffer assignment, terms.remat.by_definition)
+    # (q·kᵀ and its softmax, both fp32: buffer assignment, terms.remat.saved_coefficients)
     "layer_live_scores": 3.25,  # remat=none on the CPU backend: score-sized buffers live once
     # (one layer's attention backward: terms.model.attention_backward_bytes)
     "remat_scores": 1.685,  # remat: heads x seq elements per token of the layer recomputed
@@ -35,17 +33,19 @@ COEFFICIENTS: dict[str, float] = {
     "pipe_logits": 0.744,  # GPipe/circular: extra fp32 logits buffers (the head after the loop)
     "pipe_tables": 0.0,  # ... extra fp32 vocab x embed tables (their gradients)
     "pipe_1f1b_tables": 0.908,  # 1F1B: extra fp32 embedding+head gradient sets (per stage)
-    # the GPT block's own (``for_block``; LayerNorm, biases, GELU MLP): fitted alone on its
-    # 22 probes (``calibrate.gpt_probes``, ``--free gpt``), worst 9.9% (5.8% since the tied
-    # table's second gradient set and a position table's rows read are booked,
-    # ``Step.gradient_sets``, ``Step.read_share``); read as a sum
-    "gpt_layer_h": 0.0,
-    "gpt_layer_qkv": 0.0,
-    "gpt_layer_mlp": 6.616,
-    "gpt_layer_live_h": 39.024,  # remat=none: elements of width h live once (one layer's
-    # backward: fp32 LayerNorm and tanh-GELU temporaries); Llama's is 0 (absent)
-    "gpt_layer_live_mlp": 0.0,  # ... of width mlp
-    "gpt_layer_live_scores": 0.0,  # fitted without it (its live_h holds the layer's working set)
+    # the GPT block's own (``for_block``; LayerNorm, biases, GELU MLP). Per layer, read off
+    # XLA:CPU's buffer assignment (the forward layer loop's stacked outputs; gpt-tiny widened
+    # to h 512, mlp 2048, 8 heads of 96, 4 layers, data 8 and data 2 x tensor 4): 8 h-wide
+    # buffers (KEPT's 4, and 4 of the two fp32 LayerNorms' temporaries) and 6 mlp-wide (KEPT's
+    # 2 for a GELU MLP, and 4 of tanh-GELU's VJP), booked as counts
+    # (``terms.remat.saved_coefficients``), not fitted
+    "gpt_cpu_h": 4.0,
+    "gpt_cpu_mlp": 4.0,
+    # what one layer's backward holds at once beyond them, fitted alone on the 24 GPT probes
+    # (``calibrate.gpt_probes``, ``--free gpt``; worst 5.8%, the remat=full probe)
+    "gpt_layer_live_h": 0.0,  # elements of width h (Llama's: 0, absent)
+    "gpt_layer_live_mlp": 0.861,  # ... of width mlp
+    "gpt_layer_live_scores": 2.158,  # dense attention's score-sized buffers (Llama's 3.25)
     "gpt_selective_h": 0.0,
     "gpt_selective_mlp": 0.518,
 }
@@ -126,7 +126,7 @@ def for_block(calib: dict, kind: str) -> dict:
 # Read the layer counts as a sum: the probes vary q/k/v, h and mlp widths only partly
 # independently, so XLA's fused buffers are shared out between them by the fit.
 # remat=none on the CPU backend (2026-11-27): the Llama block is booked by definition
-# (``terms.remat.by_definition``: KEPT["none"], and ``cpu_scores`` 2 score sets, q·kᵀ and its
+# (``terms.remat.saved_coefficients``: KEPT["none"], and ``cpu_scores`` 2 score sets, q·kᵀ and its
 # softmax), plus one layer's attention backward live once (``layer_live_scores`` 3.25: the
 # gradients of probabilities and scores, their product, a byte-per-score mask), both read
 # off the buffer assignment of llama-7b (4 layers, fsdp 8, 8x2048 tokens per device). The
@@ -144,3 +144,16 @@ def for_block(calib: dict, kind: str) -> dict:
 # a score set is a slice's L/s queries against the whole sequence's keys, and each trip's
 # causal mask is saved (terms.terapipe): data 2 x stage 4, s = 4 reads 1.034 (0.861 when
 # the sets were booked as (L/s)² and the masks not at all).
+# Stacked weights (2026-11-29): a block's fused products (q/k/v; gate/up) stack their
+# weights inside the layer loop, and under remat=none the loop keeps that stacked copy for
+# the backward pass, one per layer. GPT's block now rebuilds it there
+# (``core.ops.stacked_matmul``; FLOPs and collectives unchanged), and its probes were
+# re-measured with it. Llama's and GLaM's blocks still keep it: with it removed (measured,
+# not kept) the 39B-width tensor 8 record (``REMAT_RECORDS``, 2 layers, one sequence)
+# compiles to 7.396 GB, not 7.954, and benchmarks/planner_validation.py --devices 8's 16
+# remat=none plans outside pipelines 2.0-6.5% smaller (the rest unchanged to the byte); the
+# shared coefficients above, fitted with the copies in, then over-book those plans (ZeRO-2
+# on data 4 x tensor 2: 1.035 -> 1.107; llama-small data 8 ZeRO-2 at seq 64: 1.047 ->
+# 1.133), and no refit on the 88 small probes re-measured with the remat and published-width
+# records kept both the counts read off buffer assignment (cpu_scores, layer_live_scores)
+# and the held-out plans within 10%. Removing Llama's copy waits for that refit.

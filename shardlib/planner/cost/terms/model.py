@@ -5,15 +5,14 @@ every axis that splits tokens (the batch and sequence splits the axes declare) o
 (tensor), plus the forward that rematerialisation repeats. Saved activations follow
 Korthikanti et al. 2022: per layer, per token, some elements of width h (norm inputs,
 residual: not split by tensor parallelism), some of the q/k/v and MLP widths (split by
-tensor), and the attention scores (a·s per token, split by tensor). On the CPU backend a
-block with counts of its own (GPT's) has them fitted to compiled programs (``calibrate.fit``)
-because XLA:CPU's fusion decides what it saves; Llama's block saves its definition there
-(``terms.remat.by_definition``), with two fp32 score sets and one layer's attention backward
-live once (``attention_backward_bytes``). For
-a GPU or TPU program remat=none is booked by definition (``terms.remat.KEPT["none"]``: what
-the block's backward needs, each buffer once, as fused kernels keep it; ~32 bytes per token
-per h per layer at Llama 7B in bf16, Korthikanti et al.'s 34), the scores' count still
-fitted for dense attention (``terms.remat.by_definition``).
+tensor), and the attention scores (a·s per token, split by tensor). remat=none is booked by
+definition (``terms.remat.KEPT["none"]``: what the block's backward needs, each buffer once,
+as fused kernels keep it; ~32 bytes per token per h per layer at Llama 7B in bf16,
+Korthikanti et al.'s 34), the scores' count fitted for dense attention on a GPU. On the CPU
+backend each block kind adds what XLA:CPU's fp32 program keeps beside it, read off the
+buffer assignment (``terms.remat.saved_coefficients``: none for Llama's block, GPT's fp32
+LayerNorm and tanh-GELU temporaries), two fp32 score sets, and one layer's attention
+backward live once (``attention_backward_bytes``).
 
 A strategy that changes what a layer saves says so in its own term's hooks: the parts it
 replaces (``Term.saved``: an attention that keeps no score matrix, an MoE block's routed
@@ -30,7 +29,6 @@ from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.planner.cost.terms.base import Contribution, Step, Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
-    by_definition,
     on_cpu,
     per_layer,
     recompute_flops,
@@ -52,6 +50,17 @@ def flops(step: Step) -> float:
     return 3 * forward + extra
 
 
+def scanned(step: Step) -> bool:
+    """Whether the layers' residuals are those of a differentiated layer loop (a scan): not
+    under a fused pipeline schedule (1F1B, 2BW, Chimera), whose stage backward re-runs one
+    layer's forward and takes its VJP at once (``parallel.pipeline.stage_work``), so XLA
+    fuses the elementwise temporaries a scan would stack into the backward's own kernels
+    (GPT's block on 1F1B stage 2 x tensor 4, gpt3-1.3b width, 4 layers, seq 1024: planner
+    / compiled 1.091 with the scan's fp32 LayerNorm and GELU copies booked, 1.045 without;
+    gpt-tiny widened to h 512: 1.310 and 1.144)."""
+    return not (step.view["stage"] > 1 and step.view.schedule in FUSED_SCHEDULES)
+
+
 def _layer_parts(
     step: Step, micro_batch: int, policy: str | None, scores: bool
 ) -> tuple[float, set[str]]:
@@ -61,11 +70,7 @@ def _layer_parts(
     tokens = micro_batch * step.local_seq
     policy = per_layer(view.remat) if policy is None else policy
     k = saved_coefficients(
-        policy,
-        step.calib,
-        defined=by_definition(step),
-        mlp_matrices=w.mlp_matrices,
-        cpu=on_cpu(step),
+        policy, step.calib, mlp_matrices=w.mlp_matrices, cpu=on_cpu(step), scanned=scanned(step)
     )
     if policy == "full":  # the kept input, split over tensor (terms.remat.saved_input_split)
         k["h"] -= KEPT["full"]["h"] * (1 - 1 / saved_input_split(step))
@@ -141,8 +146,8 @@ def activations(step: Step) -> dict[str, float]:
         working += live * (2 if segments and policy == "full" else 1)
     if policy == "full":  # and the rest of the recomputed layer: part of the none set
         working += c["full_layer_live"] * layer_activation_bytes(step, b, "none", scores=False)
-    if policy == "none":  # one layer's backward working set beyond its saved set (fitted
-        # per block kind: 0 for Llama's; GPT's fp32 LayerNorm and GELU temporaries)
+    if policy == "none":  # one layer's backward working set beyond its saved set and the
+        # scores' (fitted per block kind: 0 for Llama's; GPT's fp32 LayerNorm and GELU)
         live_elems = c.get("layer_live_h", 0.0) * w.embed
         live_elems += c.get("layer_live_mlp", 0.0) * w.mlp / view["tensor"]
         working += live_elems * b * step.local_seq * w.compute_bytes
@@ -174,7 +179,7 @@ def attention_backward_bytes(step: Step, micro_batch: int) -> float:
     of the two hides a chunked loss's fall where the head is under-booked (vocab-heavy
     models: ``coefficients``), as the refits that took the larger did. The seq-128 probes
     the ``layer_*`` counts were fitted on cannot show these buffers (scores are 1/16 of
-    seq 2048's per token); GPT's count is 0 (its fitted ``layer_live_h`` holds them).
+    seq 2048's per token); the same attention code runs in GPT's block.
     Under a fused pipeline schedule (1F1B, 2BW, Chimera) ``fused_backward_bytes`` instead.
     A score set is the layer's queries against all its keys: under TeraPipe a slice's L/s
     queries against the whole sequence's keys (its K/V buffer), not (L/s)², as the saved

@@ -61,9 +61,8 @@ KEPT: dict[str, dict[str, float]] = {
 }
 """Elements per token per layer a policy keeps by definition, by width (see the docstring):
 ``h`` the model width, ``q`` the attention output's (heads x head_dim), ``qkv`` the q/k/v
-projection's, ``mlp`` the MLP's. ``none`` is booked by definition on a GPU/TPU and for the
-Llama block on the CPU backend too (``by_definition``); a block with counts of its own (GPT's)
-is fitted on the CPU backend (``gpt_layer_*`` coefficients)."""
+projection's, ``mlp`` the MLP's. On the CPU backend a block kind's fp32 extras are added to
+``none`` (``saved_coefficients``)."""
 
 WIDTHS = ("h", "q", "qkv", "mlp", "scores")
 """The widths the saved counts are given in (``terms.model``)."""
@@ -125,46 +124,41 @@ def on_cpu(step: Step) -> bool:
     return step.backend == "cpu" or cpu_cluster
 
 
-def by_definition(step: Step) -> bool:
-    """Whether remat=none's saved set is booked as ``KEPT["none"]`` rather than fitted: on a
-    GPU or TPU, and on the CPU backend for the Llama block too (no counts of its own:
-    ``coefficients.BLOCK_KINDS``). Its compiled fp32 program keeps exactly ``KEPT["none"]``
-    per layer since RMSNorm keeps its input only and SwiGLU's VJP gate and up (llama-7b,
-    4 layers, 8x2048 tokens per device: eight h-wide and three mlp-wide stacked buffers,
-    and two score-sized ones, ``CPU_SCORES``); the fitted ``layer_*`` counts, which
-    seq-128 probes could not tell from the scores, over-booked it by 24% at 32 layers.
-    A block with counts of its own (GPT's: fp32 LayerNorm and GELU temporaries) keeps
-    them on the CPU backend."""
-    return not on_cpu(step) or not step.workload.block_kind
-
-
 def saved_coefficients(
-    policy: str,
-    calib: dict,
-    *,
-    defined: bool = False,
-    mlp_matrices: int = 3,
-    cpu: bool = False,
+    policy: str, calib: dict, *, mlp_matrices: int = 3, cpu: bool = False, scanned: bool = True
 ) -> dict[str, float]:
-    """Elements saved per token per layer, by width (``WIDTHS``; see ``terms.model``).
-    ``defined``: remat=none by definition (``by_definition``), the scores' count fitted
-    (``cpu``: the CPU backend's, ``cpu_scores``: XLA:CPU saves q·kᵀ and its softmax, both
-    fp32, where a GPU's fitted count is ``layer_scores``).
+    """Elements saved per token per layer, by width (``WIDTHS``; see ``terms.model``): what
+    ``policy`` keeps by definition (``KEPT``) plus the fitted extras XLA keeps beside it
+    (``{policy}_{width}``).
+
+    remat=none on the CPU backend (``cpu``) adds what XLA:CPU's fp32 program of the block
+    keeps beyond the definition in a layer loop (``scanned``: not a fused pipeline's
+    one-layer VJP, ``terms.model.scanned``), read off its buffer assignment (``cpu_{width}``,
+    per block kind: ``coefficients.for_block``): nothing for Llama's block (RMSNorm keeps its input,
+    SwiGLU's VJP gate and up: eight h-wide and three mlp-wide stacked buffers at llama-7b,
+    4 layers, 8x2048 tokens per device), and for GPT's the fp32 LayerNorms' centred and
+    normalised copies (four h-wide) and tanh-GELU's VJP temporaries (four mlp-wide); and
+    dense attention's score matrix twice (``cpu_scores``: q·kᵀ and its softmax, fp32),
+    where a GPU's dense count is the fitted ``layer_scores`` and a fused kernel keeps none
+    (``terms.context``). Counts fitted per width instead (the earlier ``layer_*``), on
+    probes of 2-4 layers at seq 128, could not tell a layer's buffers from the scores nor
+    from what is live once: Llama's over-booked 32 layers by 24%, GPT's read 1.35 of
+    compiled at 2 layers and 0.78 at 16 under tensor 4.
     ``mlp_matrices``: ``KEPT`` counts SwiGLU's three; a two-matrix (GELU) MLP keeps one
     mlp-wide buffer fewer (its fc output and activation under none, the fc output alone
     under selective, where SwiGLU keeps gate, up and their product, or gate and up)."""
-    fitted = {k: calib.get(f"layer_{k}", 0.0) for k in WIDTHS}
-    if policy == "none" and not defined:
-        return fitted
-    if policy in KEPT:
-        kept = dict(KEPT[policy])
-        if "mlp" in kept:
-            kept["mlp"] += mlp_matrices - 3
-        out = {k: kept[k] + calib.get(f"{policy}_{k}", 0.0) if k in kept else 0.0 for k in fitted}
-        if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
-            out["scores"] = calib.get("cpu_scores", fitted["scores"]) if cpu else fitted["scores"]
-        return out
-    raise ValueError(f"unknown remat policy {policy!r}")
+    if policy not in KEPT:
+        raise ValueError(f"unknown remat policy {policy!r}")
+    kept = dict(KEPT[policy])
+    if "mlp" in kept:
+        kept["mlp"] += mlp_matrices - 3
+    out = {k: kept.get(k, 0.0) + calib.get(f"{policy}_{k}", 0.0) for k in WIDTHS}
+    if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
+        if cpu and scanned:
+            for k in ("h", "mlp"):
+                out[k] += calib.get(f"cpu_{k}", 0.0)
+        out["scores"] = calib["cpu_scores"] if cpu else calib.get("layer_scores", 0.0)
+    return out
 
 
 def saved_input_split(step: Step) -> int:
