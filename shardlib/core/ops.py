@@ -92,6 +92,16 @@ _KEEP_STACKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+@contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value) -> Iterator[None]:
+    """Inside: ``var`` is ``value``; the outer value comes back after (nested blocks too)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 @dataclass
 class TokenSlice:
     """One block's view of a slice of the sequence (TeraPipe, ``pipeline/terapipe.py``).
@@ -115,11 +125,8 @@ class TokenSlice:
 def token_slice(slot: TokenSlice) -> Iterator[TokenSlice]:
     """Inside: blocks run on the sequence slice ``slot`` describes (positions from its
     offset, attention over the kept prefix)."""
-    token = _SLICE.set(slot)
-    try:
+    with _bound(_SLICE, slot):
         yield slot
-    finally:
-        _SLICE.reset(token)
 
 
 def _slice_positions(positions_L, length: int):
@@ -174,11 +181,8 @@ def use_ops(
     settings = OpsSettings(
         attention=attention or LocalAttention(), exchange=exchange, product=product
     )
-    token = _OPS.set(settings)
-    try:
+    with _bound(_OPS, settings):
         yield settings
-    finally:
-        _OPS.reset(token)
 
 
 def active_ops() -> OpsSettings:
@@ -189,11 +193,8 @@ def active_ops() -> OpsSettings:
 def batch_rows(form: BatchForm) -> Iterator[None]:
     """Inside: this program sees a part of the batch's rows; ``batch_mean`` and ``batch_sum``
     complete theirs with ``form`` (the other forms stay as they are)."""
-    token = _OPS.set(dataclasses.replace(active_ops(), batch=form))
-    try:
+    with _bound(_OPS, dataclasses.replace(active_ops(), batch=form)):
         yield
-    finally:
-        _OPS.reset(token)
 
 
 @contextlib.contextmanager
@@ -203,11 +204,8 @@ def use_matmul(form: MatmulForm | None) -> Iterator[None]:
     if form is None:
         yield
         return
-    token = _OPS.set(dataclasses.replace(active_ops(), matmul=form))
-    try:
+    with _bound(_OPS, dataclasses.replace(active_ops(), matmul=form)):
         yield
-    finally:
-        _OPS.reset(token)
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, *, name: str) -> jax.Array:
@@ -259,11 +257,8 @@ def vjp_at_once() -> Iterator[None]:
     backward, ``parallel.pipeline.stage_work``): ``stacked_matmul`` keeps its stacked
     weights, which live one layer there (1F1B on stage 2 x fsdp 4, gpt-tiny widened to
     h 512: rebuilt, they were gathered again, 396.5 -> 420.1 MB on the wire)."""
-    token = _KEEP_STACKED.set(True)
-    try:
+    with _bound(_KEEP_STACKED, True):
         yield
-    finally:
-        _KEEP_STACKED.reset(token)
 
 
 def batch_mean(x: jax.Array, axis) -> jax.Array:
@@ -340,11 +335,8 @@ def scan_blocks(block_fn: BlockFn, blocks_state, carry):
 
 @contextlib.contextmanager
 def _in_layer(layer_extras) -> Iterator[None]:
-    token = _LAYER.set(layer_extras)
-    try:
+    with _bound(_LAYER, layer_extras):
         yield
-    finally:
-        _LAYER.reset(token)
 
 
 def _first_layer(blocks_state):

@@ -154,7 +154,7 @@ class Step:
         loop: one set (gpt3-1.3b width, 1F1B stage 2 x tensor 4: 141 MB compiled over
         ``stage``, 244 booked with two)."""
         tied = param.name == "embedding" and self.workload.tied_head
-        fused = self.view["stage"] > 1 and self.view.schedule in FUSED_SCHEDULES
+        fused = self.view.schedule in FUSED_SCHEDULES  # ``none`` without stages
         return 2 if tied and self.backend == "cpu" and not fused else 1
 
     def read_share(self, param: ParamInfo, axes: tuple[str, ...] = ()) -> float:

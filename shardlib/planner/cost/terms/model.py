@@ -57,8 +57,8 @@ def scanned(step: Step) -> bool:
     fuses the elementwise temporaries a scan would stack into the backward's own kernels
     (GPT's block on 1F1B stage 2 x tensor 4, gpt3-1.3b width, 4 layers, seq 1024: planner
     / compiled 1.091 with the scan's fp32 LayerNorm and GELU copies booked, 1.045 without;
-    gpt-tiny widened to h 512: 1.310 and 1.144)."""
-    return not (step.view["stage"] > 1 and step.view.schedule in FUSED_SCHEDULES)
+    gpt-tiny widened to h 512: 1.310 and 1.144). The schedule is ``none`` without stages."""
+    return step.view.schedule not in FUSED_SCHEDULES
 
 
 def _layer_parts(
@@ -153,9 +153,10 @@ def activations(step: Step) -> dict[str, float]:
         working += live_elems * b * step.local_seq * w.compute_bytes
     working += sum(live(step, b) for live in step.hooks("working"))
     head = head_activation_bytes(step, head_rows(step))
-    fused = view["stage"] > 1 and view.schedule in FUSED_SCHEDULES
     if policy == "none" and on_cpu(step) and "attention" not in replaced:
-        if fused:  # one score set, in the head's freed buffers (``fused_backward_bytes``)
+        if not scanned(
+            step
+        ):  # one score set, in the head's freed buffers (``fused_backward_bytes``)
             working += fused_backward_bytes(step, b, head)
         else:
             working += attention_backward_bytes(step, b)  # dense attention's, once

@@ -112,7 +112,7 @@ def _unmodelled(view) -> str:
         return f"remat={view.remat}" if view.remat not in REMAT else ""
     if seg[1] not in REMAT:
         return f"remat={view.remat} (inner policy {seg[1]})"
-    if view["stage"] > 1 and view.schedule in FUSED_SCHEDULES:  # the schedule saves what it decides
+    if view.schedule in FUSED_SCHEDULES:  # the schedule saves what it decides
         return f"remat={view.remat} with the {view.schedule} schedule"
     return ""
 
@@ -153,10 +153,11 @@ def saved_coefficients(
     if "mlp" in kept:
         kept["mlp"] += mlp_matrices - 3
     out = {k: kept.get(k, 0.0) + calib.get(f"{policy}_{k}", 0.0) for k in WIDTHS}
-    if policy == "none":  # dense attention's score matrix (a fused kernel: terms.context)
-        if cpu and scanned:
+    if policy == "none":
+        if cpu and scanned:  # the block kind's fp32 extras in a layer loop
             for k in ("h", "mlp"):
                 out[k] += calib.get(f"cpu_{k}", 0.0)
+        # dense attention's score matrix (a fused kernel keeps none: terms.context)
         out["scores"] = calib["cpu_scores"] if cpu else calib.get("layer_scores", 0.0)
     return out
 

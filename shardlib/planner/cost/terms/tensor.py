@@ -68,7 +68,7 @@ def tensor(step: Step) -> Contribution:
     # whatever the policy: each layer's forward re-runs from its saved input right before
     # its backward (``stage_work``; compiled: 5 all-reduces per layer and executed chunk)
     forward = FORWARD_PER_LAYER
-    if view.remat == "full" or (view["stage"] > 1 and view.schedule in FUSED_SCHEDULES):
+    if view.remat == "full" or view.schedule in FUSED_SCHEDULES:
         forward += RECOMPUTED_PER_LAYER
     if seg := segmented(view.remat):  # the segment's forward again, its inner recompute
         forward += FORWARD_PER_LAYER + (RECOMPUTED_PER_LAYER if seg[1] == "full" else 0)
