@@ -254,7 +254,8 @@ def stacked_matmul(
 @contextlib.contextmanager
 def vjp_at_once() -> Iterator[None]:
     """Trace a block whose VJP is taken right after its forward (a fused pipeline's stage
-    backward, ``parallel.pipeline.stage_work``): ``stacked_matmul`` keeps its stacked
+    backward, ``parallel.pipeline.stage_work``; a recomputed block, ``parallel.remat.
+    recomputed`` and a segment of ``remat=segments``): ``stacked_matmul`` keeps its stacked
     weights, which live one layer there (1F1B on stage 2 x fsdp 4, gpt-tiny widened to
     h 512: rebuilt, they were gathered again, 396.5 -> 420.1 MB on the wire)."""
     with _bound(_KEEP_STACKED, True):

@@ -157,3 +157,15 @@ def for_block(calib: dict, kind: str) -> dict:
 # 1.133), and no refit on the 88 small probes re-measured with the remat and published-width
 # records kept both the counts read off buffer assignment (cpu_scores, layer_live_scores)
 # and the held-out plans within 10%. Removing Llama's copy waits for that refit.
+# Tried again with every small probe re-measured without the copies (88 probes, and the 39B
+# record: 7.954 -> 7.396 GB): at 64 devices the plans fall 2-12% (ZeRO-2 on data 64: 81.2 ->
+# 71.2 MB, 1.075 -> 1.226), and no refit holds both held-out sets: the full refit (all but
+# the counted ones, fixed_bytes and the GPU-only layer_scores) reads 8.1% on the probes but
+# 1.107-1.145 on the 7B plans and 0.683 on fsdp 64; update_live and grad_layers_live alone,
+# 0.891-1.206 at 64 devices. The sum of parts over-books weight-heavy plans once the copies
+# are gone: llama-small, 2 layers, seq 64, data 8 ZeRO-2 compiles to 60.4 MB, of which the
+# weights, the state shard and one whole gradient are 52.9, while 15.6 more are booked beside
+# them (activations 6.6, logits 4.7, gradient extras 3.8): what the forward keeps is mostly
+# dead when the whole gradient exists, so the peak is a maximum over phases, not a sum; the
+# copies hid that. The removal (the models' q/k/v and gate/up through ``ops.stacked_matmul``)
+# waits for that model of the peak.
