@@ -169,7 +169,7 @@ def recomputed(block_fn: Callable) -> Callable:
     backward pass of a recomputed layer): its fused products keep their stacked weights
     (``ops.vjp_at_once``), which then live one layer. Rebuilt there instead, the product's
     own checkpoint inside the recompute gathered FSDP-split weights once more (GPT's q/k/v;
-    gpt-tiny at h 256, 4 layers, fsdp 8, remat=full: 46.2 -> 43.6 MB on the wire, what
+    gpt-tiny at h 256, 4 layers, fsdp 8, remat=full: 46.2 -> 43.6 MiB on the wire, what
     remat=selective moves; memory unchanged)."""
 
     def run(*args):

@@ -150,8 +150,8 @@ def test_a_recomputed_block_gathers_its_fsdp_weights_once_more_not_twice():
     """GPT's fused q/k/v product stacks its weights in a checkpoint of its own, rebuilt in
     the backward pass (``ops.stacked_matmul``: under remat=none the layer loop would keep
     the copy per layer). Inside a recomputed block that rebuild gathered the FSDP-split
-    weights a third time (gpt-tiny h 256, 4 layers, fsdp 8, remat=full: 46.2 MB on the wire
-    where the planner books 43.6, as remat=selective compiles); a recomputed block keeps the
+    weights a third time (gpt-tiny h 256, 4 layers, fsdp 8, remat=full: 46.2 MiB on the wire
+    where the planner books 43.7 and remat=selective compiles 43.6); a recomputed block keeps the
     copy, which lives one layer there (``remat.recomputed``)."""
     from shardlib.planner import Workload, candidate
     from shardlib.planner.validate import validate
