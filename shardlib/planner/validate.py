@@ -119,7 +119,8 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     # and what the CPU backend elides: host temporaries out, device copies of host data in
     jaxpr = memory_kinds.live(setup.train_step.trace(state, batch).jaxpr.jaxpr)
-    kinds = memory_kinds.host_temp_bytes(jaxpr), memory_kinds.staged_bytes(jaxpr)
+    splits = memory_kinds.weight_splits(state["params"])  # host gradients: one device's
+    kinds = memory_kinds.host_temp_bytes(jaxpr, splits), memory_kinds.staged_bytes(jaxpr, splits)
     return Check(
         plan=plan,
         predicted_memory=pred.memory_bytes,
