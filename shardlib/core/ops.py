@@ -41,6 +41,7 @@ __all__ = [
     "matmul",
     "stacked_matmul",
     "vjp_at_once",
+    "recomputed",
     "run_blocks",
     "scan_blocks",
     "use_ops",
@@ -254,12 +255,27 @@ def stacked_matmul(
 @contextlib.contextmanager
 def vjp_at_once() -> Iterator[None]:
     """Trace a block whose VJP is taken right after its forward (a fused pipeline's stage
-    backward, ``parallel.pipeline.stage_work``; a recomputed block, ``parallel.remat.
-    recomputed`` and a segment of ``remat=segments``): ``stacked_matmul`` keeps its stacked
-    weights, which live one layer there (1F1B on stage 2 x fsdp 4, gpt-tiny widened to
-    h 512: rebuilt, they were gathered again, 396.5 -> 420.1 MB on the wire)."""
+    backward, ``parallel.pipeline.stage_work``; a recomputed block, ``recomputed``):
+    ``stacked_matmul`` keeps its stacked weights, which live one layer there (1F1B on
+    stage 2 x fsdp 4, gpt-tiny widened to h 512: rebuilt, they were gathered again, 396.5 ->
+    420.1 MB on the wire)."""
     with _bound(_KEEP_STACKED, True):
         yield
+
+
+def recomputed(fn: Callable) -> Callable:
+    """``fn`` (a block, or a segment of blocks) traced under ``vjp_at_once``, for a
+    ``jax.checkpoint`` that runs its forward again right before its VJP (``parallel.remat``,
+    ``parallel.segments``). Rebuilt there instead, a fused product's stacked weights had
+    their own checkpoint inside the recompute, and XLA gathered FSDP-split weights once
+    more (GPT's q/k/v; gpt-tiny at h 256, 4 layers, fsdp 8, remat=full: 46.2 -> 43.6 MiB
+    on the wire, what remat=selective moves; memory unchanged)."""
+
+    def run(*args):
+        with vjp_at_once():
+            return fn(*args)
+
+    return run
 
 
 def batch_mean(x: jax.Array, axis) -> jax.Array:

@@ -44,7 +44,7 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.layout import activation_spec, active_layout, mesh_axes
 from shardlib.core.mesh import Axis
 from shardlib.core.model import RESIDUAL
-from shardlib.core.ops import vjp_at_once
+from shardlib.core.ops import recomputed
 from shardlib.core.rules import entry_axes
 from shardlib.parallel.segments import parse_segments, segment_count
 
@@ -162,21 +162,6 @@ def remat_block(block_fn: Callable, spec: RematSpec, never_save: tuple[str, ...]
         return block_fn
     policy = spec.policy() if spec.active else jax.checkpoint_policies.nothing_saveable
     return jax.checkpoint(recomputed(block_fn), policy=policy, prevent_cse=False)
-
-
-def recomputed(block_fn: Callable) -> Callable:
-    """``block_fn`` traced as a block whose forward runs again right before its VJP (the
-    backward pass of a recomputed layer): its fused products keep their stacked weights
-    (``ops.vjp_at_once``), which then live one layer. Rebuilt there instead, the product's
-    own checkpoint inside the recompute gathered FSDP-split weights once more (GPT's q/k/v;
-    gpt-tiny at h 256, 4 layers, fsdp 8, remat=full: 46.2 -> 43.6 MiB on the wire, what
-    remat=selective moves; memory unchanged)."""
-
-    def run(*args):
-        with vjp_at_once():
-            return block_fn(*args)
-
-    return run
 
 
 def _saved_layouts(x_BLD) -> tuple[NamedSharding, NamedSharding] | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 
 from shardlib.core.errors import ShardingError
-from shardlib.core.ops import scan_blocks, vjp_at_once
+from shardlib.core.ops import recomputed, scan_blocks
 
 SQRT = -1
 """``RematSpec.segments`` for ``sqrt``: k chosen from the layer count when traced."""
@@ -73,9 +73,8 @@ def scan_segments(block_fn: Callable, blocks_state, carry, segments: int):
     grouped = jax.tree.map(lambda w: w.reshape(k, layers // k, *w.shape[1:]), blocks_state)
 
     def segment(segment_state, c):  # [L/k, ...] blocks, one segment's input
-        with vjp_at_once():  # recomputed whole before its VJP: ``remat.recomputed``
-            return scan_blocks(block_fn, segment_state, c)
+        return scan_blocks(block_fn, segment_state, c)
 
     nothing = jax.checkpoint_policies.nothing_saveable  # the segment input: the scan keeps it
-    outer = jax.checkpoint(segment, policy=nothing, prevent_cse=False)
+    outer = jax.checkpoint(recomputed(segment), policy=nothing, prevent_cse=False)
     return scan_blocks(outer, grouped, carry)

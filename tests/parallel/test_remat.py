@@ -152,7 +152,7 @@ def test_a_recomputed_block_gathers_its_fsdp_weights_once_more_not_twice():
     the copy per layer). Inside a recomputed block that rebuild gathered the FSDP-split
     weights a third time (gpt-tiny h 256, 4 layers, fsdp 8, remat=full: 46.2 MiB on the wire
     where the planner books 43.7 and remat=selective compiles 43.6); a recomputed block keeps the
-    copy, which lives one layer there (``remat.recomputed``)."""
+    copy, which lives one layer there (``ops.recomputed``)."""
     from shardlib.planner import Workload, candidate
     from shardlib.planner.validate import validate
 
