@@ -34,7 +34,7 @@ from shardlib.core.workload import Workload
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import AXIS_ORDER, PlanView, batch_ways, candidate
 from shardlib.planner.cost.terms import SEARCH_AXES, TERMS
-from shardlib.planner.cost.terms.base import Knob
+from shardlib.planner.cost.terms.declare import Knob
 from shardlib.planner.cost.throughput import exposed_strategies, is_exposed
 from shardlib.planner.cost.total import COMPUTE_EXTRAS, Estimate, collective_seconds, estimate
 from shardlib.planner.inputs.cluster import Cluster

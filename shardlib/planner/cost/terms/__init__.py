@@ -8,8 +8,8 @@ stale weights), ``remat``, ``offload``, ``loss``: each describes what the traine
 program does, and ``benchmarks/planner_validation.py`` checks them against compiled
 executables.
 
-Each module declares one ``base.Term``: its cost, the mesh axis and search values it owns,
-and its hooks. ``TERMS`` lists them; ``cost.total`` adds their costs up and ``search``
+Each module declares one ``declare.Term``: its cost, the mesh axis and search values it
+owns, and its hooks. ``TERMS`` lists them; ``cost.total`` adds their costs up and ``search``
 sizes their axes, and neither names a strategy. Adding a strategy to the planner is one
 term module and one entry in each tuple below.
 """
@@ -34,7 +34,7 @@ from shardlib.planner.cost.terms import (
     terapipe,
     two_bw,
 )
-from shardlib.planner.cost.terms.base import SearchAxis, Terms
+from shardlib.planner.cost.terms.declare import SearchAxis, Terms
 
 TERMS = Terms(
     (

@@ -28,7 +28,8 @@ loop). What it adds, with W the fp32 bytes of one stage's blocks on a device:
 from __future__ import annotations
 
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 from shardlib.planner.cost.terms.pipeline_loop import executed, handover_split
 
 UP_WEIGHTS, SECOND_ACCUMULATOR, CHUNK_COPY = 1, 1, 1  # in W, each one stage's blocks

@@ -41,14 +41,8 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.core.param_info import ParamInfo
 from shardlib.parallel.plan import ParallelPlan
-from shardlib.planner.cost.terms.base import (
-    MASTER_BYTES,
-    Comm,
-    Contribution,
-    SearchAxis,
-    Step,
-    Term,
-)
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import SearchAxis, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 

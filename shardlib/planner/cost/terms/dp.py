@@ -25,16 +25,8 @@ from collections import defaultdict
 
 from shardlib.core.mesh import Axis
 from shardlib.core.param_info import ParamInfo
-from shardlib.planner.cost.terms.base import (
-    MASTER_BYTES,
-    Comm,
-    Contribution,
-    Knob,
-    SearchAxis,
-    Step,
-    Term,
-    admits_any,
-)
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Knob, SearchAxis, Term, admits_any
 from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions
 
 DATA = str(Axis.DATA)

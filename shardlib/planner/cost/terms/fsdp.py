@@ -29,12 +29,11 @@ from shardlib.planner.cost.terms.base import (
     MASTER_BYTES,
     Comm,
     Contribution,
-    SearchAxis,
     Step,
-    Term,
     param_splits,
     per_step,
 )
+from shardlib.planner.cost.terms.declare import SearchAxis, Term
 from shardlib.planner.cost.terms.pipeline_loop import gradient_reductions, layer_runs
 from shardlib.planner.cost.terms.remat import segmented
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 from shardlib.planner.cost.terms.fsdp import gathered, vocab_tables
 
 

@@ -26,7 +26,8 @@ import math
 from typing import Any
 
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
-from shardlib.planner.cost.terms.base import Contribution, Step, Term
+from shardlib.planner.cost.terms.base import Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 from shardlib.planner.cost.terms.remat import (
     KEPT,
     on_cpu,

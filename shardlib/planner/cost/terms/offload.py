@@ -33,14 +33,8 @@ What the trainer's step holds and moves (``parallel.offload``, ``offload_stream`
 from __future__ import annotations
 
 from shardlib.parallel.offload_grads import plan_sends_grads_to_host
-from shardlib.planner.cost.terms.base import (
-    ADAM_BYTES,
-    MASTER_BYTES,
-    Contribution,
-    Knob,
-    Step,
-    Term,
-)
+from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Contribution, Step
+from shardlib.planner.cost.terms.declare import Knob, Term
 from shardlib.planner.cost.terms.state import optimizer_bytes
 
 HOST_LINK_BW = 25e9

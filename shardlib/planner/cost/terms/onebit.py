@@ -22,7 +22,8 @@ stores them split over ``data``); the moments are Adam's (``terms.state``).
 from __future__ import annotations
 
 from shardlib.core.mesh import Axis
-from shardlib.planner.cost.terms.base import Comm, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 
 DATA = str(Axis.DATA)
 SCALE_BYTES = 4

@@ -54,15 +54,8 @@ from shardlib.parallel.pipeline.partition import partition
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.parallel.pipeline.stats import check_block_stats
 from shardlib.parallel.pipeline.terapipe import check_terapipe
-from shardlib.planner.cost.terms.base import (
-    MASTER_BYTES,
-    Comm,
-    Contribution,
-    Knob,
-    SearchAxis,
-    Step,
-    Term,
-)
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Knob, SearchAxis, Term
 from shardlib.planner.cost.terms.model import logits_share
 from shardlib.planner.cost.terms.pipeline_loop import (
     HEAD_LOGITS_SPARED,

@@ -40,7 +40,8 @@ from __future__ import annotations
 from shardlib.core.errors import ShardingError
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
 from shardlib.parallel.segments import parse_segments, segment_count
-from shardlib.planner.cost.terms.base import Knob, Step, Term
+from shardlib.planner.cost.terms.base import Step
+from shardlib.planner.cost.terms.declare import Knob, Term
 
 REMAT = ("none", "selective", "full")
 """Remat policies the cost model knows, lightest first: keep everything; drop attention

@@ -15,14 +15,8 @@ without micro-batches ZeRO-2 uses what ZeRO-1 does (compiled: equal to the byte)
 from __future__ import annotations
 
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
-from shardlib.planner.cost.terms.base import (
-    ADAM_BYTES,
-    MASTER_BYTES,
-    Contribution,
-    Step,
-    Term,
-    per_step,
-)
+from shardlib.planner.cost.terms.base import ADAM_BYTES, MASTER_BYTES, Contribution, Step, per_step
+from shardlib.planner.cost.terms.declare import Term
 from shardlib.planner.cost.terms.fsdp import layer_elements_gathered
 
 

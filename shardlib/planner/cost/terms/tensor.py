@@ -20,7 +20,8 @@ import math
 
 from shardlib.core.mesh import Axis
 from shardlib.parallel.pipeline.spec import FUSED_SCHEDULES
-from shardlib.planner.cost.terms.base import Comm, Contribution, SearchAxis, Step, Term
+from shardlib.planner.cost.terms.base import Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import SearchAxis, Term
 from shardlib.planner.cost.terms.fsdp import vocab_tables
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 from shardlib.planner.cost.terms.remat import saved_input_split, segmented

@@ -49,7 +49,8 @@ from shardlib.core.errors import ShardingError
 from shardlib.core.mesh import Axis
 from shardlib.parallel.tensor import PRODUCTS
 from shardlib.parallel.tensor25d_traffic import ACTIVATION_KINDS, workload_products
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Knob, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Comm, Contribution, Step
+from shardlib.planner.cost.terms.declare import Knob, Term
 from shardlib.planner.cost.terms.pipeline_loop import layer_runs
 from shardlib.planner.cost.terms.remat import KEPT, per_layer
 

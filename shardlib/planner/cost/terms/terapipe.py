@@ -25,7 +25,8 @@ ideal, ``PipelineSpec.bubble_ratio``) are GPipe's formulas as they stand. What i
 
 from __future__ import annotations
 
-from shardlib.planner.cost.terms.base import Contribution, Step, Term
+from shardlib.planner.cost.terms.base import Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 from shardlib.planner.cost.terms.pipeline_loop import trips
 from shardlib.planner.cost.terms.remat import per_layer
 

@@ -27,7 +27,8 @@ held-parameter units); the compiled 2bw - 1f1b differences on the four plans of
 
 from __future__ import annotations
 
-from shardlib.planner.cost.terms.base import MASTER_BYTES, Contribution, Step, Term
+from shardlib.planner.cost.terms.base import MASTER_BYTES, Contribution, Step
+from shardlib.planner.cost.terms.declare import Term
 
 STATE_SETS = 2  # in held parameters: W(t-1), and the carried unfinished gradient sums
 FIRST_TRIP_PICKS = 3  # forward weights, backward weights, backward accumulators
