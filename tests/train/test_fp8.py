@@ -74,7 +74,15 @@ def test_qdq_matmul_matches_a_reference_with_fp8_casts(dtype):
     assert not np.array_equal(xq, x_BLD) and not np.array_equal(gq, g_BLF)  # it rounded
     np.testing.assert_array_equal(y, jnp.einsum(SPEC, xq, wq))
     np.testing.assert_array_equal(dx, jnp.einsum("blf,df->bld", gq, wq))
-    np.testing.assert_array_equal(dw, jnp.einsum("blf,bld->df", gq, xq))
+    want_dw = jnp.einsum("blf,bld->df", gq, xq)
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(dw, want_dw)
+    else:  # jax 0.12 transposes a bf16 einsum into a product whose sum rounds apart from a
+        # direct einsum's in the last bf16 bit (jax 0.10: equal); e4m3's rounding, 2^-4 of
+        # a value, is 8x what this admits, so a missing quantization still fails it
+        bound = jnp.einsum("blf,bld->df", jnp.abs(gq), jnp.abs(xq)).astype(jnp.float32)
+        diff = jnp.abs(dw.astype(jnp.float32) - want_dw.astype(jnp.float32))
+        assert bool(jnp.all(diff <= 2.0**-7 * bound)), float(jnp.max(diff / bound))
     # the meta's "gradient" is its next value: the scales used, the histories rolled
     # (the newest amax at index 0; the oldest one, at index 1, drops out)
     for role, s in zip(fp8.ROLES, (sx, sw, sg), strict=True):
