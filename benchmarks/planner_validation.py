@@ -229,6 +229,9 @@ def worker(devices: int) -> None:
             "compiled_wire": check.compiled_wire,
             "predicted_flops": check.predicted_flops,
             "compiled_flops": check.compiled_flops,
+            # where XLA's heap simulation peaks, and its count then (analysis.peak)
+            "peak_phase": check.compiled_peak.phase if check.compiled_peak else "",
+            "compiled_live": check.compiled_peak.live_bytes if check.compiled_peak else 0,
             "seconds": time.perf_counter() - start,
         }
         print(json.dumps(row), flush=True)
@@ -274,6 +277,8 @@ def main() -> int:
         "compiled",
         "ratio",
         "FLOPs ratio",
+        "peak in",
+        "live at peak",
     ):
         table.add_column(col, justify="left" if col in ("model", "plan", "knobs") else "right")
     worst_mem = worst_wire = 0.0
@@ -294,8 +299,10 @@ def main() -> int:
             format_bytes(r["compiled_wire"]),
             f"{wire:.3f}",
             f"{r['predicted_flops'] / r['compiled_flops']:.3f}",
+            r.get("peak_phase", ""),
+            format_bytes(r["compiled_live"]) if r.get("compiled_live") else "",
         )
-    console = Console(width=200)
+    console = Console(width=220)
     console.print(table)
     ok = worst_mem <= 0.10 and worst_wire <= 0.05
     within = sum(

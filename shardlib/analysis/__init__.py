@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardlib.analysis import attribute, hlo, hlo_flops
+from shardlib.analysis import peak as peak_dump
 from shardlib.analysis.collective import collective_op
 from shardlib.analysis.reduce_scatter import as_gpu_runs, cpu_reduce_scatters, gpu_collectives
 from shardlib.analysis.report import (
@@ -58,6 +60,7 @@ def explain(
     mesh: jax.sharding.Mesh | None = None,
     params: Any = None,
     param_filter: Callable[[str], bool] | None = None,
+    peak: bool = False,
     **kwargs: Any,
 ) -> LayoutReport:
     """Lower and compile ``fn(*args, **kwargs)`` and report its per-device layout.
@@ -71,6 +74,10 @@ def explain(
     leaves are matched by identity), or an argument path prefix (``params="state.weights"``);
     or ``param_filter(path)``. Without either, the inputs under a path component named
     exactly ``params``; if there is none, every input, with a warning that says so.
+
+    ``peak=True``: also what is live at the memory peak and where it falls (``report.peak``,
+    ``analysis.peak``), read off XLA's heap simulation, which XLA writes when the module is
+    dumped: the step is compiled once, with a dump into a temporary directory.
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     if isinstance(mesh, jax.sharding.Mesh) and hasattr(jax, "set_mesh"):
@@ -78,7 +85,13 @@ def explain(
             lowered = jitted.lower(*args, **kwargs)
     else:
         lowered = jitted.lower(*args, **kwargs)
-    compiled = lowered.compile()
+    live = None
+    if peak:
+        with tempfile.TemporaryDirectory() as directory:
+            compiled = lowered.compile(peak_dump.dump_options(directory))
+            live = peak_dump.read(directory)
+    else:
+        compiled = lowered.compile()
     shardings = jax.tree_util.tree_leaves(compiled.input_shardings)
     mesh = mesh if mesh is not None else _find_mesh(shardings, compiled)
     axes = dict(mesh.shape) if mesh is not None else {}
@@ -105,6 +118,10 @@ def explain(
         for c in hlo.collectives(module, multipliers)
     ]
     memory, memory_warnings = _memory(compiled)
+    if live is not None:
+        live = dataclasses.replace(live, allocated_bytes=memory.total_bytes)
+    elif peak:
+        memory_warnings += ("peak=True: XLA wrote no live ranges for this backend's dump",)
     return LayoutReport(
         mesh_axes=axes,
         platform=_platform(shardings),
@@ -118,6 +135,7 @@ def explain(
         collectives=ops,
         warnings=warnings + memory_warnings,
         gpu_collectives=as_gpu_runs(ops, cpu_reduce_scatters(text)),
+        peak=live,
     )
 
 

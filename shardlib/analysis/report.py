@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:  # peak.py renders with this module's format_bytes
+    from shardlib.analysis.peak import Peak
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -186,6 +190,8 @@ class LayoutReport:
     gpu_collectives: list[CollectiveOp] = field(default_factory=list)
     """The same collectives as GPU and TPU run them: the CPU backend's all-reduce + slice
     pairs counted as the reduce-scatters they become there (``reduce_scatter``)."""
+    peak: Peak | None = None
+    """What is live at the memory peak (``explain(..., peak=True)``; ``analysis.peak``)."""
 
     @property
     def host_argument_bytes(self) -> int:
@@ -219,6 +225,7 @@ class LayoutReport:
             },
             "params": {"count": self.params_count, "bytes": self.params_bytes},
             "memory_per_device": self.memory.to_json(),
+            "memory_peak": self.peak.to_json() if self.peak is not None else None,
             "flops_per_device": self.flops_per_device,
             "xla_cost_analysis_flops": self.xla_cost_analysis_flops,
             "collective_totals": self.collective_totals,
@@ -243,6 +250,7 @@ class LayoutReport:
             self._summary_table(),
             self._tensor_table(),
             self._memory_table(),
+            *([self.peak.table()] if self.peak is not None else []),
             self._collective_table(),
             self._totals_table(),
         ):

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardlib.core.errors import ShardingError
 from shardlib.core.workload import Workload
 from shardlib.parallel.plan import ParallelPlan
 from shardlib.planner.candidate import PlanView
 from shardlib.planner.cost.total import estimate
+
+if TYPE_CHECKING:  # analysis (and jax) load when a plan is compiled, not with the planner
+    from shardlib.analysis.peak import Peak
 
 MAX_SIMULATED = 2048
 """Most simulated CPU devices one process compiles for: above it the CPU backend refuses
@@ -40,6 +44,9 @@ class Check:
     """Bytes per device kept in host memory (optimizer offload)."""
     compiled_host: float = 0.0
     """Bytes of the step's arguments whose sharding says ``pinned_host``."""
+    compiled_peak: Peak | None = None
+    """What XLA's heap simulation holds at the step's peak, and where it falls
+    (``analysis.peak``): the memory ratio read part by part."""
 
     @property
     def memory_ratio(self) -> float:
@@ -114,7 +121,7 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     setup = make_setup(cfg, mesh)
     state = setup.abstract_state()
     batch = setup.abstract_batch()
-    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"], peak=True)
     pred = estimate(fp32, plan, backend="cpu")
     host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     # and what the CPU backend elides: host temporaries out, device copies of host data in
@@ -127,6 +134,7 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
         compiled_memory=report.memory.total_bytes - host - kinds[0] + kinds[1],
         predicted_host=pred.host_bytes,
         compiled_host=host,
+        compiled_peak=report.peak,
         predicted_wire=pred.wire_bytes,
         compiled_wire=sum(t["wire_bytes"] for t in report.collective_totals.values()),
         predicted_flops=pred.flops,

@@ -139,7 +139,9 @@ def cmd_explain(args, console: Console) -> int:
     setup = _setup(args, cfg, mesh)
     state = setup.abstract_state()
     batch = setup.abstract_batch()
-    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"])
+    report = explain(
+        setup.train_step, state, batch, mesh=mesh, params=state["params"], peak=args.peak
+    )
     notes = (setup.attention.describe(),) if setup.attention else ()
     report = dataclasses.replace(report, notes=notes)
     report.render(console)

@@ -88,6 +88,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     e = command("explain", "compile the train step and report its layout; runs nothing")
     e.add_argument("--json", default=None, help="also write the report as JSON here")
+    e.add_argument(
+        "--peak",
+        action="store_true",
+        help="also show what is live at the memory peak, where it falls, and the packing",
+    )
     par = command("parity", "compare losses and gradients with a one-device run")
     par.add_argument("--steps", type=int, default=5)
     par.add_argument("--tol", type=float, default=1e-5)

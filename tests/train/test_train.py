@@ -81,6 +81,7 @@ def test_cli_explain_writes_the_layout_json(tmp_path):
             "cpu-8-3d",
             "--json",
             str(path),
+            "--peak",
             "model.layers=1",
             "batch=8",
             "seq=16",
@@ -88,6 +89,10 @@ def test_cli_explain_writes_the_layout_json(tmp_path):
     )
     assert code == 0
     doc = json.loads(path.read_text())
+    memory = doc["memory_per_device"]
+    peak = doc["memory_peak"]  # --peak: XLA's heap simulation at its peak, and where
+    assert peak["live_bytes"] > 0 and peak["allocated_bytes"] == memory["total_bytes"]
+    assert peak["where"].startswith("jit(train_step)/") and peak["phase"] in ("forward", "backward")
     assert doc["mesh"]["axes"] == {"data": 2, "fsdp": 2, "tensor": 2}
     assert doc["params"]["count"] > 0 and doc["params"]["bytes"] == 4 * doc["params"]["count"]
     memory = doc["memory_per_device"]
