@@ -80,6 +80,9 @@ def _check_outputs(nb) -> None:
     assert "`blocks.0.up` | batch, seq, mlp | `P(None, None, 'tensor')` |" in activations
     collectives = _text(_cell(nb, "display(collective_table(report))"))
     assert "all-reduce | tensor |" in collectives  # the default strategy is TP
+    peak = _text(_cell(nb, "display(peak_table(report.peak))"))
+    assert re.search(r"Peak in the (forward|backward) pass, at `jit\(train_step\)/", peak), peak
+    assert "| XLA's live count |" in peak and "| allocated (the total above) |" in peak
 
 
 def _check_outputs_02(nb) -> None:
