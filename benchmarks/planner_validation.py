@@ -212,7 +212,7 @@ def worker(devices: int) -> None:
     for model, batch, seq, overrides, plan_kwargs in CASES[devices]:
         start = time.perf_counter()
         workload = Workload.from_preset(model, batch, seq, "fp32", **overrides)
-        check = validate(workload, candidate(**plan_kwargs))
+        check = validate(workload, candidate(**plan_kwargs), peak=True)
         view = PlanView(check.plan)
         row = {
             "devices": devices,

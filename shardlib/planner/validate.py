@@ -46,7 +46,7 @@ class Check:
     """Bytes of the step's arguments whose sharding says ``pinned_host``."""
     compiled_peak: Peak | None = None
     """What XLA's heap simulation holds at the step's peak, and where it falls
-    (``analysis.peak``): the memory ratio read part by part."""
+    (``analysis.peak``; ``validate(..., peak=True)``): the memory ratio read part by part."""
 
     @property
     def memory_ratio(self) -> float:
@@ -102,8 +102,9 @@ def train_config(workload: Workload, plan: ParallelPlan, precision: str = "fp32"
     return override(TrainConfig(parallel=plan), table)
 
 
-def validate(workload: Workload, plan: ParallelPlan) -> Check:
-    """Compile ``plan`` (fp32) on the simulated devices present and compare."""
+def validate(workload: Workload, plan: ParallelPlan, *, peak: bool = False) -> Check:
+    """Compile ``plan`` (fp32) on the simulated devices present and compare (``peak``:
+    also read where the compiled step's memory peaks, ``Check.compiled_peak``)."""
     import jax
 
     from shardlib.analysis import explain, memory_kinds
@@ -121,7 +122,7 @@ def validate(workload: Workload, plan: ParallelPlan) -> Check:
     setup = make_setup(cfg, mesh)
     state = setup.abstract_state()
     batch = setup.abstract_batch()
-    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"], peak=True)
+    report = explain(setup.train_step, state, batch, mesh=mesh, params=state["params"], peak=peak)
     pred = estimate(fp32, plan, backend="cpu")
     host = report.host_argument_bytes  # counted with the device's on CPU: moved apart
     # and what the CPU backend elides: host temporaries out, device copies of host data in
