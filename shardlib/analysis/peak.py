@@ -157,7 +157,8 @@ def _group(label: str) -> str:
         return label
     if _UNNAMED.match(label):
         return UNNAMED
-    return _ARGUMENT.match(label).group(0)
+    argument = _ARGUMENT.match(label)
+    return argument.group(0) if argument else label
 
 
 def read(directory: str | Path, allocated_bytes: int = 0) -> Peak | None:
