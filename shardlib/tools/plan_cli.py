@@ -298,13 +298,14 @@ def _validate(result, workload: Workload, k: int, console: Console) -> None:
     simulate_cpu_devices(max(PlanView(plan).size for _, plan, _ in runs))
     table = Table(title="predicted (cpu backend, fp32) vs compiled, per device and step")
     cols = ("mesh", "knobs", "memory pred", "compiled", "ratio", "wire pred", "compiled", "ratio")
-    for col in cols:
+    for col in (*cols, "peak in"):  # where the compiled step's memory peaks (analysis.peak)
         table.add_column(col, justify="left" if col in ("mesh", "knobs") else "right")
     for small, plan, note in runs:
         if note:
             console.print(note, highlight=False)
-        check = validate(small, plan)
+        check = validate(small, plan, peak=True)
         view = PlanView(plan)
+        peak = check.compiled_peak
         table.add_row(
             view.mesh_text(),
             view.knobs_text(),
@@ -314,5 +315,6 @@ def _validate(result, workload: Workload, k: int, console: Console) -> None:
             format_bytes(check.predicted_wire),
             format_bytes(check.compiled_wire),
             f"{check.wire_ratio:.3f}",
+            peak.phase if peak is not None else "-",
         )
-    Console(file=console.file, width=max(console.width, 150)).print(table)
+    Console(file=console.file, width=max(console.width, 160)).print(table)

@@ -135,3 +135,18 @@ def test_validate_shrinks_the_data_axis_past_2048_devices():
     assert "2048" in note and sizes["data"] * sizes["tensor"] <= MAX_SIMULATED
     with pytest.raises(ShardingError, match="--hosts"):
         simulable(w, candidate(stage=64, tensor=64))
+
+
+@pytest.mark.slow
+def test_plan_validate_compiles_the_best_plan_and_says_where_it_peaks(capsys):
+    """``plan --validate 1``: the best plan compiled on the simulated devices, predicted
+    against compiled memory and wire bytes, and the pass the compiled step peaks in."""
+    args = ["plan", "--model", "llama-tiny", "--cluster", "cpu-8-small", "--top", "1"]
+    assert main([*args, "--global-batch", "16", "--seq", "64", "--validate", "1"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("predicted (cpu backend, fp32) vs compiled") :]
+    row = next(line for line in table.splitlines() if "MiB" in line)
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]  # mesh, knobs, memory x 3, wire x 3
+    memory_ratio, wire_ratio, peak = float(cells[4]), float(cells[7]), cells[8]
+    assert 0.9 <= memory_ratio <= 1.1 and 0.95 <= wire_ratio <= 1.05, row
+    assert peak in ("forward", "backward"), row
