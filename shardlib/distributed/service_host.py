@@ -22,6 +22,7 @@ JAX's shutdown barrier) or, when process 0 vanished without saying it, ``linger_
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -40,9 +41,8 @@ class HostedService:
 
     @classmethod
     def start(cls, address: str, num_nodes: int, linger_s: float, **kwargs) -> HostedService:
-        settings = {k: v for k, v in kwargs.items() if v is not None}
         command = [sys.executable, "-m", __name__, address, str(num_nodes), str(linger_s)]
-        command += [f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in settings.items()]
+        command.append(encode(kwargs))
         proc = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -99,12 +99,22 @@ def service_in_own_process(linger_s: float):
         _dist._jax = lib
 
 
+def encode(kwargs: dict) -> str:
+    """JAX's keyword arguments for the service as one command-line word, typed (JSON): the
+    binding takes ints, bools and paths, and which ones changes between releases (jax 0.12
+    adds ``verify_secure_credentials``, a bool, and the mTLS paths; an int in its place is
+    refused). Unset ones (None) are left to the binding's defaults."""
+    return json.dumps({k: v for k, v in kwargs.items() if v is not None})
+
+
+def decode(word: str) -> dict:
+    """``encode``'s keyword arguments, as JAX passed them."""
+    return json.loads(word)
+
+
 def _serve(argv: list[str]) -> None:
     address, num_nodes, linger_s = argv[0], int(argv[1]), float(argv[2])
-    kwargs = {}
-    for word in argv[3:]:
-        key, value = word.split("=", 1)
-        kwargs[key] = value == "1" if key == "recoverable" else int(value)
+    kwargs = decode(argv[3]) if len(argv) > 3 else {}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     from jax._src.lib import _jax  # the extension only: no backend starts here

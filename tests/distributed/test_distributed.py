@@ -109,3 +109,40 @@ def test_an_mpirun_job_gets_a_coordinator_on_mpiruns_host(monkeypatch):
     monkeypatch.delenv("OMPI_MCA_orte_hnp_uri")  # Open MPI 5 / PMIx: the host is unknown
     with pytest.raises(ShardingError, match=r"Fix: pass --coordinator HOST:PORT"):
         launchers.launched()
+
+
+def test_the_service_host_gets_jaxs_arguments_with_their_types():
+    """Process 0's service host receives JAX's keyword arguments on its command line; the
+    binding refuses an int where it takes a bool (jax 0.12's verify_secure_credentials:
+    "incompatible function arguments", and no process could join)."""
+    from shardlib.distributed.service_host import decode, encode
+
+    given = {"heartbeat_timeout": 10, "recoverable": False, "verify_secure_credentials": False}
+    got = decode(encode({**given, "mtls_cert_file": "/etc/run/cert.pem", "mtls_key_file": None}))
+    assert got == {**given, "mtls_cert_file": "/etc/run/cert.pem"}
+    assert got["recoverable"] is False and got["verify_secure_credentials"] is False
+
+
+def test_the_service_host_starts_with_what_this_jax_passes():
+    """The host process starts JAX's coordination service with the arguments this JAX's
+    ``initialize`` passes (those the installed binding takes), answers, and ends on ``done``."""
+    import socket
+
+    from jax._src.lib import _jax
+
+    from shardlib.distributed.service_host import HostedService
+
+    takes = _jax.get_distributed_runtime_service.__doc__
+    kwargs = {"heartbeat_timeout": 10, "shutdown_timeout": 5, "recoverable": False}
+    if "verify_secure_credentials" in takes:  # jax >= 0.12 passes it
+        kwargs["verify_secure_credentials"] = False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    host = HostedService.start(f"127.0.0.1:{port}", 1, 1.0, **kwargs)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the service answers on its port
+    finally:
+        host.shutdown()
+    assert host._proc.returncode == 0
