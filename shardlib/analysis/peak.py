@@ -143,10 +143,9 @@ def parse(text: str) -> Peak | None:
         elif "/" in label and (i + 1 == len(entries) or entries[i + 1][0] <= depth):
             leaves = inner.setdefault(top, {})
             leaves[label] = leaves.get(label, 0) + size
-    ordered = tuple(sorted(parts.items(), key=lambda item: -item[1]))
-    where = next((label for label, _ in ordered if "/" in label), "")
-    inside = tuple(sorted(inner.get(where, {}).items(), key=lambda item: -item[1]))[:INSIDE]
-    return Peak(live_bytes=live, parts=ordered, inside=inside)
+    peak = Peak(live_bytes=live, parts=tuple(sorted(parts.items(), key=lambda item: -item[1])))
+    inside = sorted(inner.get(peak.where, {}).items(), key=lambda item: -item[1])
+    return dataclasses.replace(peak, inside=tuple(inside[:INSIDE]))
 
 
 def _group(label: str) -> str:
