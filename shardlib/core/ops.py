@@ -28,6 +28,7 @@ from shardlib.core.attention import LocalAttention, Packed, SlidingWindow
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import active_layout, constrain
 from shardlib.core.lookup import lookup
+from shardlib.core.token_slice import active_slice, slice_positions, sliced_attention
 
 __all__ = [
     "OpsSettings",
@@ -87,7 +88,6 @@ _OPS: contextvars.ContextVar[OpsSettings | None] = contextvars.ContextVar(
     "shardlib_ops", default=None
 )
 _LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("shardlib_layer", default=None)
-_SLICE: contextvars.ContextVar[Any] = contextvars.ContextVar("shardlib_slice", default=None)
 _KEEP_STACKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "shardlib_keep_stacked", default=False
 )
@@ -101,70 +101,6 @@ def _bound(var: contextvars.ContextVar, value) -> Iterator[None]:
         yield
     finally:
         var.reset(token)
-
-
-@dataclass
-class TokenSlice:
-    """One block's view of a slice of the sequence (TeraPipe, ``pipeline/terapipe.py``).
-
-    The block sees tokens ``offset .. offset+L-1`` only; its ``attention`` call attends
-    to them and to the keys/values of the earlier tokens, which the pipeline keeps per
-    layer in ``prefix_k``/``prefix_v`` ([B, seq, G, K], whole sequence; slots at and after
-    ``offset`` are masked by position). The call leaves its own (rotated) ``k``/``v``
-    [B, L, G, K] here for the pipeline to store. With no prefix (a shape probe) it attends
-    to its own tokens only. Mutable, and read in the same trace that set it.
-    """
-
-    offset: Any
-    prefix_k: Any = None
-    prefix_v: Any = None
-    k: Any = None
-    v: Any = None
-
-
-@contextlib.contextmanager
-def token_slice(slot: TokenSlice) -> Iterator[TokenSlice]:
-    """Inside: blocks run on the sequence slice ``slot`` describes (positions from its
-    offset, attention over the kept prefix)."""
-    with _bound(_SLICE, slot):
-        yield slot
-
-
-def _slice_positions(positions_L, length: int):
-    """The positions a block's tokens have: the model's, or a token slice's true ones."""
-    slot = _SLICE.get()
-    if slot is None:
-        return positions_L
-    if positions_L is not None:
-        raise ValueError(
-            "a token-sliced pipeline (pipeline_schedule=terapipe) got explicit positions "
-            "(packed documents): not supported. Fix: a flat token file, or another schedule."
-        )
-    return slot.offset + jnp.arange(length, dtype=jnp.int32)
-
-
-def _sliced_attention(slot: TokenSlice, q_BLHK, k_BLGK, v_BLGK, positions_L, causal):
-    """Attention of a token slice: its queries against the prefix plus its own keys."""
-    if slot.k is not None:
-        raise ValueError("a token slice's block called attention twice; TeraPipe keeps one K/V.")
-    slot.k, slot.v = k_BLGK, v_BLGK
-    if positions_L is None:  # a block called without ``run_blocks``: the slice's own
-        positions_L = _slice_positions(None, q_BLHK.shape[1])
-    form = active_ops().attention
-    form = getattr(form, "local", form)  # a context form's local kernel (no context axis)
-    if not hasattr(form, "kernel") or not causal:
-        raise ValueError(
-            f"pipeline_schedule=terapipe runs causal local attention; this block has "
-            f"{type(form).__name__} (causal={causal}). Fix: no context axis, a causal model."
-        )
-    if slot.prefix_k is None:  # shape probe
-        return form.kernel(causal, q_BLHK.shape[1])(
-            q_BLHK, k_BLGK, v_BLGK, positions_L, positions_L
-        )
-    k_BTGK = jax.lax.dynamic_update_slice_in_dim(slot.prefix_k, k_BLGK, slot.offset, 1)
-    v_BTGK = jax.lax.dynamic_update_slice_in_dim(slot.prefix_v, v_BLGK, slot.offset, 1)
-    k_pos_T = jnp.arange(k_BTGK.shape[1], dtype=jnp.int32)
-    return form.kernel(causal, k_BTGK.shape[1])(q_BLHK, k_BTGK, v_BTGK, positions_L, k_pos_T)
 
 
 @contextlib.contextmanager
@@ -306,10 +242,10 @@ def attention(q_BLHK, k_BLGK, v_BLGK, positions_L=None, *, causal: bool = True, 
     """
     if causal and window:
         causal = SlidingWindow(window)
-    slot = _SLICE.get()
-    if slot is not None:
-        return _sliced_attention(slot, q_BLHK, k_BLGK, v_BLGK, positions_L, causal)
-    return active_ops().attention(q_BLHK, k_BLGK, v_BLGK, positions_L, causal=causal)
+    form, slot = active_ops().attention, active_slice()
+    if slot is not None:  # TeraPipe's token slice: over the prefix it keeps
+        return sliced_attention(slot, form, q_BLHK, k_BLGK, v_BLGK, positions_L, causal)
+    return form(q_BLHK, k_BLGK, v_BLGK, positions_L, causal=causal)
 
 
 def exchange(
@@ -384,7 +320,7 @@ def run_blocks(
         blocks_state = (blocks_state, layer_extras)
 
     def block(layer_state, x):
-        pos = _slice_positions(positions_L, x.shape[1])  # a token slice's, under TeraPipe
+        pos = slice_positions(positions_L, x.shape[1])  # a token slice's, under TeraPipe
         if layer_extras is None:
             return nnx.merge(block_graph, layer_state)(x, pos)
         weights, extras = layer_state

@@ -10,7 +10,7 @@ V), carried through the loop per stage. Slice j's own keys/values are written in
 offset j·L/s, and its queries attend over the whole buffer with the causal mask by true
 position (later slots are masked): the same score FLOPs as one device's dense attention.
 
-The block stays the model's: ``ops.token_slice`` tells ``ops.run_blocks`` the slice's true
+The block stays the model's: ``core.token_slice`` tells ``ops.run_blocks`` the slice's true
 positions (rotary) and ``ops.attention`` the buffer, and the attention call leaves its own
 keys/values there for this loop. Loop: s + p - 1 trips of one slice per stage, so a stage
 executes (s+p-1)/s of its ideal work: bubble (p-1)/(s+p-1) of the executed trips (GPipe's
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from shardlib.core import ops
 from shardlib.core.errors import ShardingError
 from shardlib.core.layout import constrain
+from shardlib.core.token_slice import TokenSlice, token_slice
 from shardlib.parallel.pipeline.replicas import replicas
 from shardlib.parallel.pipeline.storage import LayerOrder
 from shardlib.parallel.pipeline.views import stage_axes, stage_mask, stage_state, to_replicas
@@ -93,8 +93,8 @@ def terapipe_layers(spec, stage_layers):
             return checkpoint_name(w.astype(dtype), PICKED)
 
         def probe(w, x):  # the shape of one layer's keys/values, from the model itself
-            slot = ops.TokenSlice(offset=0)
-            with ops.token_slice(slot):
+            slot = TokenSlice(offset=0)
+            with token_slice(slot):
                 block_fn(w, x)
             return slot.k, slot.v
 
@@ -108,8 +108,8 @@ def terapipe_layers(spec, stage_layers):
             def block(layer, carry):
                 j, prefix_k, prefix_v = layer
                 x, own_k, own_v = carry
-                slot = ops.TokenSlice(offset=offset, prefix_k=prefix_k, prefix_v=prefix_v)
-                with ops.token_slice(slot):
+                slot = TokenSlice(offset=offset, prefix_k=prefix_k, prefix_v=prefix_v)
+                with token_slice(slot):
                     x = block_fn(jax.tree.map(lambda w: pick(w, j), w_vk), x)
                 own_k = jax.lax.dynamic_update_index_in_dim(own_k, slot.k, j, 0)
                 own_v = jax.lax.dynamic_update_index_in_dim(own_v, slot.v, j, 0)
