@@ -62,14 +62,18 @@ def same(a, b) -> bool:
 
 @pytest.mark.slow
 def test_scale_doubles_after_the_window(fp16):
+    """Started at the minimum scale, 2**14, so that no step overflows whatever the data (the
+    embedded corpus is this Python's standard library: on 3.12's, the default 2**16 doubled to
+    2**17 overflowed fp16 at step 4)."""
     setup, step = fp16
     state = jax.device_put(parity.random_state(setup), setup.state_shardings)
+    state = with_scale(state, CFG.precision.min_loss_scale)
     scales = []
     for i in range(4):
         state, m = step(state, i)
         assert m["overflow"] == 0 and np.isfinite(m["loss"])
         scales.append(float(m["loss_scale"]))
-    assert scales == [2.0**16, 2.0**16, 2.0**17, 2.0**17]
+    assert scales == [2.0**14, 2.0**14, 2.0**15, 2.0**15]
 
 
 @pytest.mark.slow
