@@ -62,11 +62,12 @@ def same(a, b) -> bool:
 
 @pytest.mark.slow
 def test_scale_doubles_after_the_window(fp16):
-    """Started at the minimum scale, 2**14, so that no step overflows whatever the data (the
-    embedded corpus is this Python's standard library: on 3.12's, the default 2**16 doubled to
-    2**17 overflowed fp16 at step 4)."""
+    """Run from the minimum scale, 2**14, a quarter of the default's doubled 2**17: the
+    embedded corpus is this Python's standard library, and on 3.12's the default 2**16,
+    doubled to 2**17, overflowed fp16 at step 4 (the test then depended on the data)."""
     setup, step = fp16
     state = jax.device_put(parity.random_state(setup), setup.state_shardings)
+    assert float(state["loss_scale"]["scale"]) == 2.0**16  # the default: 2**initial_scale_power
     state = with_scale(state, CFG.precision.min_loss_scale)
     scales = []
     for i in range(4):
